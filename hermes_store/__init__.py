@@ -1,0 +1,57 @@
+"""hermes_store: the persistence layer of the Hermes agent.
+
+``SessionDB`` is a drop-in for the seed's store; :mod:`hermes_store.models` holds the ORM
+models, :mod:`hermes_store.uow` the Unit of Work, :mod:`hermes_store.migrate` the migrations.
+"""
+
+from hermes_store.engine import create_engine, default_db_path
+from hermes_store.errors import (
+    DatabaseLockedError,
+    DatabaseUnavailableError,
+    HermesStoreError,
+    InvalidInputError,
+    NotADatabaseError,
+    ReadOnlyDatabaseError,
+    SchemaError,
+    SchemaTooNewError,
+    StorageFullError,
+    TitleInUseError,
+    TitleTooLongError,
+    UnknownSessionError,
+    UnrecognizedSchemaError,
+)
+from hermes_store.migrate import current, downgrade, upgrade
+from hermes_store.models import Base, ChatSession, Message, SchemaVersion
+from hermes_store.store import SessionDB, open_store
+from hermes_store.titles import MAX_TITLE_LENGTH
+from hermes_store.uow import RetryPolicy, UnitOfWork
+
+__all__ = [
+    "MAX_TITLE_LENGTH",
+    "Base",
+    "ChatSession",
+    "DatabaseLockedError",
+    "DatabaseUnavailableError",
+    "HermesStoreError",
+    "InvalidInputError",
+    "Message",
+    "NotADatabaseError",
+    "ReadOnlyDatabaseError",
+    "RetryPolicy",
+    "SchemaError",
+    "SchemaTooNewError",
+    "SchemaVersion",
+    "SessionDB",
+    "StorageFullError",
+    "TitleInUseError",
+    "TitleTooLongError",
+    "UnitOfWork",
+    "UnknownSessionError",
+    "UnrecognizedSchemaError",
+    "create_engine",
+    "current",
+    "default_db_path",
+    "downgrade",
+    "open_store",
+    "upgrade",
+]

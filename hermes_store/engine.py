@@ -1,0 +1,172 @@
+"""The one engine factory: where a target (path, URL or Engine) becomes a configured Engine.
+
+SQLite gets the hooks that make several processes safe on one file: SQLAlchemy owns the
+transaction (the driver's implicit BEGIN is switched off) and the ``begin`` hook picks
+``BEGIN IMMEDIATE`` for write units and a deferred ``BEGIN`` for read units, per transaction,
+from the ``hermes_write`` execution option that the Unit of Work sets.
+No engine is made at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.pool import ConnectionPoolEntry
+
+log = logging.getLogger(__name__)
+
+#: Execution option read by the ``begin`` hook: True takes the write lock up front.
+WRITE_OPTION = "hermes_write"
+#: Short for writers: past it, the Unit of Work's jittered retry takes over (seed 7.5.2).
+WRITER_BUSY_TIMEOUT_S = 1.0
+#: Longer for readers: a deferred BEGIN only waits when a checkpoint or recovery runs.
+READER_BUSY_TIMEOUT_S = 5.0
+
+Target = str | os.PathLike[str] | URL | Engine
+
+
+def default_db_path() -> Path:
+    """``$HERMES_HOME/state.db``, else ``~/.hermes/state.db`` (resolved now, not at import)."""
+    home = os.environ.get("HERMES_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".hermes"
+    return base / "state.db"
+
+
+def url_from_environment() -> URL:
+    """``HERMES_STORE_URL`` when set, else the default SQLite file (for tools, not SessionDB)."""
+    env = os.environ.get("HERMES_STORE_URL")
+    return to_url(env) if env else to_url(default_db_path())
+
+
+def to_url(target: str | os.PathLike[str] | URL) -> URL:
+    """A SQLAlchemy URL from a URL, a URL string or a file path (made absolute)."""
+    if isinstance(target, URL):
+        url = target
+    elif isinstance(target, str) and "://" in target:
+        url = make_url(target)
+    else:
+        path = Path(os.fspath(target)).expanduser().resolve()
+        return URL.create("sqlite", database=str(path))
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def sqlite_file(url: URL) -> Path | None:
+    """The file behind a SQLite URL, or None for other backends and in-memory databases."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file::memory:"):
+        return None
+    if database.startswith("file:"):
+        database = database[len("file:") :].split("?", 1)[0]
+    return Path(database)
+
+
+def create_private_file(path: Path) -> bool:
+    """Create ``path`` owner-only (0600) unless it exists; SQLite gives -wal/-shm the same mode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def create_engine(
+    target: Target,
+    *,
+    writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
+    reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
+    foreign_keys: bool = True,
+    **engine_kwargs: Any,
+) -> Engine:
+    """An Engine for ``target`` with this package's hooks (an Engine passes through as is).
+
+    Connecting does not create a missing file owner-only: open databases through
+    :class:`~hermes_store.SessionDB` or :mod:`hermes_store.migrate`, which do.
+    """
+    if isinstance(target, Engine):
+        return target
+    url = to_url(target)
+    if url.get_backend_name() == "sqlite":
+        path = sqlite_file(url)
+        if path is not None and "poolclass" not in engine_kwargs:
+            # One connection per busy thread; SQLite connections are cheap to keep.
+            engine_kwargs.setdefault("pool_size", 8)
+            engine_kwargs.setdefault("max_overflow", 32)
+        engine = sa.create_engine(url, **engine_kwargs)
+        install_sqlite_hooks(
+            engine,
+            writer_busy_timeout=writer_busy_timeout,
+            reader_busy_timeout=reader_busy_timeout,
+            foreign_keys=foreign_keys,
+        )
+        return engine
+    # A fleet of gateways shares the server: keep a modest pool and test connections before
+    # use, so a restarted server costs one reconnect instead of an error.
+    engine_kwargs.setdefault("pool_pre_ping", True)
+    if "poolclass" not in engine_kwargs:
+        engine_kwargs.setdefault("pool_size", 5)
+        engine_kwargs.setdefault("max_overflow", 10)
+    return sa.create_engine(url, **engine_kwargs)
+
+
+def install_sqlite_hooks(
+    engine: Engine,
+    *,
+    writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
+    reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
+    foreign_keys: bool = True,
+) -> None:
+    """Attach the connect and begin hooks that the store's concurrency model relies on."""
+    writer_ms = int(writer_busy_timeout * 1000)
+    reader_ms = int(reader_busy_timeout * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
+        # SQLAlchemy, not the driver, decides when a transaction starts (see the begin hook).
+        dbapi_connection.isolation_level = None
+        if sys.version_info >= (3, 12):  # stay in legacy mode: autocommit=False would BEGIN itself
+            dbapi_connection.autocommit = sqlite3.LEGACY_TRANSACTION_CONTROL  # type: ignore[attr-defined]
+        cursor = dbapi_connection.cursor()
+        try:
+            # WAL: readers never block the writer and the writer never blocks readers.
+            mode = cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode not in ("wal", "memory"):
+                log.warning(
+                    "%s refuses WAL (journal_mode=%s, e.g. a network file system); "
+                    "falling back to DELETE: readers will wait for writers",
+                    engine.url.database,
+                    mode,
+                )
+                cursor.execute("PRAGMA journal_mode=DELETE")
+            # The seed relies on parent_session_id and session_id references being enforced.
+            cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
+            # Start as a reader; the begin hook switches when a writer takes this connection.
+            cursor.execute(f"PRAGMA busy_timeout={reader_ms}")
+        finally:
+            cursor.close()
+        record.info["busy_ms"] = reader_ms
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        write = bool(conn.get_execution_options().get(WRITE_OPTION, False))
+        wanted = writer_ms if write else reader_ms
+        info = conn.connection.info
+        if info.get("busy_ms") != wanted:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={wanted}")
+            info["busy_ms"] = wanted
+        # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
+        # readers take a deferred BEGIN and never queue behind a writer.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")

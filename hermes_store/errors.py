@@ -1,0 +1,129 @@
+"""One error root for the package, and the one place where driver errors are mapped onto it.
+
+Callers catch :class:`HermesStoreError`; where the seed's contract promised ``ValueError``
+the subclass is also a ``ValueError`` so existing ``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import exc as sa_exc
+
+# SQLite primary result codes (extended codes carry them in their low byte).
+SQLITE_BUSY = 5
+SQLITE_LOCKED = 6
+SQLITE_READONLY = 8
+SQLITE_IOERR = 10
+SQLITE_CORRUPT = 11
+SQLITE_FULL = 13
+SQLITE_CANTOPEN = 14
+SQLITE_NOTADB = 26
+# PostgreSQL SQLSTATEs that mean "run the transaction again".
+PG_RETRYABLE = frozenset({"40001", "40P01"})
+
+
+class HermesStoreError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class UnknownSessionError(HermesStoreError, ValueError):
+    """The session id names no session (nothing was written)."""
+
+
+class TitleInUseError(HermesStoreError, ValueError):
+    """Another session already holds this title (nothing was written)."""
+
+
+class TitleTooLongError(HermesStoreError, ValueError):
+    """A title is longer than ``MAX_TITLE_LENGTH`` after sanitising."""
+
+
+class InvalidInputError(HermesStoreError, ValueError):
+    """An argument cannot be stored as given (checked before anything is written)."""
+
+
+class DatabaseLockedError(HermesStoreError):
+    """The database stayed locked (or busy) through every retry."""
+
+
+class ReadOnlyDatabaseError(HermesStoreError):
+    """The database, its folder or its server refuses writes."""
+
+
+class StorageFullError(HermesStoreError):
+    """The disk or the database's page limit is full; the transaction was rolled back."""
+
+
+class DatabaseUnavailableError(HermesStoreError):
+    """The database server cannot be reached (or went away mid-transaction)."""
+
+
+class SchemaError(HermesStoreError):
+    """The database's schema cannot be used or adopted as it is."""
+
+
+class SchemaTooNewError(SchemaError):
+    """The database was written by a newer store than this package knows."""
+
+
+class NotADatabaseError(SchemaError):
+    """The file is empty, not SQLite at all, or corrupt; it was left untouched."""
+
+
+class UnrecognizedSchemaError(SchemaError):
+    """The database holds tables whose shape matches no known schema version."""
+
+
+def _sqlite_code(orig: BaseException) -> int | None:
+    code = getattr(orig, "sqlite_errorcode", None)
+    return None if code is None else int(code) & 0xFF
+
+
+def is_retryable(error: BaseException) -> bool:
+    """True for lock/busy errors that re-running the unit of work can cure."""
+    orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
+    code = _sqlite_code(orig)
+    if code is not None:
+        return code in (SQLITE_BUSY, SQLITE_LOCKED)
+    if getattr(orig, "sqlstate", None) in PG_RETRYABLE:
+        return True
+    # sqlite3 errors raised without an error code (older Pythons) only carry the message.
+    message = str(orig).lower()
+    return type(orig).__name__ == "OperationalError" and (
+        "database is locked" in message or "database table is locked" in message
+    )
+
+
+def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
+    """The package error for a driver error, or None when it has no better name."""
+    orig = error.orig
+    code = _sqlite_code(orig)
+    text = str(orig)
+    if code in (SQLITE_NOTADB, SQLITE_CORRUPT):
+        return NotADatabaseError(f"not a usable SQLite database: {text}")
+    if code == SQLITE_READONLY or getattr(orig, "sqlstate", None) == "25006":
+        return ReadOnlyDatabaseError(f"the database refuses writes: {text}")
+    if code == SQLITE_FULL or getattr(orig, "sqlstate", None) in ("53100", "53200"):
+        return StorageFullError(f"the database is full: {text}")
+    if code == SQLITE_CANTOPEN:
+        return ReadOnlyDatabaseError(f"cannot open the database file: {text}")
+    if error.connection_invalidated or isinstance(error, sa_exc.DisconnectionError):
+        return DatabaseUnavailableError(f"lost the database connection: {text}")
+    if isinstance(error, sa_exc.OperationalError) and getattr(orig, "sqlstate", None) is None:
+        if code is None and "connection" in text.lower():
+            return DatabaseUnavailableError(f"cannot reach the database: {text}")
+    return None
+
+
+@contextmanager
+def mapped_errors() -> Iterator[None]:
+    """Re-raise driver errors that have a package name as that package error."""
+    try:
+        yield
+    except sa_exc.DBAPIError as error:
+        mapped = translate(error)
+        if mapped is None:
+            raise
+        raise mapped from error

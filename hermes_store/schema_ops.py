@@ -1,0 +1,126 @@
+"""Operations the Alembic revisions share: full-text objects per backend, column steps, the marker.
+
+Each revision stays a readable list of steps; what differs between SQLite and PostgreSQL, and
+what must survive SQLite's table rebuilds (the FTS triggers, the partial title index), lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from alembic import op
+
+from hermes_store import ddl
+
+log = logging.getLogger(__name__)
+
+
+def _is_sqlite() -> bool:
+    return op.get_bind().dialect.name == "sqlite"
+
+
+def set_schema_version(version: int) -> None:
+    """Keep the seed's one-row marker in step with the Alembic revision."""
+    op.execute(sa.text("DELETE FROM schema_version"))
+    op.execute(sa.text("INSERT INTO schema_version (version) VALUES (:v)").bindparams(v=version))
+
+
+def create_full_text() -> None:
+    """The FTS5 table and triggers on SQLite; the tsvector and trigram GIN indexes on PostgreSQL."""
+    bind = op.get_bind()
+    if bind.dialect.name == "sqlite":
+        missing = not sa.inspect(bind).has_table(ddl.FTS_TABLE)
+        op.execute(sa.text(ddl.SQLITE_FTS_TABLE))
+        for trigger in ddl.SQLITE_FTS_TRIGGERS:
+            op.execute(sa.text(trigger))
+        if missing:  # index whatever the table already holds (adopted files, rebuilt tables)
+            op.execute(sa.text(ddl.SQLITE_FTS_REBUILD))
+        return
+    op.execute(sa.text(ddl.PG_FTS_CREATE))
+    create_trigram_index()
+
+
+def create_trigram_index() -> bool:
+    """Substring (CJK) search index; optional, since pg_trgm may not be installable."""
+    bind = op.get_bind()
+    try:
+        with bind.begin_nested():
+            bind.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pg_trgm"))
+            bind.execute(sa.text(ddl.PG_TRGM_CREATE))
+    except sa.exc.DBAPIError as error:
+        log.warning(
+            "pg_trgm unavailable (%s); substring search will scan without an index",
+            str(error.orig).strip(),
+        )
+        return False
+    return True
+
+
+def drop_full_text() -> None:
+    if _is_sqlite():
+        for statement in ddl.SQLITE_FTS_DROP:
+            op.execute(sa.text(statement))
+    else:
+        op.execute(sa.text(f"DROP INDEX IF EXISTS {ddl.PG_TRGM_INDEX}"))
+        op.execute(sa.text(f"DROP INDEX IF EXISTS {ddl.PG_FTS_INDEX}"))
+
+
+def create_title_index() -> None:
+    op.create_index(
+        "idx_sessions_title_unique",
+        "sessions",
+        ["title"],
+        unique=True,
+        sqlite_where=sa.text("title IS NOT NULL"),
+        postgresql_where=sa.text("title IS NOT NULL"),
+        if_not_exists=True,
+    )
+
+
+def _column(sql_type: str, name: str, default: str | None) -> sa.Column[object]:
+    types: dict[str, sa.types.TypeEngine[object]] = {
+        "TEXT": sa.Text(),
+        "INTEGER": sa.Integer(),
+        "REAL": sa.REAL().with_variant(sa.dialects.postgresql.DOUBLE_PRECISION(), "postgresql"),
+    }
+    server_default = sa.text(default) if default is not None else None
+    return sa.Column(name, types[sql_type], server_default=server_default)
+
+
+def add_version_columns(version: int) -> None:
+    """Add the columns ``version`` introduced, skipping any an older build already added."""
+    bind = op.get_bind()
+    for table, name, sql_type, default in ddl.VERSION_COLUMNS[version]:
+        existing = {c["name"] for c in sa.inspect(bind).get_columns(table)}
+        if name not in existing:
+            op.add_column(table, _column(sql_type, name, default))
+
+
+def drop_version_columns(version: int) -> None:
+    """Remove the columns ``version`` introduced (a table rebuild on SQLite)."""
+    bind = op.get_bind()
+    had_title_index = any(
+        ix["name"] == "idx_sessions_title_unique" for ix in sa.inspect(bind).get_indexes("sessions")
+    )
+    by_table: dict[str, list[str]] = {}
+    for table, name, _type, _default in ddl.VERSION_COLUMNS[version]:
+        by_table.setdefault(table, []).append(name)
+    for table, names in by_table.items():
+        table_kwargs = {"sqlite_autoincrement": True} if table == "messages" else {}
+        with op.batch_alter_table(table, table_kwargs=table_kwargs) as batch:
+            for name in names:
+                batch.drop_column(name)
+    if bind.dialect.name == "sqlite":
+        _restore_after_rebuild(had_title_index)
+
+
+def _restore_after_rebuild(had_title_index: bool) -> None:
+    """SQLite drops a table's triggers when it is rebuilt, and reflection may lose the
+    partial index's predicate: put both back exactly as the seed declares them."""
+    if sa.inspect(op.get_bind()).has_table(ddl.FTS_TABLE):
+        for trigger in ddl.SQLITE_FTS_TRIGGERS:
+            op.execute(sa.text(trigger))
+    if had_title_index:
+        op.execute(sa.text("DROP INDEX IF EXISTS idx_sessions_title_unique"))
+        create_title_index()

@@ -1,0 +1,156 @@
+"""The Unit of Work: one connection, one transaction, commit on success, rollback on error.
+
+Write units take the lock up front (``BEGIN IMMEDIATE`` on SQLite, via the engine's begin hook)
+and are re-run from scratch, on a fresh connection, when the database is busy or locked: up to
+15 attempts with ``random.uniform(0.020, 0.150)`` s between them, the seed's policy that keeps
+competing processes from retrying in lockstep (7.5.2). Every other error propagates at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from hermes_store.engine import WRITE_OPTION
+from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long to retry a unit that found the database locked."""
+
+    attempts: int = 15
+    min_wait: float = 0.020
+    max_wait: float = 0.150
+
+    def waits(self) -> Iterator[float]:
+        """One random pause before each retry (so ``attempts - 1`` of them)."""
+        for _ in range(self.attempts - 1):
+            yield random.uniform(self.min_wait, self.max_wait)
+
+
+class UnitOfWork:
+    """Runs read and write units against one engine; thread-safe, shared by a whole process.
+
+    ``with uow.session() as s:`` yields an ORM session bound to one connection and commits
+    when the block ends cleanly; ``uow.run(fn)`` re-runs ``fn(connection)`` whole on lock errors.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        retry: RetryPolicy | None = None,
+        checkpoint_every: int = 50,
+    ) -> None:
+        self.engine = engine
+        self.retry = retry or RetryPolicy()
+        self.checkpoint_every = checkpoint_every
+        self.is_sqlite = engine.dialect.name == "sqlite"
+        self._writer = engine.execution_options(**{WRITE_OPTION: True})
+        self._reader = engine.execution_options(**{WRITE_OPTION: False})
+        # In-process writers queue on this lock; other processes meet SQLite's write lock.
+        self._write_lock = threading.Lock() if self.is_sqlite else None
+        self._count_lock = threading.Lock()
+        self.writes = 0
+        self.checkpoints = 0
+
+    # -- the units ---------------------------------------------------------------------------
+
+    def run(self, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+        """Run ``fn`` in one transaction; on a lock error, run it again on a fresh connection."""
+        waits = self.retry.waits()
+        while True:
+            try:
+                with self._unit(write, waits) as conn:
+                    return fn(conn)
+            except sa_exc.DBAPIError as error:
+                if not is_retryable(error):
+                    raise
+                self._pause(waits, error)
+
+    def connect(self, *, write: bool = True) -> AbstractContextManager[Connection]:
+        """A connection inside one transaction: commit on a clean exit, rollback otherwise.
+
+        Waiting for the lock is retried; the block itself runs once (use :meth:`run` to
+        re-run a whole unit that may meet a lock midway, as on PostgreSQL).
+        """
+        return self._unit(write, self.retry.waits())
+
+    @contextmanager
+    def _unit(self, write: bool, waits: Iterator[float]) -> Iterator[Connection]:
+        lock = self._write_lock if write else None
+        with lock or nullcontext(), mapped_errors():
+            conn = self._begin(write, waits)
+            with conn:  # closing an uncommitted connection rolls it back
+                yield conn
+                conn.commit()
+        if write:
+            self._count_write()
+
+    def _begin(self, write: bool, waits: Iterator[float]) -> Connection:
+        engine = self._writer if write else self._reader
+        while True:
+            conn = engine.connect()
+            try:
+                conn.begin()
+            except sa_exc.DBAPIError as error:
+                conn.close()
+                if not is_retryable(error):
+                    raise
+                self._pause(waits, error)
+                continue
+            return conn
+
+    @contextmanager
+    def session(self, *, write: bool = True) -> Iterator[Session]:
+        """An ORM session on one connection; flushed and committed when the block succeeds."""
+        with self.connect(write=write) as conn, Session(bind=conn, expire_on_commit=False) as s:
+            yield s
+            s.flush()
+
+    # -- maintenance -------------------------------------------------------------------------
+
+    def checkpoint(self) -> bool:
+        """A PASSIVE WAL checkpoint: merges what no reader still needs, never waits."""
+        if not self.is_sqlite:
+            return False
+        try:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+        except sa_exc.DBAPIError as error:
+            log.warning("WAL checkpoint failed (harmless, retried later): %s", error.orig)
+            return False
+        self.checkpoints += 1
+        return True
+
+    def _count_write(self) -> None:
+        with self._count_lock:
+            self.writes += 1
+            due = self.checkpoint_every > 0 and self.writes % self.checkpoint_every == 0
+        if due:
+            self.checkpoint()
+
+    def _pause(self, waits: Iterator[float], error: BaseException | None) -> None:
+        try:
+            delay = next(waits)
+        except StopIteration:
+            raise DatabaseLockedError(
+                f"the database stayed locked through {self.retry.attempts} attempts: {error}"
+            ) from error
+        log.debug("database busy (%s); retrying in %.0f ms", error, delay * 1000)
+        time.sleep(delay)

@@ -1,0 +1,128 @@
+"""Alembic environment for hermes_store.
+
+The database is ``HERMES_STORE_URL``, else ``-x url=...``, else ``$HERMES_HOME/state.db``;
+a caller may hand over an open connection in ``config.attributes["connection"]``.
+Every mutating command first adopts a ``state.db`` written by the original store.
+"""
+
+from __future__ import annotations
+
+import os
+from logging.config import fileConfig
+from typing import Any
+
+from alembic import context
+from alembic.operations.ops import AlterColumnOp
+from sqlalchemy.engine import Connection
+
+from hermes_store import ddl, migrate
+from hermes_store.engine import to_url, url_from_environment
+from hermes_store.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+if config.config_file_name is not None and "connection" not in config.attributes:
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+
+def _url() -> str:
+    env = os.environ.get("HERMES_STORE_URL")
+    x_url = context.get_x_argument(as_dictionary=True).get("url")
+    url = to_url(env) if env else to_url(x_url) if x_url else url_from_environment()
+    return url.render_as_string(hide_password=False)
+
+
+def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    """Autogenerate ignores what the migrations own outside the models: the FTS table and its
+    shadow tables, Alembic's own table, the PostgreSQL full-text and trigram indexes."""
+    if type_ == "table" and name is not None:
+        return name not in ddl.UNMODELLED_TABLES and not ddl.is_fts_shadow_table(name)
+    if type_ == "index":
+        return name not in ddl.UNMODELLED_INDEXES
+    return True
+
+
+def drop_primary_key_nullability(ctx: Any, revision: Any, directives: list[Any]) -> None:
+    """Primary-key nullability is not drift: PostgreSQL makes every key NOT NULL while the seed's
+    SQLite DDL (``id TEXT PRIMARY KEY``, an INTEGER rowid alias) leaves the flag off."""
+    if not directives:
+        return
+    for upgrade_ops in directives[0].upgrade_ops_list:
+        for table_ops in list(upgrade_ops.ops):
+            inner = getattr(table_ops, "ops", None)
+            if inner is None:
+                continue
+            inner[:] = [
+                op
+                for op in inner
+                if not (
+                    isinstance(op, AlterColumnOp)
+                    and op.column_name == "id"
+                    and op.modify_nullable is not None
+                    and op.modify_type is None
+                    and op.modify_server_default is False
+                )
+            ]
+            if not inner:
+                upgrade_ops.ops.remove(table_ops)
+
+
+def _mutating() -> bool:
+    try:
+        context.get_revision_argument()
+    except KeyError:  # current, check, history: no destination, nothing to adopt
+        return False
+    return True
+
+
+def _configure(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        include_name=include_name,
+        render_as_batch=True,
+        compare_type=True,
+        compare_server_default=True,
+        process_revision_directives=drop_primary_key_nullability,
+    )
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=_url(), target_metadata=target_metadata, literal_binds=True, render_as_batch=True
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _run(connection: Connection) -> None:
+    if _mutating():
+        migrate.adopt(connection)
+    _configure(connection)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    if _mutating():
+        with migrate.migration_connection(_url()) as conn:
+            _run(conn)
+        return
+    engine = migrate.read_engine(_url())
+    try:
+        with engine.connect() as conn:
+            _configure(conn)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,27 @@
+"""v2: messages.finish_reason (why the model stopped).
+
+Revision ID: v2_finish_reason
+Revises: v1_base
+Create Date: 2026-11-30
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hermes_store import schema_ops
+
+revision: str = "v2_finish_reason"
+down_revision: str | None = "v1_base"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    schema_ops.add_version_columns(2)
+    schema_ops.set_schema_version(2)
+
+
+def downgrade() -> None:
+    schema_ops.drop_version_columns(2)
+    schema_ops.set_schema_version(1)

@@ -1,0 +1,112 @@
+"""Fixtures: every backend test runs on a SQLite file in tmp_path and on a real PostgreSQL.
+
+PostgreSQL runs when ``HERMES_STORE_TEST_PG_URL`` is set (one database per xdist worker);
+without it those tests skip, unless ``HERMES_STORE_REQUIRE_PG=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import NullPool
+
+from hermes_store import SessionDB, migrate
+from hermes_store.engine import to_url
+
+PG_ENV = "HERMES_STORE_TEST_PG_URL"
+BACKENDS = ("sqlite", "postgresql")
+
+
+def _pg_base_url() -> URL | None:
+    raw = os.environ.get(PG_ENV)
+    if not raw:
+        if os.environ.get("HERMES_STORE_REQUIRE_PG") == "1":
+            pytest.fail(f"{PG_ENV} is not set but HERMES_STORE_REQUIRE_PG=1")
+        return None
+    return to_url(raw)
+
+
+@pytest.fixture(scope="session")
+def pg_worker_url(worker_id: str) -> URL | None:
+    """A fresh database for this xdist worker, or None when PostgreSQL is not configured."""
+    base = _pg_base_url()
+    if base is None:
+        return None
+    name = f"hermes_test_{worker_id}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    except sa.exc.OperationalError as error:
+        if os.environ.get("HERMES_STORE_REQUIRE_PG") == "1":
+            pytest.fail(f"PostgreSQL at {base} is unreachable: {error}")
+        pytest.skip(f"PostgreSQL unreachable: {error.orig}")
+    finally:
+        admin.dispose()
+    return base.set(database=name)
+
+
+def reset_pg(url: URL) -> None:
+    """Drop everything in the worker's database (a fresh public schema)."""
+    engine = sa.create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP SCHEMA IF EXISTS public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+
+
+def _require_backend(backend: str, pg_worker_url: URL | None) -> None:
+    if backend == "postgresql" and pg_worker_url is None:
+        pytest.skip(f"PostgreSQL tests need {PG_ENV}")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def empty_url(backend: str, pg_worker_url: URL | None, tmp_path: Path) -> URL:
+    """A database with nothing in it (SQLite: a path that does not exist yet)."""
+    _require_backend(backend, pg_worker_url)
+    if backend == "sqlite":
+        return to_url(tmp_path / "state.db")
+    assert pg_worker_url is not None
+    reset_pg(pg_worker_url)
+    return pg_worker_url
+
+
+@pytest.fixture
+def db_url(empty_url: URL) -> URL:
+    """A database at head with no rows."""
+    migrate.upgrade(empty_url)
+    return empty_url
+
+
+@pytest.fixture
+def store(db_url: URL) -> Iterator[SessionDB]:
+    db = SessionDB(db_url.render_as_string(hide_password=False))
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[SessionDB]:
+    """A store on a SQLite file only (for SQLite-specific behaviour)."""
+    db = SessionDB(tmp_path / "state.db")
+    yield db
+    db.close()
+
+
+def url_string(url: URL | str) -> str:
+    return url.render_as_string(hide_password=False) if isinstance(url, URL) else url
+
+
+def is_sqlite(url: URL | str) -> bool:
+    return make_url(url_string(url)).get_backend_name() == "sqlite"
