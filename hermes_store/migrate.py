@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import secrets
+import sqlite3
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +45,8 @@ from hermes_store.errors import (
 log = logging.getLogger(__name__)
 
 SQLITE_HEADER = b"SQLite format 3\x00"
+#: Key of the transaction-level advisory lock that serialises migrations on PostgreSQL.
+PG_MIGRATION_LOCK = 0x4865726D6573  # "Hermes"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -148,7 +150,9 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
     for table in ("sessions", "messages"):
         have = state.columns.get(table)
         if have is None:
-            raise UnrecognizedSchemaError(f"{where} says schema_version {version} but has no {table}")
+            raise UnrecognizedSchemaError(
+                f"{where} says schema_version {version} but has no {table}"
+            )
         missing, unknown = need[table] - have, have - allowed[table]
         if missing or unknown:
             raise UnrecognizedSchemaError(
@@ -172,16 +176,42 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
         raise NotADatabaseError(
             f"{where} is not a SQLite database (starts with {header[:16]!r}, {size} bytes)"
         )
-    probe = sa.create_engine(f"sqlite:///file:{path}?mode=ro&uri=true", poolclass=NullPool)
+    quiet = not _sidecars(path)
     try:
-        with probe.connect() as conn:
-            state = read_state(conn)
+        state = _probe(path, immutable=quiet)
     except sa.exc.DBAPIError as error:
-        raise NotADatabaseError(f"{where} is not a readable SQLite database: {error.orig}") from error
-    finally:
-        probe.dispose()
+        if not (quiet and _sidecars(path)):
+            raise NotADatabaseError(
+                f"{where} is not a readable SQLite database: {error.orig}"
+            ) from error
+        # Another process opened the file while it was read without locks: read it properly.
+        try:
+            state = _probe(path, immutable=False)
+        except sa.exc.DBAPIError as again:
+            raise NotADatabaseError(
+                f"{where} is not a readable SQLite database: {again.orig}"
+            ) from again
     check_adoptable(state, where)
     return state
+
+
+def _sidecars(path: Path) -> list[Path]:
+    """The -wal, -shm and -journal files beside ``path`` (someone has or had it open)."""
+    found = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
+    return [p for p in found if p.exists()]
+
+
+def _probe(path: Path, *, immutable: bool) -> DatabaseState:
+    """Read the state without writing. A read-only connection to a WAL file still creates
+    -wal and -shm and cannot remove them again, so a file nobody has open (no sidecar files)
+    is read with ``immutable=1``, which touches nothing: a refused file is left as it was."""
+    mode = "immutable=1" if immutable else "mode=ro"
+    probe = sa.create_engine(f"sqlite:///file:{path}?{mode}&uri=true", poolclass=NullPool)
+    try:
+        with probe.connect() as conn:
+            return read_state(conn)
+    finally:
+        probe.dispose()
 
 
 # -- changing it ----------------------------------------------------------------------------------
@@ -193,7 +223,9 @@ def adopt(conn: Connection) -> DatabaseState:
     check_adoptable(state, _describe(conn))
     if state.is_legacy and state.schema_version is not None:
         revision = revision_for_version(state.schema_version)
-        log.info("adopting a legacy database at schema_version %s as %s", state.schema_version, revision)
+        log.info(
+            "adopting a legacy database at schema_version %s as %s", state.schema_version, revision
+        )
         MigrationContext.configure(conn).stamp(_scripts(), revision)
         # The seed always created the FTS objects and title index; put back any that are gone.
         if conn.dialect.name == "sqlite":
@@ -222,6 +254,12 @@ def migration_connection(target: Target) -> Iterator[Connection]:
         with mapped_errors(), engine.connect() as conn:
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
+                if conn.dialect.name == "postgresql":
+                    # SQLite's BEGIN IMMEDIATE serialises migrations; PostgreSQL needs a lock
+                    # of its own, or processes opening one new database at once all run v1.
+                    conn.execute(
+                        sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK}
+                    )
                 yield conn
     except BaseException:
         if created and path is not None and path.stat().st_size == 0:

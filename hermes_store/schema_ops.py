@@ -100,27 +100,66 @@ def add_version_columns(version: int) -> None:
 def drop_version_columns(version: int) -> None:
     """Remove the columns ``version`` introduced (a table rebuild on SQLite)."""
     bind = op.get_bind()
-    had_title_index = any(
-        ix["name"] == "idx_sessions_title_unique" for ix in sa.inspect(bind).get_indexes("sessions")
-    )
     by_table: dict[str, list[str]] = {}
     for table, name, _type, _default in ddl.VERSION_COLUMNS[version]:
         by_table.setdefault(table, []).append(name)
     for table, names in by_table.items():
+        saved = _SqliteTableState.capture(bind, table, names) if _is_sqlite() else None
         table_kwargs = {"sqlite_autoincrement": True} if table == "messages" else {}
         with op.batch_alter_table(table, table_kwargs=table_kwargs) as batch:
             for name in names:
                 batch.drop_column(name)
-    if bind.dialect.name == "sqlite":
-        _restore_after_rebuild(had_title_index)
+        if saved is not None:
+            saved.restore(bind)
 
 
-def _restore_after_rebuild(had_title_index: bool) -> None:
-    """SQLite drops a table's triggers when it is rebuilt, and reflection may lose the
-    partial index's predicate: put both back exactly as the seed declares them."""
-    if sa.inspect(op.get_bind()).has_table(ddl.FTS_TABLE):
-        for trigger in ddl.SQLITE_FTS_TRIGGERS:
-            op.execute(sa.text(trigger))
-    if had_title_index:
-        op.execute(sa.text("DROP INDEX IF EXISTS idx_sessions_title_unique"))
-        create_title_index()
+class _SqliteTableState:
+    """What SQLite's table rebuild (copy, drop, rename) loses, captured beforehand.
+
+    The rebuild drops the table's triggers, recreates its indexes from reflection (which
+    loses ``DESC`` and may lose a partial index's predicate) and resets the AUTOINCREMENT
+    high-water mark to the largest id left (so ids of deleted rows would be handed out
+    again). ``restore`` puts back the FTS triggers, the indexes from their original SQL and
+    the sequence value.
+    """
+
+    def __init__(self, table: str, indexes: list[tuple[str, str]], seq: int | None) -> None:
+        self.table, self.indexes, self.seq = table, indexes, seq
+
+    @classmethod
+    def capture(cls, bind: sa.Connection, table: str, dropped: list[str]) -> _SqliteTableState:
+        rows = bind.execute(
+            sa.text(
+                "SELECT name, sql FROM sqlite_master "
+                "WHERE type = 'index' AND tbl_name = :t AND sql IS NOT NULL"
+            ),
+            {"t": table},
+        ).all()
+        indexes: list[tuple[str, str]] = []
+        for name, sql in rows:
+            info = bind.execute(sa.text("SELECT name FROM pragma_index_info(:i)"), {"i": name})
+            if not {column for (column,) in info} & set(dropped):
+                indexes.append((name, sql))
+        seq = None
+        if sa.inspect(bind).has_table("sqlite_sequence"):
+            seq = bind.execute(
+                sa.text("SELECT seq FROM sqlite_sequence WHERE name = :t"), {"t": table}
+            ).scalar()
+        return cls(table, indexes, seq)
+
+    def restore(self, bind: sa.Connection) -> None:
+        if self.table == "messages" and sa.inspect(bind).has_table(ddl.FTS_TABLE):
+            for trigger in ddl.SQLITE_FTS_TRIGGERS:
+                op.execute(sa.text(trigger))
+        for name, sql in self.indexes:
+            op.execute(sa.text(f'DROP INDEX IF EXISTS "{name}"'))
+            op.execute(sa.text(sql))
+        if self.seq is not None:
+            params = {"t": self.table, "s": self.seq}
+            updated = bind.execute(
+                sa.text("UPDATE sqlite_sequence SET seq = MAX(seq, :s) WHERE name = :t"), params
+            ).rowcount
+            if not updated:
+                bind.execute(
+                    sa.text("INSERT INTO sqlite_sequence (name, seq) VALUES (:t, :s)"), params
+                )

@@ -124,6 +124,14 @@ class SessionDB:
         dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
         self._insert_session = dialect_insert(S).on_conflict_do_nothing(index_elements=["id"])
         self._insert_message = M.insert() if self.is_sqlite else M.insert().returning(M.c.id)
+        self._bump_counters = (
+            update(S)
+            .where(S.c.id == sa.bindparam("sid"))
+            .values(
+                message_count=S.c.message_count + sa.bindparam("messages", type_=sa.Integer),
+                tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=sa.Integer),
+            )
+        )
         self._closed = False
 
     @classmethod
@@ -423,18 +431,11 @@ class SessionDB:
             session_id, role, content, tool_name, tool_calls, tool_call_id, token_count,
             finish_reason, reasoning, reasoning_details, codex_reasoning_items,
         )  # fmt: skip
-        tool_call_increment = _tool_call_increment(role, tool_calls)
-        bump = (
-            update(S)
-            .where(S.c.id == session_id)
-            .values(
-                message_count=S.c.message_count + 1,
-                tool_call_count=S.c.tool_call_count + tool_call_increment,
-            )
-        )
+        bump = {"sid": session_id, "messages": 1,
+                "tool_calls": _tool_call_increment(role, tool_calls)}  # fmt: skip
 
         def unit(conn: Connection) -> int:
-            if conn.execute(bump).rowcount != 1:
+            if conn.execute(self._bump_counters, bump).rowcount != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
             result = conn.execute(self._insert_message, values)
             return int(result.lastrowid if self.is_sqlite else result.scalar_one())
@@ -459,16 +460,10 @@ class SessionDB:
         if not rows:
             return []
 
+        bump = {"sid": session_id, "messages": len(rows), "tool_calls": tool_call_total}
+
         def unit(conn: Connection) -> list[int]:
-            bump = (
-                update(S)
-                .where(S.c.id == session_id)
-                .values(
-                    message_count=S.c.message_count + len(rows),
-                    tool_call_count=S.c.tool_call_count + tool_call_total,
-                )
-            )
-            if conn.execute(bump).rowcount != 1:
+            if conn.execute(self._bump_counters, bump).rowcount != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
             statement = M.insert().returning(M.c.id, sort_by_parameter_order=True)
             return list(conn.scalars(statement, rows))
