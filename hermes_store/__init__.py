@@ -24,6 +24,11 @@ from hermes_store.migrate import current, downgrade, upgrade
 from hermes_store.models import Base, ChatSession, Message, SchemaVersion
 from hermes_store.store import SessionDB, open_store
 from hermes_store.titles import MAX_TITLE_LENGTH
+from hermes_store.trajectory import (
+    convert_scratchpad_to_think,
+    has_incomplete_scratchpad,
+    save_trajectory,
+)
 from hermes_store.uow import RetryPolicy, UnitOfWork
 
 __all__ = [
@@ -48,10 +53,13 @@ __all__ = [
     "UnitOfWork",
     "UnknownSessionError",
     "UnrecognizedSchemaError",
+    "convert_scratchpad_to_think",
     "create_engine",
     "current",
     "default_db_path",
     "downgrade",
+    "has_incomplete_scratchpad",
     "open_store",
+    "save_trajectory",
     "upgrade",
 ]

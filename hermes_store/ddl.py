@@ -17,15 +17,33 @@ FTS_TRIGGERS = ("messages_fts_insert", "messages_fts_delete", "messages_fts_upda
 #: Columns of each table at v1; later versions add the columns in VERSION_COLUMNS.
 V1_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "sessions": (
-        "id", "source", "user_id", "model", "model_config", "system_prompt",
-        "parent_session_id", "started_at", "ended_at", "end_reason", "message_count",
-        "tool_call_count", "input_tokens", "output_tokens",
+        "id",
+        "source",
+        "user_id",
+        "model",
+        "model_config",
+        "system_prompt",
+        "parent_session_id",
+        "started_at",
+        "ended_at",
+        "end_reason",
+        "message_count",
+        "tool_call_count",
+        "input_tokens",
+        "output_tokens",
     ),
     "messages": (
-        "id", "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name",
-        "timestamp", "token_count",
+        "id",
+        "session_id",
+        "role",
+        "content",
+        "tool_call_id",
+        "tool_calls",
+        "tool_name",
+        "timestamp",
+        "token_count",
     ),
-}  # fmt: skip
+}
 
 #: (table, column, SQL type, default) added by each version, in the seed's order.
 VERSION_COLUMNS: Mapping[int, tuple[tuple[str, str, str, str | None], ...]] = {
@@ -90,12 +108,18 @@ SQLITE_FTS_REBUILD = "INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')"
 
 # --- PostgreSQL: a tsvector expression index (GIN) and a trigram index for substrings ---
 
-#: The tsvector expression; queries must repeat it verbatim for the planner to use the index.
-#: 'simple' keeps every word unstemmed, like FTS5's unicode61 tokenizer.
+#: The tsvector of a message: 'simple' keeps every word unstemmed, like FTS5's unicode61.
 PG_TSVECTOR = "to_tsvector('simple'::regconfig, COALESCE(content, ''))"
+#: Stored, so ranking reads the vector instead of re-parsing every matching message's text
+#: (a word found in most of 200k messages ranked in ~1.5 s from the expression, ~0.2 s stored).
+PG_TSV_COLUMN = "content_tsv"
 PG_FTS_INDEX = "ix_messages_content_fts"
 PG_TRGM_INDEX = "ix_messages_content_trgm"
-PG_FTS_CREATE = f"CREATE INDEX IF NOT EXISTS {PG_FTS_INDEX} ON messages USING gin (({PG_TSVECTOR}))"
+PG_FTS_COLUMN_CREATE = (
+    f"ALTER TABLE messages ADD COLUMN IF NOT EXISTS {PG_TSV_COLUMN} tsvector"
+    f" GENERATED ALWAYS AS ({PG_TSVECTOR}) STORED"
+)
+PG_FTS_CREATE = f"CREATE INDEX IF NOT EXISTS {PG_FTS_INDEX} ON messages USING gin ({PG_TSV_COLUMN})"
 PG_TRGM_CREATE = (
     f"CREATE INDEX IF NOT EXISTS {PG_TRGM_INDEX} ON messages USING gin (content gin_trgm_ops)"
 )
@@ -103,6 +127,7 @@ PG_TRGM_CREATE = (
 #: Objects the migrations own that are not in the ORM metadata (autogenerate must ignore them).
 UNMODELLED_TABLES = frozenset({FTS_TABLE, "alembic_version", "sqlite_sequence"})
 UNMODELLED_INDEXES = frozenset({PG_FTS_INDEX, PG_TRGM_INDEX})
+UNMODELLED_COLUMNS = frozenset({PG_TSV_COLUMN})
 
 
 def is_fts_shadow_table(name: str) -> bool:

@@ -29,6 +29,8 @@ WRITE_OPTION = "hermes_write"
 WRITER_BUSY_TIMEOUT_S = 1.0
 #: Longer for readers: a deferred BEGIN only waits when a checkpoint or recovery runs.
 READER_BUSY_TIMEOUT_S = 5.0
+#: Pool-record key holding ``(writer_ms, reader_ms)``, for code that begins on a raw connection.
+BUSY_TIMEOUTS_KEY = "hermes_busy_timeouts"
 
 Target = str | os.PathLike[str] | URL | Engine
 
@@ -83,6 +85,17 @@ def create_private_file(path: Path) -> bool:
     return True
 
 
+def unreadable_in_wal(path: Path) -> bool:
+    """True for a database in a folder this process cannot write and with no ``-wal`` file:
+    SQLite cannot create the ``-shm`` that a WAL read needs, so not even a read would work.
+    Nothing committed lives outside the main file then, so it can be opened ``immutable``
+    (read-only: reads work, writes fail as read-only). A privileged writer that later writes
+    into that folder is not seen by such a reader until it reopens."""
+    return (
+        path.exists() and not os.access(path.parent, os.W_OK) and not Path(f"{path}-wal").exists()
+    )
+
+
 def create_engine(
     target: Target,
     *,
@@ -101,6 +114,9 @@ def create_engine(
     url = to_url(target)
     if url.get_backend_name() == "sqlite":
         path = sqlite_file(url)
+        if path is not None and unreadable_in_wal(path):
+            log.warning("%s: its folder is read-only; opening it read-only (immutable)", path)
+            url = make_url(f"sqlite:///file:{path}?mode=ro&immutable=1&uri=true")
         if path is not None and "poolclass" not in engine_kwargs:
             # One connection per busy thread; SQLite connections are cheap to keep.
             engine_kwargs.setdefault("pool_size", 8)
@@ -132,6 +148,8 @@ def install_sqlite_hooks(
     """Attach the connect and begin hooks that the store's concurrency model relies on."""
     writer_ms = int(writer_busy_timeout * 1000)
     reader_ms = int(reader_busy_timeout * 1000)
+    # A read-only URL (``mode=ro``/``immutable=1``) cannot change the journal mode: leave it be.
+    read_only = engine.url.query.get("mode") == "ro" or engine.url.query.get("immutable") == "1"
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
@@ -142,7 +160,7 @@ def install_sqlite_hooks(
         cursor = dbapi_connection.cursor()
         try:
             # WAL: readers never block the writer and the writer never blocks readers.
-            mode = cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            mode = "wal" if read_only else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode not in ("wal", "memory"):
                 log.warning(
                     "%s refuses WAL (journal_mode=%s, e.g. a network file system); "
@@ -158,6 +176,7 @@ def install_sqlite_hooks(
         finally:
             cursor.close()
         record.info["busy_ms"] = reader_ms
+        record.info[BUSY_TIMEOUTS_KEY] = (writer_ms, reader_ms)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
@@ -170,3 +189,16 @@ def install_sqlite_hooks(
         # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
         # readers take a deferred BEGIN and never queue behind a writer.
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def begin_on_driver(
+    dbapi_connection: sqlite3.Connection, info: dict[Any, Any], *, write: bool
+) -> None:
+    """What the ``begin`` hook does, on a raw pooled SQLite connection (the Unit of Work's
+    driver-level hot path): the busy timeout of the unit's kind, then ``BEGIN [IMMEDIATE]``."""
+    writer_ms, reader_ms = info[BUSY_TIMEOUTS_KEY]
+    wanted = writer_ms if write else reader_ms
+    if info.get("busy_ms") != wanted:
+        dbapi_connection.execute(f"PRAGMA busy_timeout={int(wanted)}")
+        info["busy_ms"] = wanted
+    dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

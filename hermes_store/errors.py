@@ -76,7 +76,7 @@ class UnrecognizedSchemaError(SchemaError):
     """The database holds tables whose shape matches no known schema version."""
 
 
-def _sqlite_code(orig: BaseException) -> int | None:
+def _sqlite_code(orig: BaseException | None) -> int | None:
     code = getattr(orig, "sqlite_errorcode", None)
     return None if code is None else int(code) & 0xFF
 
@@ -109,11 +109,22 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
         return StorageFullError(f"the database is full: {text}")
     if code == SQLITE_CANTOPEN:
         return ReadOnlyDatabaseError(f"cannot open the database file: {text}")
-    if error.connection_invalidated or isinstance(error, sa_exc.DisconnectionError):
+    sqlstate = getattr(orig, "sqlstate", None)
+    if error.connection_invalidated or (sqlstate or "").startswith(("08", "57P")):
         return DatabaseUnavailableError(f"lost the database connection: {text}")
-    if isinstance(error, sa_exc.OperationalError) and getattr(orig, "sqlstate", None) is None:
-        if code is None and "connection" in text.lower():
-            return DatabaseUnavailableError(f"cannot reach the database: {text}")
+    # 54000: e.g. a message whose words make a tsvector over PostgreSQL's 1 MB limit.
+    if sqlstate == "54000":
+        return InvalidInputError(f"a value is too large for the database to store: {text}")
+    # psycopg refuses NUL in text before sending anything: the input is wrong, not the server.
+    if isinstance(error, sa_exc.DataError) and sqlstate is None and "NUL" in text:
+        return InvalidInputError(f"a text argument contains a NUL character: {text}")
+    # psycopg raises OperationalError without a SQLSTATE when it cannot connect at all.
+    if (
+        isinstance(error, sa_exc.OperationalError)
+        and sqlstate is None
+        and type(orig).__module__.startswith("psycopg")
+    ):
+        return DatabaseUnavailableError(f"cannot reach the database: {text}")
     return None
 
 
@@ -127,3 +138,5 @@ def mapped_errors() -> Iterator[None]:
         if mapped is None:
             raise
         raise mapped from error
+    except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
+        raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Integer, bindparam, func, select
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql import Select
+from sqlalchemy.sql.elements import ColumnElement
 
+from hermes_store import fastpath
+from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 
 MAX_COMPRESSION_HOPS = 100
+PREVIEW_CHARS = 60
+#: The fields a compression root shows from its tip (the root keeps its started_at and the rest).
+TIP_FIELDS = (
+    "id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
+    "preview", "model", "system_prompt",
+)  # fmt: skip
+#: Every character for which str.isspace() is true, so the SQL trim strips what str.strip() does.
+_WHITESPACE = (
+    "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005"
+    "\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
 
 
 def compression_tip(conn: Connection, session_id: str) -> str | None:
@@ -18,9 +34,7 @@ def compression_tip(conn: Connection, session_id: str) -> str | None:
     the parent ended; children made earlier (subagents, branches) are never followed."""
     current = session_id
     for _ in range(MAX_COMPRESSION_HOPS):
-        row = conn.execute(
-            select(S.c.ended_at, S.c.end_reason).where(S.c.id == current)
-        ).first()
+        row = conn.execute(select(S.c.ended_at, S.c.end_reason).where(S.c.id == current)).first()
         if row is None or row.end_reason != "compression" or row.ended_at is None:
             break
         child = conn.scalar(
@@ -35,6 +49,75 @@ def compression_tip(conn: Connection, session_id: str) -> str | None:
     return current
 
 
+def compression_tips(conn: Connection, session_ids: Iterable[str]) -> dict[str, str]:
+    """:func:`compression_tip` for many sessions at once: one query per hop for all chains."""
+    tips = {sid: sid for sid in session_ids}
+    pending = {sid: sid for sid in tips}  # root -> where its chain stands now
+    for _ in range(MAX_COMPRESSION_HOPS):
+        if not pending:
+            break
+        found = fastpath.rows(
+            conn, _successors(), {"at": sorted(set(pending.values()))}, expanding=["at"]
+        )
+        steps = {row["id"]: row["next_id"] for row in found}
+        pending = {root: steps[at] for root, at in pending.items() if steps.get(at) is not None}
+        tips.update(pending)
+    return tips
+
+
+@functools.cache
+def _successors() -> Select[Any]:
+    """One hop of many compression chains: each ``:at`` session's continuation (built once)."""
+    child = S.alias("child")
+    successor = (
+        select(child.c.id)
+        .where(child.c.parent_session_id == S.c.id, child.c.started_at >= S.c.ended_at)
+        .order_by(child.c.started_at.desc(), child.c.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    return select(S.c.id, successor.label("next_id")).where(
+        S.c.id.in_(bindparam("at", expanding=True)),
+        S.c.end_reason == "compression",
+        S.c.ended_at.is_not(None),
+    )
+
+
+@functools.cache
+def rich_select() -> Select[Any]:
+    """Every session column plus ``_preview`` and ``last_active`` as correlated subqueries,
+    each a seek on idx_messages_session (session_id, timestamp) for one session. Built once:
+    its construction cost more than running it (callers extend it generatively)."""
+    m = M.alias("m")
+    flat = func.replace(func.replace(m.c.content, "\n", " "), "\r", " ")
+    first_user_text = (
+        select(func.substr(func.trim(flat, _WHITESPACE), 1, PREVIEW_CHARS + 1))
+        .where(m.c.session_id == S.c.id, m.c.role == "user", m.c.content.is_not(None))
+        .order_by(m.c.timestamp, m.c.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+    latest = (
+        select(m.c.timestamp)
+        .where(m.c.session_id == S.c.id)
+        .order_by(m.c.timestamp.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    return select(
+        S,
+        func.coalesce(first_user_text, "").label("_preview"),
+        func.coalesce(latest, S.c.started_at).label("last_active"),
+    )
+
+
+def _rich_dict(row: Any) -> dict[str, Any]:
+    item = dict(row) if isinstance(row, dict) else dict(row._mapping)
+    preview = item.pop("_preview") or ""
+    item["preview"] = preview[:PREVIEW_CHARS] + "..." if len(preview) > PREVIEW_CHARS else preview
+    return item
+
+
 def list_sessions_rich(
     conn: Connection,
     *,
@@ -45,4 +128,70 @@ def list_sessions_rich(
     include_children: bool,
     project_compression_tips: bool,
 ) -> list[dict[str, Any]]:
-    raise NotImplementedError  # being written (search/listing issue)
+    """Sessions newest first with ``preview`` and ``last_active``, in one query.
+
+    The page (ids only, off idx_sessions_started) is cut first, so the correlated subqueries run
+    for its rows alone however deep the offset. Compression roots then show their tip, whose
+    rows come in one more query.
+    """
+    excluded = list(exclude_sources or ())
+    statement = _page_statement(include_children, bool(source), bool(excluded))
+    params = {"source": source, "excluded": excluded, "lim": max(0, limit), "off": max(0, offset)}
+    found = fastpath.rows(conn, statement, params, expanding=["excluded"] if excluded else [])
+    rows = [_rich_dict(row) for row in found]
+    if project_compression_tips and not include_children:
+        _project_tips(conn, rows)
+    return rows
+
+
+@functools.cache
+def _page_statement(include_children: bool, by_source: bool, excluding: bool) -> Select[Any]:
+    """The rich page for one shape of filters, built once (values are bound per call)."""
+    criteria: list[ColumnElement[bool]] = []
+    if not include_children:
+        # Most sessions are top-level: wrapped so SQLite (no statistics) walks
+        # idx_sessions_started in order instead of idx_sessions_parent plus a full sort.
+        criteria.append(func.coalesce(S.c.parent_session_id, None).is_(None))
+    if by_source:
+        criteria.append(S.c.source == bindparam("source"))
+    if excluding:
+        criteria.append(S.c.source.not_in(bindparam("excluded", expanding=True)))
+    page = (
+        select(S.c.id, S.c.started_at)
+        .where(*criteria)
+        .order_by(S.c.started_at.desc(), S.c.id.desc())
+        .limit(bindparam("lim", type_=Integer))
+        .offset(bindparam("off", type_=Integer))
+        .subquery("page")
+    )
+    return (
+        rich_select()
+        .join(page, page.c.id == S.c.id)
+        .order_by(page.c.started_at.desc(), page.c.id.desc())
+    )
+
+
+@functools.cache
+def _tips_statement() -> Select[Any]:
+    return rich_select().where(S.c.id.in_(bindparam("tips", expanding=True)))
+
+
+def _project_tips(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Show each compression root's live continuation in its place (roots are few)."""
+    roots = [row["id"] for row in rows if row.get("end_reason") == "compression"]
+    if not roots:
+        return
+    tips = {root: tip for root, tip in compression_tips(conn, roots).items() if tip != root}
+    if not tips:
+        return
+    found = fastpath.rows(
+        conn, _tips_statement(), {"tips": sorted(set(tips.values()))}, expanding=["tips"]
+    )
+    tip_rows = {row["id"]: row for row in map(_rich_dict, found)}
+    for row in rows:
+        tip = tip_rows.get(tips.get(row["id"], ""))
+        if tip is None:
+            continue
+        root_id = row["id"]
+        row.update({field: tip[field] for field in TIP_FIELDS})
+        row["_lineage_root_id"] = root_id

@@ -36,9 +36,11 @@ from hermes_store.engine import (
     to_url,
 )
 from hermes_store.errors import (
+    DatabaseLockedError,
     NotADatabaseError,
     SchemaTooNewError,
     UnrecognizedSchemaError,
+    is_retryable,
     mapped_errors,
 )
 
@@ -251,7 +253,7 @@ def migration_connection(target: Target) -> Iterator[Connection]:
     created = path is not None and preflight_sqlite(path) is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
     try:
-        with mapped_errors(), engine.connect() as conn:
+        with _lock_errors(url), mapped_errors(), engine.connect() as conn:
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
                 if conn.dialect.name == "postgresql":
@@ -267,6 +269,20 @@ def migration_connection(target: Target) -> Iterator[Connection]:
         raise
     finally:
         engine.dispose()
+
+
+@contextmanager
+def _lock_errors(url: sa.URL) -> Iterator[None]:
+    """A migration that cannot get the write lock in time fails as DatabaseLockedError."""
+    try:
+        yield
+    except sa.exc.DBAPIError as error:
+        if not is_retryable(error):
+            raise
+        raise DatabaseLockedError(
+            f"{_describe_url(url)} stayed locked by another writer; its schema could not be "
+            f"brought to head ({error.orig})"
+        ) from error
 
 
 def read_engine(target: Target) -> Engine:

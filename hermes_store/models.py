@@ -8,13 +8,17 @@ The FTS objects are raw DDL in the migrations (see :mod:`hermes_store.ddl`), not
 
 from __future__ import annotations
 
+from typing import cast
+
 from sqlalchemy import (
     REAL,
     BigInteger,
+    Float,
     ForeignKey,
     Index,
     Integer,
     MetaData,
+    Table,
     Text,
     text,
 )
@@ -30,9 +34,9 @@ NAMING_CONVENTION = {
 }
 
 #: Float epoch seconds and dollar amounts: REAL on SQLite, double precision on PostgreSQL.
-Real = REAL().with_variant(postgresql.DOUBLE_PRECISION(), "postgresql")
+Real: Float[float] = REAL().with_variant(postgresql.DOUBLE_PRECISION(), "postgresql")
 #: Message ids: SQLite's rowid alias, a 64-bit identity on PostgreSQL.
-MessageId = Integer().with_variant(BigInteger(), "postgresql")
+MessageId: Integer = Integer().with_variant(BigInteger(), "postgresql")
 
 ZERO = text("0")
 
@@ -149,5 +153,5 @@ class Message(Base):
 # Declared here because the column expression (DESC) needs the mapped column.
 Index("idx_sessions_started", ChatSession.started_at.desc())
 
-sessions_table = ChatSession.__table__
-messages_table = Message.__table__
+sessions_table = cast(Table, ChatSession.__table__)
+messages_table = cast(Table, Message.__table__)

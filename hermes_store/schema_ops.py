@@ -7,6 +7,7 @@ what must survive SQLite's table rebuilds (the FTS triggers, the partial title i
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -37,6 +38,7 @@ def create_full_text() -> None:
         if missing:  # index whatever the table already holds (adopted files, rebuilt tables)
             op.execute(sa.text(ddl.SQLITE_FTS_REBUILD))
         return
+    op.execute(sa.text(ddl.PG_FTS_COLUMN_CREATE))
     op.execute(sa.text(ddl.PG_FTS_CREATE))
     create_trigram_index()
 
@@ -64,6 +66,7 @@ def drop_full_text() -> None:
     else:
         op.execute(sa.text(f"DROP INDEX IF EXISTS {ddl.PG_TRGM_INDEX}"))
         op.execute(sa.text(f"DROP INDEX IF EXISTS {ddl.PG_FTS_INDEX}"))
+        op.execute(sa.text(f"ALTER TABLE messages DROP COLUMN IF EXISTS {ddl.PG_TSV_COLUMN}"))
 
 
 def create_title_index() -> None:
@@ -78,8 +81,8 @@ def create_title_index() -> None:
     )
 
 
-def _column(sql_type: str, name: str, default: str | None) -> sa.Column[object]:
-    types: dict[str, sa.types.TypeEngine[object]] = {
+def _column(sql_type: str, name: str, default: str | None) -> sa.Column[Any]:
+    types: dict[str, sa.types.TypeEngine[Any]] = {
         "TEXT": sa.Text(),
         "INTEGER": sa.Integer(),
         "REAL": sa.REAL().with_variant(sa.dialects.postgresql.DOUBLE_PRECISION(), "postgresql"),
@@ -151,9 +154,9 @@ class _SqliteTableState:
         if self.table == "messages" and sa.inspect(bind).has_table(ddl.FTS_TABLE):
             for trigger in ddl.SQLITE_FTS_TRIGGERS:
                 op.execute(sa.text(trigger))
-        for name, sql in self.indexes:
-            op.execute(sa.text(f'DROP INDEX IF EXISTS "{name}"'))
-            op.execute(sa.text(sql))
+        for name, sql in self.indexes:  # the stored SQL verbatim (no bind-parameter parsing)
+            bind.exec_driver_sql(f'DROP INDEX IF EXISTS "{name}"')
+            bind.exec_driver_sql(sql)
         if self.seq is not None:
             params = {"t": self.table, "s": self.seq}
             updated = bind.execute(

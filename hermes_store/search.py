@@ -1,19 +1,287 @@
-"""Full-text search (being written)."""
+"""Full-text search over ``messages.content`` (seed 7.4) on SQLite FTS5 and PostgreSQL.
+
+The seed answered any FTS5 syntax error with ``[]``, so ``TODO: fix`` or ``src/app/main.py``
+found nothing. Here every query goes through the seed's sanitizer, is parsed once into terms and
+AND/OR/NOT operators, and is rendered for each engine from that parse: an FTS5 query of quoted
+phrases, a PostgreSQL tsquery of quoted operands, or a substring (LIKE/ILIKE) predicate. The user's
+text only ever travels as a bound parameter. The substring predicate is the fallback for CJK
+text (which neither tokenizer splits into words) and for punctuation-heavy terms.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+import logging
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from sqlalchemy.engine import Connection
+import sqlalchemy as sa
+from sqlalchemy import and_, func, not_, or_, select
+from sqlalchemy.engine import Connection, Result
+from sqlalchemy.sql import Select
+from sqlalchemy.sql.elements import ColumnClause, ColumnElement
+
+from hermes_store import ddl, fastpath
+from hermes_store.models import messages_table as M
+from hermes_store.models import sessions_table as S
+
+log = logging.getLogger(__name__)
+
+CONTEXT_CHARS = 200
+#: Past these, queries are clipped: SQLite refuses LIKE patterns over 50,000 bytes and
+#: expressions deeper than 1,000 terms; no real query comes near either.
+MAX_QUERY_CHARS = 10_000
+MAX_ITEMS = 64
+MAX_PIECES = 16
+SUBSTRING_SNIPPET_CHARS = 120
+OPERATORS = frozenset({"AND", "OR", "NOT"})
+SQLITE_CORRUPT = 11  # also the low byte of SQLITE_CORRUPT_VTAB
+
+# -- the seed's sanitizer (7.4.3) -----------------------------------------------------------------
+
+_QUOTED_PHRASE = re.compile(r'"[^"]*"')
+_UNMATCHED_SPECIAL = re.compile(r'[+{}()"^]')
+_STAR_RUN = re.compile(r"\*+")
+_LEADING_STAR = re.compile(r"(^|\s)\*")
+_LEADING_OPERATOR = re.compile(r"^(?:AND|OR|NOT)(?=\s|$)\s*")
+_TRAILING_OPERATOR = re.compile(r"(?:^|\s+)(?:AND|OR|NOT)$")
+_JOINED_TERM = re.compile(r"\b(\w+(?:[.-]\w+)+)\b")
+_PLACEHOLDER = re.compile("\x00Q(\\d+)\x00")
+
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),  # CJK unified ideographs
+    (0x3400, 0x4DBF),  # extension A
+    (0x20000, 0x2A6DF),  # extension B
+    (0x3000, 0x303F),  # CJK symbols and punctuation
+    (0x3040, 0x309F),  # hiragana
+    (0x30A0, 0x30FF),  # katakana
+    (0xAC00, 0xD7AF),  # hangul syllables
+)
 
 
 def sanitize_fts5_query(query: str) -> str:
-    raise NotImplementedError
+    """The seed's six steps, so user text cannot break FTS5's grammar in the common cases.
+
+    (1) protect balanced ``"..."`` phrases; (2) unmatched ``+ { } ( ) " ^`` become spaces;
+    (3) collapse ``*`` runs and drop a ``*`` that starts a term; (4) drop dangling AND/OR/NOT at
+    either end; (5) quote terms joined by ``-`` or ``.``; (6) restore the phrases and strip.
+    NUL characters become spaces first: neither engine can take them.
+    """
+    phrases: list[str] = []
+
+    def protect(match: re.Match[str]) -> str:
+        phrases.append(match.group(0))
+        return f"\x00Q{len(phrases) - 1}\x00"
+
+    text = _QUOTED_PHRASE.sub(protect, query.replace("\x00", " "))
+    text = _UNMATCHED_SPECIAL.sub(" ", text)
+    text = _STAR_RUN.sub("*", text)
+    text = _LEADING_STAR.sub(r"\1", text)
+    previous = None
+    while previous != text:  # "a AND OR" needs two rounds
+        previous = text
+        text = _LEADING_OPERATOR.sub("", text.strip())
+        text = _TRAILING_OPERATOR.sub("", text).strip()
+    text = _JOINED_TERM.sub(r'"\1"', text)
+    text = _PLACEHOLDER.sub(lambda m: phrases[int(m.group(1))], text)
+    return text.strip()
 
 
 def contains_cjk(text: str) -> bool:
-    raise NotImplementedError
+    """True when any character is Chinese, Japanese kana, Korean hangul or CJK punctuation."""
+    return any(lo <= ord(ch) <= hi for ch in text for lo, hi in _CJK_RANGES)
+
+
+# -- one parse of the sanitized query, three renderings --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    """One phrase of the query.
+
+    ``words`` is what the full-text engines tokenize (quotes and ``*`` are separators there);
+    ``pieces`` are the literal fragments a substring match needs, each a verbatim slice of what
+    the user typed, so text the tokenizers cannot see (``!=``, ``->``, new scripts) is findable.
+    """
+
+    words: str
+    pieces: tuple[str, ...]
+    prefix: bool
+
+    @property
+    def indexable(self) -> bool:
+        """Whether a tokenizer can make a token of it (letters, digits, private use)."""
+        return any(_word_character(ch) for ch in self.words)
+
+
+def _word_character(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return category[0] in "LN" or category == "Co"
+
+
+Item = Term | str  # a str item is one of OPERATORS
+T = TypeVar("T")
+
+
+def parse_query(sanitized: str) -> list[Item]:
+    """Split a sanitized query into terms and operators (whitespace inside quotes is kept)."""
+    items: list[Item] = []
+    for token in _tokens(sanitized):
+        if token in OPERATORS:
+            items.append(token)
+            continue
+        # A token of nothing but quotes and stars (a literal '""') is its own piece.
+        pieces = tuple(p for p in re.split(r'["*]', token) if p.strip()) or (token,)
+        words = " ".join(re.sub(r'["*]', " ", token).split())
+        items.append(Term(words, pieces[:MAX_PIECES], prefix=token.endswith("*")))
+    return items
+
+
+def _tokens(text: str) -> list[str]:
+    tokens: list[str] = []
+    current: list[str] = []
+    quoted = False
+    for ch in text:
+        if ch == '"':
+            quoted = not quoted
+        if ch.isspace() and not quoted:
+            if current:
+                tokens.append("".join(current))
+                current = []
+            continue
+        current.append(ch)
+    if current:
+        tokens.append("".join(current))
+    return tokens
+
+
+def well_formed(items: Sequence[Item]) -> list[Item]:
+    """Drop operators with nothing on one side; of adjacent operators keep the last ("AND NOT")."""
+    out: list[Item] = []
+    for item in items:
+        if isinstance(item, str):
+            if out and isinstance(out[-1], str):
+                out[-1] = item
+            elif out:
+                out.append(item)
+        else:
+            out.append(item)
+    while out and isinstance(out[-1], str):
+        out.pop()
+    return out
+
+
+def fold(
+    items: Sequence[Item],
+    leaf: Callable[[Term], T],
+    all_of: Callable[[list[T]], T],
+    any_of: Callable[[list[T]], T],
+    negate: Callable[[T], T],
+) -> T:
+    """Evaluate a well-formed item list with FTS5's precedence: NOT, then AND, then OR."""
+    alternatives: list[T] = []
+    conjunction: list[T] = []
+    pending: str | None = None
+    for item in items:
+        if isinstance(item, str):
+            pending = item
+            if item == "OR":
+                alternatives.append(all_of(conjunction))
+                conjunction = []
+            continue
+        value = leaf(item)
+        if pending == "NOT":  # binary: "a NOT b" is a AND NOT b
+            conjunction[-1] = all_of([conjunction[-1], negate(value)])
+        else:
+            conjunction.append(value)
+        pending = None
+    alternatives.append(all_of(conjunction))
+    return any_of(alternatives)
+
+
+def fts5_query(items: Sequence[Item]) -> str:
+    """Every term as a quoted FTS5 phrase (``"..."*`` for prefixes): never a syntax error."""
+    parts = []
+    for item in items:
+        if isinstance(item, str):
+            parts.append(item)
+        else:
+            phrase = '"' + item.words.replace('"', '""') + '"'
+            parts.append(phrase + "*" if item.prefix else phrase)
+    return " ".join(parts)
+
+
+def tsquery(items: Sequence[Item]) -> str:
+    """The same query as a ``to_tsquery`` string of quoted operands (``'...':*`` for prefixes)."""
+
+    def leaf(term: Term) -> str:
+        quoted = "'" + term.words.replace("\\", "\\\\").replace("'", "''") + "'"
+        return quoted + ":*" if term.prefix else quoted
+
+    def group(joiner: str) -> Callable[[list[str]], str]:
+        return lambda parts: parts[0] if len(parts) == 1 else "(" + joiner.join(parts) + ")"
+
+    return fold(items, leaf, group(" & "), group(" | "), lambda part: "!" + part)
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def substring_predicate(items: Sequence[Item], *, ilike: bool) -> ColumnElement[bool]:
+    """The query as LIKE (SQLite, ASCII case-insensitive) or ILIKE (PostgreSQL) predicates."""
+
+    def leaf(term: Term) -> ColumnElement[bool]:
+        patterns = ["%" + _escape_like(piece) + "%" for piece in term.pieces]
+        if ilike:
+            return and_(*(M.c.content.ilike(p, escape="\\") for p in patterns))
+        return and_(*(M.c.content.like(p, escape="\\") for p in patterns))
+
+    def all_of(parts: list[ColumnElement[bool]]) -> ColumnElement[bool]:
+        return and_(*parts)
+
+    def any_of(parts: list[ColumnElement[bool]]) -> ColumnElement[bool]:
+        return or_(*parts)
+
+    return fold(items, leaf, all_of, any_of, not_)
+
+
+def positive_pieces(items: Sequence[Item]) -> list[str]:
+    """Fragments to highlight: those of every term that is not negated."""
+    pieces: list[str] = []
+    negated = False
+    for item in items:
+        if isinstance(item, str):
+            negated = item == "NOT"
+            continue
+        if not negated:
+            pieces.extend(item.pieces)
+        negated = False
+    return pieces
+
+
+# -- search ---------------------------------------------------------------------------------------
+
+_FTS = sa.table(ddl.FTS_TABLE, sa.column("rowid"), sa.column("rank"))
+_FTS_MATCH = sa.literal_column(ddl.FTS_TABLE).op("MATCH")
+_FTS_SNIPPET: ColumnClause[Any] = sa.literal_column(
+    f"snippet({ddl.FTS_TABLE}, 0, '>>>', '<<<', '...', 40)"
+)
+_FTS_QUERY_ERRORS = ("fts5:", "no such column", "unterminated string", "unknown special query")
+# FTS5 barewords: ASCII letters, digits, "_", 0x1A and anything beyond ASCII; plus the spaces
+# FTS5 skips and the prefix star. Anything else outside quotes is syntax (":" "-" "." ...).
+_FTS5_PLAIN = re.compile(r"[A-Za-z0-9_\x1a \t\n\r*\u0080-\U0010ffff]*")
+_ASCII_WORDS = re.compile(r'[A-Za-z0-9 \t\n\r*"]*')
+_UNUSABLE = re.compile("[\x00\ud800-\udfff]")  # NUL and lone surrogates: no engine takes them
+
+_PG_CONFIG: ColumnClause[Any] = sa.literal_column("'simple'::regconfig")
+# The stored tsvector column (not in the ORM models: the migrations own it), GIN-indexed.
+_PG_VECTOR: ColumnClause[Any] = sa.literal_column(f"{M.name}.{ddl.PG_TSV_COLUMN}")
+_PG_HEADLINE = "StartSel=>>>, StopSel=<<<, MaxWords=35, MinWords=15"
+_PG_EDGE_CHARS = 400  # how much of each end of the content tells whether the headline is cut
 
 
 def search_messages(
@@ -26,4 +294,384 @@ def search_messages(
     limit: int,
     offset: int,
 ) -> list[dict[str, Any]]:
-    raise NotImplementedError
+    """Messages matching ``query``, best rank first, with snippet and same-session context.
+
+    Syntax never reaches the caller: a query FTS5 cannot parse is re-run with every term quoted.
+    When the full-text path finds nothing at all, a substring match (newest first) takes over:
+    on SQLite for CJK queries, for queries with punctuation or non-ASCII letters and for terms
+    without letters or digits (``->``); on PostgreSQL always, since its parser keeps paths,
+    e-mails and URLs whole. Errors other than FTS5 syntax propagate.
+    """
+    limit, offset = max(0, int(limit)), max(0, int(offset))
+    if not query or not query.strip() or limit == 0:
+        return []
+    if source_filter is not None and not _listed(source_filter):
+        return []
+    sanitized = sanitize_fts5_query(_UNUSABLE.sub(" ", _clip(query)))
+    if not sanitized:
+        return []
+    items = well_formed(well_formed(parse_query(sanitized))[:MAX_ITEMS])
+    if not items:
+        return []
+    filters = _filters(source_filter, exclude_sources, role_filter)
+    sqlite = conn.dialect.name == "sqlite"
+    full_text = _sqlite_full_text if sqlite else _pg_full_text
+    rows = full_text(conn, sanitized, items, filters, limit, offset)
+    if not rows:
+        fallback = (
+            rows is None  # nothing a tokenizer could index: '->', '!=', '""'
+            or not sqlite
+            or contains_cjk(query)
+            or not _ASCII_WORDS.fullmatch(sanitized)
+        )
+        if offset and rows is not None and full_text(conn, sanitized, items, filters, 1, 0):
+            fallback = False  # the full-text result set exists; this page is past its end
+        if fallback:
+            rows = _substring_search(conn, items, filters, limit, offset, ilike=not sqlite)
+    if not rows:
+        return []
+    contexts = _contexts(conn, [row["id"] for row in rows])
+    for row in rows:
+        row["context"] = contexts.get(row["id"], [])
+    return rows
+
+
+def _clip(query: str) -> str:
+    """At most MAX_QUERY_CHARS, cut at a space so no half word becomes a required term."""
+    if len(query) <= MAX_QUERY_CHARS:
+        return query
+    clipped = query[:MAX_QUERY_CHARS]
+    cut = clipped.rfind(" ")
+    return clipped[:cut] if cut > 0 else clipped
+
+
+def _filters(
+    source_filter: Sequence[str] | None,
+    exclude_sources: Sequence[str] | None,
+    role_filter: Sequence[str] | None,
+) -> list[ColumnElement[bool]]:
+    filters: list[ColumnElement[bool]] = []
+    if source_filter is not None:
+        filters.append(S.c.source.in_(_listed(source_filter)))
+    if exclude_sources:
+        filters.append(S.c.source.not_in(_listed(exclude_sources)))
+    if role_filter:
+        filters.append(M.c.role.in_(_listed(role_filter)))
+    return filters
+
+
+def _listed(values: Sequence[str]) -> list[str]:
+    """A lone string means that one value, not its characters."""
+    return [values] if isinstance(values, str) else list(values)
+
+
+def _columns(snippet: ColumnElement[Any]) -> tuple[ColumnElement[Any], ...]:
+    """The contract's result keys, in its order (``context`` is added afterwards)."""
+    return (
+        M.c.id,
+        M.c.session_id,
+        M.c.role,
+        snippet.label("snippet"),
+        M.c.timestamp,
+        M.c.tool_name,
+        S.c.source,
+        S.c.model,
+        S.c.started_at.label("session_started"),
+    )
+
+
+def _sqlite_full_text(
+    conn: Connection,
+    sanitized: str,
+    items: list[Item],
+    filters: list[ColumnElement[bool]],
+    limit: int,
+    offset: int,
+) -> list[dict[str, Any]] | None:
+    """FTS5 MATCH ordered by ``rank`` alone, which FTS5 serves itself (no sorter, so snippet()
+    runs only for the rows returned). None when no term has anything to index."""
+    terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
+    if not terms:
+        return None
+    statement = _fts_statement()
+    if filters:
+        statement = statement.where(*filters)
+        run = lambda params: _dicts(conn.execute(statement, params))  # noqa: E731
+    else:  # the common case: the statement built once, run on the driver
+        run = lambda params: fastpath.rows(conn, statement, params)  # noqa: E731
+    page = {"fts_limit": limit, "fts_offset": offset}
+    quoted = fts5_query(terms)
+    if quoted != sanitized and _FTS5_PLAIN.fullmatch(_QUOTED_PHRASE.sub(" ", sanitized)):
+        try:  # the seed's query, when FTS5 can read it
+            return run({"fts_query": sanitized, **page})
+        except sa.exc.OperationalError as error:
+            if not str(error.orig).startswith(_FTS_QUERY_ERRORS):
+                raise
+            log.debug("FTS5 rejected %r (%s); retrying with quoted terms", sanitized, error.orig)
+    try:
+        return run({"fts_query": quoted, **page})
+    except sa.exc.OperationalError as error:
+        if not str(error.orig).startswith(_FTS_QUERY_ERRORS):
+            raise
+        # Quoted phrases cannot be a syntax error; if FTS5 still refuses, say so and let the
+        # substring search answer instead of failing the caller.
+        log.warning("FTS5 rejected the quoted query %r: %s", quoted, error.orig)
+        return None
+
+
+@functools.cache
+def _fts_statement() -> Select[Any]:
+    """The FTS5 page query, built once (its construction cost more than a rare word's search);
+    filters, when there are any, are added per call."""
+    return (
+        select(*_columns(_FTS_SNIPPET))
+        .select_from(_FTS.join(M, M.c.id == _FTS.c.rowid).join(S, S.c.id == M.c.session_id))
+        .where(_FTS_MATCH(sa.bindparam("fts_query")))
+        .order_by(_FTS.c.rank)
+        .limit(sa.bindparam("fts_limit", type_=sa.Integer))
+        .offset(sa.bindparam("fts_offset", type_=sa.Integer))
+    )
+
+
+def _pg_full_text(
+    conn: Connection,
+    sanitized: str,
+    items: list[Item],
+    filters: list[ColumnElement[bool]],
+    limit: int,
+    offset: int,
+) -> list[dict[str, Any]] | None:
+    """tsquery against the stored, GIN-indexed tsvector, ranked by ``ts_rank``; the page is cut
+    first and ``ts_headline`` runs only for its rows."""
+    terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
+    if not terms:
+        return None
+    query = func.to_tsquery(_PG_CONFIG, sa.bindparam("tsquery", tsquery(terms), type_=sa.Text))
+    rank = func.ts_rank(_PG_VECTOR, query)
+    page = (
+        select(M.c.id, rank.label("rank"))
+        .select_from(M.join(S, S.c.id == M.c.session_id))
+        .where(_PG_VECTOR.op("@@")(query), *filters)
+        .order_by(sa.desc("rank"), M.c.id.desc())
+        .limit(limit)
+        .offset(offset)
+        .subquery("page")
+    )
+    headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
+    statement = (
+        select(
+            *_columns(headline),
+            func.left(M.c.content, _PG_EDGE_CHARS).label("head"),
+            func.right(M.c.content, _PG_EDGE_CHARS).label("tail"),
+        )
+        .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
+        .order_by(page.c.rank.desc(), page.c.id.desc())
+    )
+    rows = _dicts(conn.execute(statement))
+    for row in rows:
+        row["snippet"] = _mark_cuts(row["snippet"] or "", row.pop("head"), row.pop("tail"))
+    return rows
+
+
+def _mark_cuts(headline: str, head: str, tail: str) -> str:
+    """Add FTS5's ``...`` where ts_headline's window does not reach the content's ends."""
+    plain = headline.replace(">>>", "").replace("<<<", "")
+    edge = min(len(plain), _PG_EDGE_CHARS)
+    starts = head.startswith(plain[:edge])
+    ends = tail.endswith(plain[len(plain) - edge :])
+    return ("" if starts else "...") + headline + ("" if ends else "...")
+
+
+def _dicts(result: Result[Any]) -> list[dict[str, Any]]:
+    return [dict(row._mapping) for row in result]
+
+
+def _substring_search(
+    conn: Connection,
+    items: list[Item],
+    filters: list[ColumnElement[bool]],
+    limit: int,
+    offset: int,
+    *,
+    ilike: bool,
+) -> list[dict[str, Any]]:
+    """LIKE/ILIKE on the raw fragments, newest first; snippets of ~120 characters around the
+    first fragment found (PostgreSQL's trigram index serves ILIKE when pg_trgm is there)."""
+    statement = (
+        select(*_columns(M.c.content))
+        .select_from(M.join(S, S.c.id == M.c.session_id))
+        .where(M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters)
+        .order_by(M.c.timestamp.desc(), M.c.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    rows = _dicts(conn.execute(statement))
+    pieces = positive_pieces(items)
+    for row in rows:
+        row["snippet"] = substring_snippet(row["snippet"] or "", pieces)
+    return rows
+
+
+def substring_snippet(content: str, pieces: Sequence[str]) -> str:
+    """About 120 characters centred on the earliest fragment, marked ``>>>...<<<``."""
+    found = [m for p in pieces if (m := re.search(re.escape(p), content, re.IGNORECASE))]
+    if not found:
+        return content[:SUBSTRING_SNIPPET_CHARS]
+    match = min(found, key=lambda m: m.start())
+    start, end = match.span()
+    room = max(0, SUBSTRING_SNIPPET_CHARS - (end - start))
+    left = max(0, start - room // 2)
+    right = min(len(content), end + room - (start - left))
+    left = max(0, min(left, right - SUBSTRING_SNIPPET_CHARS))
+    return (
+        ("..." if left > 0 else "")
+        + content[left:start]
+        + ">>>"
+        + content[start:end]
+        + "<<<"
+        + content[end:right]
+        + ("..." if right < len(content) else "")
+    )
+
+
+def _contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]]]:
+    """Previous message, the match and next message of the SAME session, by (timestamp, id),
+    for a whole page in one query (correlated seeks on idx_messages_session)."""
+    slots: dict[int, dict[int, dict[str, str]]] = {}
+    for row in fastpath.rows(conn, _contexts_statement(), {"ids": ids}, expanding=["ids"]):
+        position = 0 if row["id"] == row["prev_id"] else 2 if row["id"] == row["next_id"] else 1
+        message = {"role": row["role"], "content": (row["content"] or "")[:CONTEXT_CHARS]}
+        slots.setdefault(row["match_id"], {})[position] = message
+    return {mid: [by[k] for k in sorted(by)] for mid, by in slots.items()}
+
+
+@functools.cache
+def _contexts_statement() -> Select[Any]:
+    """Built once: constructing its aliases cost more than running it (ids bind as a list)."""
+    cur = M.alias("cur")
+    near = M.alias("near")
+    same_session = near.c.session_id == cur.c.session_id
+    before = or_(
+        near.c.timestamp < cur.c.timestamp,
+        and_(near.c.timestamp == cur.c.timestamp, near.c.id < cur.c.id),
+    )
+    after = or_(
+        near.c.timestamp > cur.c.timestamp,
+        and_(near.c.timestamp == cur.c.timestamp, near.c.id > cur.c.id),
+    )
+    # The redundant bound on timestamp gives the index a range to seek instead of a scan.
+    prev_id = (
+        select(near.c.id)
+        .where(same_session, near.c.timestamp <= cur.c.timestamp, before)
+        .order_by(near.c.timestamp.desc(), near.c.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    next_id = (
+        select(near.c.id)
+        .where(same_session, near.c.timestamp >= cur.c.timestamp, after)
+        .order_by(near.c.timestamp, near.c.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+    anchors = (
+        select(cur.c.id.label("match_id"), prev_id.label("prev_id"), next_id.label("next_id"))
+        .where(cur.c.id.in_(sa.bindparam("ids", expanding=True)))
+        .subquery("anchors")
+    )
+    shown = M.alias("shown")
+    statement = select(
+        anchors.c.match_id,
+        anchors.c.prev_id,
+        anchors.c.next_id,
+        shown.c.id,
+        shown.c.role,
+        func.substr(shown.c.content, 1, CONTEXT_CHARS).label("content"),
+    ).join(
+        # IN, not OR: SQLite then computes each anchor's subqueries once (3x faster).
+        shown,
+        shown.c.id.in_([anchors.c.match_id, anchors.c.prev_id, anchors.c.next_id]),
+    )
+    return statement
+
+
+# -- index maintenance ----------------------------------------------------------------------------
+
+
+def rebuild_index(conn: Connection) -> None:
+    """Rebuild the full-text index from ``messages`` (FTS5 'rebuild'; PostgreSQL REINDEX),
+    first recreating whatever went missing. Run it in a write transaction."""
+    if conn.dialect.name == "sqlite":
+        for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS, ddl.SQLITE_FTS_REBUILD):
+            conn.exec_driver_sql(statement)
+        return
+    conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
+    conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+    for name in _pg_existing_indexes(conn):
+        conn.exec_driver_sql(f"REINDEX INDEX {name}")
+
+
+def optimize_index(conn: Connection) -> None:
+    """Merge the index into its most compact form (FTS5 'optimize'; PostgreSQL: flush the GIN
+    pending lists and refresh the planner's statistics; VACUUM cannot run in a transaction)."""
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}) VALUES ('optimize')")
+        return
+    for name in _pg_existing_indexes(conn):
+        conn.execute(
+            sa.text("SELECT gin_clean_pending_list(CAST(:name AS regclass))"), {"name": name}
+        )
+    conn.exec_driver_sql("ANALYZE messages")
+
+
+def check_index(conn: Connection) -> bool:
+    """True when the full-text index is sound. SQLite: FTS5 'integrity-check' against the
+    content table (a write statement: use a write transaction). PostgreSQL (amcheck has no GIN
+    check before 18): the tsvector index, and the trigram index if present, exist and are valid."""
+    if conn.dialect.name == "sqlite":
+        present = conn.execute(
+            sa.text("SELECT count(*) FROM sqlite_master WHERE name IN :names").bindparams(
+                sa.bindparam("names", expanding=True)
+            ),
+            {"names": [ddl.FTS_TABLE, *ddl.FTS_TRIGGERS]},
+        ).scalar_one()
+        if present != 1 + len(ddl.FTS_TRIGGERS):
+            log.error("full-text table %s or its triggers are missing", ddl.FTS_TABLE)
+            return False
+        statement = (
+            f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('integrity-check', 1)"
+        )
+        try:
+            with conn.begin_nested():
+                conn.exec_driver_sql(statement)
+        except sa.exc.DatabaseError as error:
+            if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+                raise
+            log.error("full-text index failed its integrity check: %s", error.orig)
+            return False
+        return True
+    rows = conn.execute(
+        sa.text(
+            "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
+            " JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE c.relname IN (:fts, :trgm) AND pg_table_is_visible(c.oid)"
+        ),
+        {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+    ).all()
+    status = {str(name): bool(ok) for name, ok in rows}
+    if ddl.PG_FTS_INDEX not in status:
+        log.error("full-text index %s is missing", ddl.PG_FTS_INDEX)
+        return False
+    broken = sorted(name for name, ok in status.items() if not ok)
+    if broken:
+        log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
+        return False
+    return True
+
+
+def _pg_existing_indexes(conn: Connection) -> list[str]:
+    names = conn.execute(
+        sa.text("SELECT to_regclass(:fts)::text, to_regclass(:trgm)::text"),
+        {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+    ).one()
+    return [str(name) for name in names if name is not None]

@@ -8,19 +8,22 @@ models in :mod:`hermes_store.models` remain the query surface for applications.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.sql import Select
 
-from hermes_store import listing, search, titles
+from hermes_store import fastpath, listing, search, titles
 from hermes_store.engine import Target, create_engine, default_db_path
 from hermes_store.errors import (
     InvalidInputError,
@@ -35,8 +38,13 @@ from hermes_store.uow import RetryPolicy, UnitOfWork
 log = logging.getLogger(__name__)
 
 RowDict = dict[str, Any]
-_COUNTERS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-             "reasoning_tokens")  # fmt: skip
+_COUNTERS = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "reasoning_tokens",
+)
 _MESSAGE_ORDER = (M.c.timestamp, M.c.id)
 
 
@@ -48,12 +56,20 @@ def _check_text(name: str, value: object, *, required: bool = False, nul_ok: boo
         return
     if not isinstance(value, str):
         raise InvalidInputError(f"{name} must be a string, not {type(value).__name__}")
+    if value.isascii():  # O(1) in CPython: nothing to encode-check (the hot path's usual case)
+        if not nul_ok and "\x00" in value:
+            raise InvalidInputError(
+                f"{name} contains a NUL character, which PostgreSQL text cannot hold"
+            )
+        return
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as error:
         raise InvalidInputError(f"{name} is not valid Unicode text: {error.reason}") from None
     if not nul_ok and "\x00" in value:
-        raise InvalidInputError(f"{name} contains a NUL character, which PostgreSQL text cannot hold")
+        raise InvalidInputError(
+            f"{name} contains a NUL character, which PostgreSQL text cannot hold"
+        )
 
 
 def _check_number(name: str, value: object, kind: type) -> None:
@@ -110,7 +126,9 @@ class SessionDB:
         writer_busy_timeout: float | None = None,
     ) -> None:
         target: Target = default_db_path() if db_path is None else db_path
-        extra = {} if writer_busy_timeout is None else {"writer_busy_timeout": writer_busy_timeout}
+        extra: dict[str, Any] = {}
+        if writer_busy_timeout is not None:
+            extra["writer_busy_timeout"] = writer_busy_timeout
         self.engine: Engine = create_engine(target, **extra)
         self._owns_engine = not isinstance(target, Engine)
         self.db_path = target if not isinstance(target, Engine) else None
@@ -132,6 +150,11 @@ class SessionDB:
                 tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=sa.Integer),
             )
         )
+        # SQLite hot path: the same Core statements, compiled once, run on the driver's cursor.
+        self._driver_bump = _compiled(self._bump_counters, self.engine)
+        self._driver_insert = _compiled(
+            M.insert(), self.engine, [c.name for c in M.columns if c.name != "id"]
+        )
         self._closed = False
 
     @classmethod
@@ -147,6 +170,7 @@ class SessionDB:
             return
         self._closed = True
         self.uow.checkpoint()
+        self.uow.release_driver()
         if self._owns_engine:
             self.engine.dispose()
 
@@ -159,7 +183,7 @@ class SessionDB:
     def _text(self, name: str, value: object, *, required: bool = False) -> None:
         _check_text(name, value, required=required, nul_ok=self.is_sqlite)
 
-    def _read(self) -> Any:
+    def _read(self) -> AbstractContextManager[Connection]:
         return self.uow.connect(write=False)
 
     # -- sessions ---------------------------------------------------------------------------
@@ -177,16 +201,25 @@ class SessionDB:
         """Insert a session (an existing id is left as it is: first write wins)."""
         self._text("session_id", session_id, required=True)
         self._text("source", source, required=True)
-        for name, value in (("model", model), ("system_prompt", system_prompt),
-                            ("user_id", user_id), ("parent_session_id", parent_session_id)):
+        for name, value in (
+            ("model", model),
+            ("system_prompt", system_prompt),
+            ("user_id", user_id),
+            ("parent_session_id", parent_session_id),
+        ):
             self._text(name, value)
         config_json = _to_json("model_config", model_config)
         self._text("model_config", config_json)
         values = {
-            "id": session_id, "source": source, "user_id": user_id, "model": model,
-            "model_config": config_json, "system_prompt": system_prompt,
-            "parent_session_id": parent_session_id, "started_at": time.time(),
-        }  # fmt: skip
+            "id": session_id,
+            "source": source,
+            "user_id": user_id,
+            "model": model,
+            "model_config": config_json,
+            "system_prompt": system_prompt,
+            "parent_session_id": parent_session_id,
+            "started_at": time.time(),
+        }
 
         def unit(conn: Connection) -> None:
             if parent_session_id is not None and not self._exists(conn, parent_session_id):
@@ -196,7 +229,9 @@ class SessionDB:
         self.uow.run(unit)
         return session_id
 
-    def ensure_session(self, session_id: str, source: str = "unknown", model: str | None = None) -> None:
+    def ensure_session(
+        self, session_id: str, source: str = "unknown", model: str | None = None
+    ) -> None:
         """Insert-or-ignore of (id, source, model, started_at); never overwrites."""
         self._text("session_id", session_id, required=True)
         self._text("source", source, required=True)
@@ -235,9 +270,11 @@ class SessionDB:
                 return session_id_or_prefix
             pattern = titles.escape_like(session_id_or_prefix) + "%"
             ids = conn.scalars(
-                select(S.c.id).where(S.c.id.like(pattern, escape="\\"))
-                .order_by(S.c.started_at.desc()).limit(2)
-            ).all()  # fmt: skip
+                select(S.c.id)
+                .where(S.c.id.like(pattern, escape="\\"))
+                .order_by(S.c.started_at.desc())
+                .limit(2)
+            ).all()
         return ids[0] if len(ids) == 1 else None
 
     def delete_session(self, session_id: str) -> bool:
@@ -303,9 +340,7 @@ class SessionDB:
                     select(S.c.id).where(S.c.title == clean, S.c.id != session_id).limit(1)
                 )
                 if holder is not None:
-                    raise TitleInUseError(
-                        f"Title '{clean}' is already in use by session {holder}"
-                    )
+                    raise TitleInUseError(f"Title '{clean}' is already in use by session {holder}")
             try:
                 with conn.begin_nested():
                     conn.execute(update(S).where(S.c.id == session_id).values(title=clean))
@@ -317,7 +352,8 @@ class SessionDB:
 
     def get_session_title(self, session_id: str) -> str | None:
         with self._read() as conn:
-            return conn.scalar(select(S.c.title).where(S.c.id == session_id))
+            title: str | None = conn.scalar(select(S.c.title).where(S.c.id == session_id))
+        return title
 
     def get_session_by_title(self, title: str) -> RowDict | None:
         with self._read() as conn:
@@ -335,7 +371,8 @@ class SessionDB:
             for session_id, held in candidates:
                 if titles.lineage_number(title, held) is not None:
                     return str(session_id)
-            return conn.scalar(select(S.c.id).where(S.c.title == title))
+            exact: str | None = conn.scalar(select(S.c.id).where(S.c.title == title))
+        return exact
 
     def get_next_title_in_lineage(self, base_title: str) -> str:
         """``"x"`` -> ``"x #2"``; with ``"x #3"`` present -> ``"x #4"``."""
@@ -376,18 +413,36 @@ class SessionDB:
         absolute: bool = False,
     ) -> None:
         """Add to (or with ``absolute``, set) the counters and costs in one atomic statement."""
-        counts = dict(zip(_COUNTERS, (input_tokens, output_tokens, cache_read_tokens,
-                                      cache_write_tokens, reasoning_tokens), strict=True))  # fmt: skip
+        counts = dict(
+            zip(
+                _COUNTERS,
+                (
+                    input_tokens,
+                    output_tokens,
+                    cache_read_tokens,
+                    cache_write_tokens,
+                    reasoning_tokens,
+                ),
+                strict=True,
+            )
+        )
         for name, value in counts.items():
             _check_number(name, value, int)
         _check_number("estimated_cost_usd", estimated_cost_usd, float)
         _check_number("actual_cost_usd", actual_cost_usd, float)
-        overwrite = {"cost_status": cost_status, "cost_source": cost_source,
-                     "pricing_version": pricing_version}  # fmt: skip
-        fill = {"billing_provider": billing_provider, "billing_base_url": billing_base_url,
-                "billing_mode": billing_mode, "model": model}  # fmt: skip
-        for name, value in (overwrite | fill).items():
-            self._text(name, value)
+        overwrite = {
+            "cost_status": cost_status,
+            "cost_source": cost_source,
+            "pricing_version": pricing_version,
+        }
+        fill = {
+            "billing_provider": billing_provider,
+            "billing_base_url": billing_base_url,
+            "billing_mode": billing_mode,
+            "model": model,
+        }
+        for name, text_value in (overwrite | fill).items():
+            self._text(name, text_value)
 
         values: dict[str, Any] = {}
         for name, value in counts.items():
@@ -397,7 +452,8 @@ class SessionDB:
         values["estimated_cost_usd"] = (
             func.coalesce(sa.literal(estimated_cost_usd, sa.Float()), 0)
             if absolute
-            else func.coalesce(est, 0) + func.coalesce(sa.literal(estimated_cost_usd, sa.Float()), 0)
+            else func.coalesce(est, 0)
+            + func.coalesce(sa.literal(estimated_cost_usd, sa.Float()), 0)
         )
         if actual_cost_usd is not None:
             values["actual_cost_usd"] = (
@@ -405,7 +461,11 @@ class SessionDB:
             )
         values.update({name: value for name, value in overwrite.items() if value is not None})
         values.update(
-            {name: func.coalesce(S.c[name], value) for name, value in fill.items() if value is not None}
+            {
+                name: func.coalesce(S.c[name], value)
+                for name, value in fill.items()
+                if value is not None
+            }
         )
         statement = update(S).where(S.c.id == session_id).values(values)
         self.uow.run(lambda conn: conn.execute(statement))
@@ -428,11 +488,38 @@ class SessionDB:
     ) -> int:
         """Append one message and bump the session's counters in the same transaction."""
         values = self._message_values(
-            session_id, role, content, tool_name, tool_calls, tool_call_id, token_count,
-            finish_reason, reasoning, reasoning_details, codex_reasoning_items,
-        )  # fmt: skip
-        bump = {"sid": session_id, "messages": 1,
-                "tool_calls": _tool_call_increment(role, tool_calls)}  # fmt: skip
+            session_id,
+            role,
+            content,
+            tool_name,
+            tool_calls,
+            tool_call_id,
+            token_count,
+            finish_reason,
+            reasoning,
+            reasoning_details,
+            codex_reasoning_items,
+        )
+        bump = {
+            "sid": session_id,
+            "messages": 1,
+            "tool_calls": _tool_call_increment(role, tool_calls),
+        }
+
+        if self.is_sqlite:
+            bump_sql, bump_keys = self._driver_bump
+            insert_sql, insert_keys = self._driver_insert
+            bump_params = tuple(bump[key] for key in bump_keys)
+            insert_params = tuple(values[key] for key in insert_keys)
+
+            def driver_unit(cursor: Any) -> int:
+                cursor.execute(bump_sql, bump_params)
+                if cursor.rowcount != 1:
+                    raise UnknownSessionError(f"session {session_id!r} does not exist")
+                cursor.execute(insert_sql, insert_params)
+                return int(cursor.lastrowid)
+
+            return self.uow.run_driver(driver_unit)
 
         def unit(conn: Connection) -> int:
             if conn.execute(self._bump_counters, bump).rowcount != 1:
@@ -462,6 +549,23 @@ class SessionDB:
 
         bump = {"sid": session_id, "messages": len(rows), "tool_calls": tool_call_total}
 
+        if self.is_sqlite:  # the hot path: one executemany of the compiled INSERT
+            bump_sql, bump_keys = self._driver_bump
+            insert_sql, insert_keys = self._driver_insert
+            bump_params = tuple(bump[key] for key in bump_keys)
+            insert_rows = [tuple(row[key] for key in insert_keys) for row in rows]
+
+            def driver_unit(cursor: Any) -> list[int]:
+                cursor.execute(bump_sql, bump_params)
+                if cursor.rowcount != 1:
+                    raise UnknownSessionError(f"session {session_id!r} does not exist")
+                cursor.executemany(insert_sql, insert_rows)
+                last = int(cursor.execute("SELECT last_insert_rowid()").fetchone()[0])
+                # One transaction holding the write lock: AUTOINCREMENT ids are consecutive.
+                return list(range(last - len(insert_rows) + 1, last + 1))
+
+            return self.uow.run_driver(driver_unit)
+
         def unit(conn: Connection) -> list[int]:
             if conn.execute(self._bump_counters, bump).rowcount != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
@@ -488,9 +592,13 @@ class SessionDB:
         """Validate and serialise one message before any transaction starts."""
         self._text("session_id", session_id, required=True)
         self._text("role", role, required=True)
-        for name, value in (("content", content), ("tool_name", tool_name),
-                            ("tool_call_id", tool_call_id), ("finish_reason", finish_reason),
-                            ("reasoning", reasoning)):  # fmt: skip
+        for name, value in (
+            ("content", content),
+            ("tool_name", tool_name),
+            ("tool_call_id", tool_call_id),
+            ("finish_reason", finish_reason),
+            ("reasoning", reasoning),
+        ):
             self._text(name, value)
         _check_number("token_count", token_count, int)
         _check_number("timestamp", timestamp, float)
@@ -502,11 +610,17 @@ class SessionDB:
         for name, value in encoded.items():
             self._text(name, value)
         return {
-            "session_id": session_id, "role": role, "content": content, "tool_name": tool_name,
-            "tool_call_id": tool_call_id, "token_count": token_count,
-            "finish_reason": finish_reason, "reasoning": reasoning,
-            "timestamp": time.time() if timestamp is None else timestamp, **encoded,
-        }  # fmt: skip
+            "session_id": session_id,
+            "role": role,
+            "content": content,
+            "tool_name": tool_name,
+            "tool_call_id": tool_call_id,
+            "token_count": token_count,
+            "finish_reason": finish_reason,
+            "reasoning": reasoning,
+            "timestamp": time.time() if timestamp is None else timestamp,
+            **encoded,
+        }
 
     def get_messages(
         self, session_id: str, *, limit: int | None = None, after_id: int | None = None
@@ -516,16 +630,16 @@ class SessionDB:
         ``limit`` and ``after_id`` page through very long sessions by keyset: pass the last
         id of one page as ``after_id`` of the next.
         """
-        statement = select(M).where(M.c.session_id == session_id).order_by(*_MESSAGE_ORDER)
-        if after_id is not None:
-            anchor = select(M.c.timestamp).where(M.c.id == after_id).scalar_subquery()
-            statement = statement.where(
-                or_(M.c.timestamp > anchor, and_(M.c.timestamp == anchor, M.c.id > after_id))
-            )
-        if limit is not None:
-            statement = statement.limit(limit)
+        statement = _messages_statement(after_id is not None, limit is not None)
+        params = {"sid": session_id, "after": after_id, "lim": limit}
         with self._read() as conn:
-            return [_message_dict(row) for row in conn.execute(statement)]
+            rows = fastpath.rows(conn, statement, params)
+        for message in rows:
+            if message.get("tool_calls"):
+                message["tool_calls"] = _from_json(
+                    message["tool_calls"], [], "tool_calls", message["id"]
+                )
+        return rows
 
     def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[RowDict]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
@@ -581,9 +695,13 @@ class SessionDB:
 
     # -- listing and search -----------------------------------------------------------------
 
-    def search_sessions(self, source: str | None = None, limit: int = 20, offset: int = 0) -> list[RowDict]:
+    def search_sessions(
+        self, source: str | None = None, limit: int = 20, offset: int = 0
+    ) -> list[RowDict]:
         """Row dicts, newest first, children included, no preview."""
-        statement = select(S).order_by(S.c.started_at.desc(), S.c.id.desc()).limit(limit).offset(offset)
+        statement = (
+            select(S).order_by(S.c.started_at.desc(), S.c.id.desc()).limit(limit).offset(offset)
+        )
         if source is not None:
             statement = statement.where(S.c.source == source)
         with self._read() as conn:
@@ -673,9 +791,45 @@ class SessionDB:
 
 
 _MESSAGE_ARGUMENTS = frozenset(
-    {"role", "content", "tool_name", "tool_calls", "tool_call_id", "token_count", "finish_reason",
-     "reasoning", "reasoning_details", "codex_reasoning_items", "timestamp"}
-)  # fmt: skip
+    {
+        "role",
+        "content",
+        "tool_name",
+        "tool_calls",
+        "tool_call_id",
+        "token_count",
+        "finish_reason",
+        "reasoning",
+        "reasoning_details",
+        "codex_reasoning_items",
+        "timestamp",
+    }
+)
+
+
+def _compiled(
+    statement: sa.ClauseElement, engine: Engine, column_keys: list[str] | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """SQL text and positional parameter names of a Core statement, compiled once."""
+    compiled = statement.compile(dialect=engine.dialect, column_keys=column_keys)
+    return compiled.string, tuple(compiled.positiontup or ())
+
+
+@functools.cache
+def _messages_statement(after: bool, limited: bool) -> Select[Any]:
+    """One session's messages by ``(timestamp, id)``; optionally after the message ``:after``
+    (keyset) and at most ``:lim`` of them. Built once per shape (the hot read of export)."""
+    statement = select(M).where(M.c.session_id == sa.bindparam("sid")).order_by(*_MESSAGE_ORDER)
+    if after:
+        after_id = sa.bindparam("after", type_=sa.Integer)
+        anchor = select(M.c.timestamp).where(M.c.id == after_id).scalar_subquery()
+        statement = statement.where(
+            M.c.timestamp >= anchor,  # redundant, but it lets the index seek instead of scan
+            or_(M.c.timestamp > anchor, and_(M.c.timestamp == anchor, M.c.id > after_id)),
+        )
+    if limited:
+        statement = statement.limit(sa.bindparam("lim", type_=sa.Integer))
+    return statement
 
 
 def _tool_call_increment(role: str, tool_calls: Any) -> int:

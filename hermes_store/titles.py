@@ -32,9 +32,7 @@ def sanitize_title(title: str | None) -> str | None:
     if not cleaned:
         return None
     if len(cleaned) > MAX_TITLE_LENGTH:
-        raise TitleTooLongError(
-            f"Title too long ({len(cleaned)} chars, max {MAX_TITLE_LENGTH})"
-        )
+        raise TitleTooLongError(f"Title too long ({len(cleaned)} chars, max {MAX_TITLE_LENGTH})")
     return cleaned
 
 

@@ -15,14 +15,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import PoolProxiedConnection
 
-from hermes_store.engine import WRITE_OPTION
-from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors
+from hermes_store.engine import WRITE_OPTION, begin_on_driver
+from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors, translate
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class UnitOfWork:
         self._count_lock = threading.Lock()
         self.writes = 0
         self.checkpoints = 0
+        self._driver_connection: PoolProxiedConnection | None = None  # run_driver's writer
 
     # -- the units ---------------------------------------------------------------------------
 
@@ -82,6 +84,70 @@ class UnitOfWork:
                 if not is_retryable(error):
                     raise
                 self._pause(waits, error)
+
+    def run_driver(self, fn: Callable[[Any], T]) -> T:
+        """A SQLite write unit on the driver's own cursor: the hot path (``append_message``).
+
+        The same in-process lock, ``BEGIN IMMEDIATE``, retry policy, error mapping and
+        checkpoint cadence as :meth:`run`, but on one writer connection kept for the purpose
+        (writes are serialised by the lock anyway, as in the seed) and without a SQLAlchemy
+        Connection around each statement: ``fn`` gets a DB-API cursor and runs statements
+        compiled once from Core. SQLite only; other backends use :meth:`run`.
+        """
+        if self._write_lock is None:
+            raise RuntimeError("run_driver is the SQLite hot path; use run() on this backend")
+        waits = self.retry.waits()
+        while True:
+            try:
+                with self._write_lock:
+                    result = self._driver_attempt(fn)
+            except sa_exc.DBAPIError as error:
+                if is_retryable(error):
+                    self._pause(waits, error)
+                    continue
+                mapped = translate(error)
+                if mapped is None:
+                    raise
+                raise mapped from error
+            self._count_write()
+            return result
+
+    def _driver_attempt(self, fn: Callable[[Any], T]) -> T:
+        dbapi_error: type[Exception] = self.engine.dialect.loaded_dbapi.Error
+        try:
+            held = self._driver_connection
+            if held is None:
+                held = self._driver_connection = self.engine.raw_connection()
+            driver = held.driver_connection
+            try:
+                begin_on_driver(driver, held.info, write=True)
+                result = fn(driver.cursor())
+                driver.commit()
+            except BaseException:
+                try:
+                    driver.rollback()
+                except dbapi_error:
+                    self._drop_driver(invalidate=True)  # state unknown: never reuse it
+                raise
+        except dbapi_error as orig:  # the same wrapped errors as the Connection path
+            raise sa_exc.DBAPIError.instance(
+                None, None, orig, dbapi_error, dialect=self.engine.dialect
+            ) from orig
+        return result
+
+    def release_driver(self) -> None:
+        """Give the hot path's writer connection back to the pool (``SessionDB.close``)."""
+        with self._write_lock or nullcontext():  # never while a unit is using it
+            self._drop_driver(invalidate=False)
+
+    def _drop_driver(self, *, invalidate: bool) -> None:
+        held, self._driver_connection = self._driver_connection, None
+        if held is None:
+            return
+        if invalidate:
+            held.invalidate()
+        else:
+            held.close()
 
     def connect(self, *, write: bool = True) -> AbstractContextManager[Connection]:
         """A connection inside one transaction: commit on a clean exit, rollback otherwise.

@@ -34,11 +34,13 @@ def _url() -> str:
 
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     """Autogenerate ignores what the migrations own outside the models: the FTS table and its
-    shadow tables, Alembic's own table, the PostgreSQL full-text and trigram indexes."""
+    shadow tables, Alembic's own table, PostgreSQL's stored tsvector and its GIN indexes."""
     if type_ == "table" and name is not None:
         return name not in ddl.UNMODELLED_TABLES and not ddl.is_fts_shadow_table(name)
     if type_ == "index":
         return name not in ddl.UNMODELLED_INDEXES
+    if type_ == "column":
+        return name not in ddl.UNMODELLED_COLUMNS
     return True
 
 

@@ -32,24 +32,29 @@ def _pg_base_url() -> URL | None:
 
 
 @pytest.fixture(scope="session")
-def pg_worker_url(worker_id: str) -> URL | None:
-    """A fresh database for this xdist worker, or None when PostgreSQL is not configured."""
+def pg_worker_url(worker_id: str, testrun_uid: str) -> Iterator[URL | None]:
+    """A fresh database for this xdist worker of this run, or None without PostgreSQL.
+
+    The run's id keeps simultaneous runs against one server out of each other's databases.
+    """
     base = _pg_base_url()
     if base is None:
-        return None
-    name = f"hermes_test_{worker_id}"
+        yield None
+        return
+    name = f"hermes_test_{testrun_uid[:10]}_{worker_id}"
     admin = sa.create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
         with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     except sa.exc.OperationalError as error:
+        admin.dispose()
         if os.environ.get("HERMES_STORE_REQUIRE_PG") == "1":
             pytest.fail(f"PostgreSQL at {base} is unreachable: {error}")
         pytest.skip(f"PostgreSQL unreachable: {error.orig}")
-    finally:
-        admin.dispose()
-    return base.set(database=name)
+    yield base.set(database=name)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
 
 
 def reset_pg(url: URL) -> None:

@@ -24,10 +24,17 @@ from hermes_store.models import ChatSession, Message
 
 def test_create_session_stores_every_field(store: SessionDB) -> None:
     before = time.time()
-    assert store.create_session(
-        "s1", "cli", model="gpt", model_config={"temperature": 0.2},
-        system_prompt="be brief", user_id="u1",
-    ) == "s1"  # fmt: skip
+    assert (
+        store.create_session(
+            "s1",
+            "cli",
+            model="gpt",
+            model_config={"temperature": 0.2},
+            system_prompt="be brief",
+            user_id="u1",
+        )
+        == "s1"
+    )
     row = store.get_session("s1")
     assert row is not None
     assert row["source"] == "cli" and row["model"] == "gpt" and row["user_id"] == "u1"
@@ -112,7 +119,9 @@ def test_get_session_unknown_is_none(store: SessionDB) -> None:
         ("zzz", None),
     ],
 )
-def test_resolve_session_id_prefix_is_literal(store: SessionDB, prefix: str, expected: str | None) -> None:
+def test_resolve_session_id_prefix_is_literal(
+    store: SessionDB, prefix: str, expected: str | None
+) -> None:
     for session_id in ("abc_1", "abc_12", "abcX1", "q_1", "qZ2", "pct%x", "pctz", "back\\slash"):
         store.create_session(session_id, "cli")
     assert store.resolve_session_id(prefix) == expected
@@ -143,8 +152,13 @@ def _age(store: SessionDB, session_id: str, days: float) -> None:
 
 
 def test_prune_sessions_only_old_ended_ones(store: SessionDB) -> None:
-    for sid, source in (("old_ended", "cli"), ("old_active", "cli"), ("new_ended", "cli"),
-                        ("old_ended_tg", "telegram"), ("kid", "cli")):  # fmt: skip
+    for sid, source in (
+        ("old_ended", "cli"),
+        ("old_active", "cli"),
+        ("new_ended", "cli"),
+        ("old_ended_tg", "telegram"),
+        ("kid", "cli"),
+    ):
         store.create_session(sid, source)
     store.create_session("orphan_to_be", "cli", parent_session_id="old_ended")
     for sid in ("old_ended", "old_active", "old_ended_tg"):
@@ -317,13 +331,27 @@ def test_lineage_with_like_metacharacters(store: SessionDB) -> None:
 
 def test_incremental_tokens_and_costs(store: SessionDB) -> None:
     store.create_session("s", "cli")
-    store.update_token_counts("s", input_tokens=10, output_tokens=5, cache_read_tokens=1,
-                              cache_write_tokens=2, reasoning_tokens=3)  # fmt: skip
+    store.update_token_counts(
+        "s",
+        input_tokens=10,
+        output_tokens=5,
+        cache_read_tokens=1,
+        cache_write_tokens=2,
+        reasoning_tokens=3,
+    )
     store.update_token_counts("s", input_tokens=1, output_tokens=1, estimated_cost_usd=0.25)
     row = store.get_session("s")
     assert row is not None
-    assert [row[k] for k in ("input_tokens", "output_tokens", "cache_read_tokens",
-                             "cache_write_tokens", "reasoning_tokens")] == [11, 6, 1, 2, 3]  # fmt: skip
+    assert [
+        row[k]
+        for k in (
+            "input_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "cache_write_tokens",
+            "reasoning_tokens",
+        )
+    ] == [11, 6, 1, 2, 3]
     assert row["estimated_cost_usd"] == pytest.approx(0.25)
     assert row["actual_cost_usd"] is None  # untouched while None is passed
     store.update_token_counts("s", actual_cost_usd=0.5)
@@ -353,17 +381,38 @@ def test_absolute_tokens_and_costs(store: SessionDB) -> None:
 
 def test_billing_fields_first_value_wins_status_overwrites(store: SessionDB) -> None:
     store.create_session("s", "cli")
-    store.update_token_counts("s", model="m1", billing_provider="openrouter",
-                              billing_base_url="https://a", billing_mode="x",
-                              cost_status="estimated", cost_source="table", pricing_version="v1")  # fmt: skip
-    store.update_token_counts("s", model="m2", billing_provider="other", billing_base_url="https://b",
-                              billing_mode="y", cost_status="final", pricing_version=None)  # fmt: skip
+    store.update_token_counts(
+        "s",
+        model="m1",
+        billing_provider="openrouter",
+        billing_base_url="https://a",
+        billing_mode="x",
+        cost_status="estimated",
+        cost_source="table",
+        pricing_version="v1",
+    )
+    store.update_token_counts(
+        "s",
+        model="m2",
+        billing_provider="other",
+        billing_base_url="https://b",
+        billing_mode="y",
+        cost_status="final",
+        pricing_version=None,
+    )
     row = store.get_session("s")
     assert row is not None
-    assert (row["model"], row["billing_provider"], row["billing_base_url"], row["billing_mode"]) == (
-        "m1", "openrouter", "https://a", "x")  # fmt: skip
+    assert (
+        row["model"],
+        row["billing_provider"],
+        row["billing_base_url"],
+        row["billing_mode"],
+    ) == ("m1", "openrouter", "https://a", "x")
     assert (row["cost_status"], row["cost_source"], row["pricing_version"]) == (
-        "final", "table", "v1")  # fmt: skip
+        "final",
+        "table",
+        "v1",
+    )
 
 
 def test_model_backfilled_only_when_null(store: SessionDB) -> None:
@@ -395,11 +444,20 @@ def test_append_message_counts_and_json(store: SessionDB) -> None:
     store.create_session("s", "cli")
     calls = [{"id": "c1", "function": {"name": "ls"}}, {"id": "c2", "function": {"name": "cat"}}]
     m1 = store.append_message("s", "user", "hello")
-    m2 = store.append_message("s", "assistant", None, tool_calls=calls, finish_reason="tool_calls",
-                              reasoning="think", reasoning_details=[{"k": 1}],
-                              codex_reasoning_items=[{"id": "r"}], token_count=12)  # fmt: skip
-    m3 = store.append_message("s", "tool", "file.txt", tool_name="ls", tool_call_id="c1",
-                              tool_calls={"not": "a list"})  # fmt: skip
+    m2 = store.append_message(
+        "s",
+        "assistant",
+        None,
+        tool_calls=calls,
+        finish_reason="tool_calls",
+        reasoning="think",
+        reasoning_details=[{"k": 1}],
+        codex_reasoning_items=[{"id": "r"}],
+        token_count=12,
+    )
+    m3 = store.append_message(
+        "s", "tool", "file.txt", tool_name="ls", tool_call_id="c1", tool_calls={"not": "a list"}
+    )
     m4 = store.append_message("s", "assistant", "x", tool_calls={"single": True})
     m5 = store.append_message("s", "assistant", "y", tool_calls=[])
     assert m1 < m2 < m3 < m4 < m5
@@ -435,12 +493,15 @@ def test_unserialisable_payload_writes_nothing(store: SessionDB) -> None:
 
 def test_messages_ordered_by_timestamp_then_id(store: SessionDB) -> None:
     store.create_session("s", "cli")
-    ids = store.append_messages("s", [
-        {"role": "user", "content": "late", "timestamp": 300.0},
-        {"role": "user", "content": "early", "timestamp": 100.0},
-        {"role": "user", "content": "tie-a", "timestamp": 200.0},
-        {"role": "user", "content": "tie-b", "timestamp": 200.0},
-    ])  # fmt: skip
+    ids = store.append_messages(
+        "s",
+        [
+            {"role": "user", "content": "late", "timestamp": 300.0},
+            {"role": "user", "content": "early", "timestamp": 100.0},
+            {"role": "user", "content": "tie-a", "timestamp": 200.0},
+            {"role": "user", "content": "tie-b", "timestamp": 200.0},
+        ],
+    )
     assert [m["content"] for m in store.get_messages("s")] == ["early", "tie-a", "tie-b", "late"]
     assert len(ids) == 4 and ids == sorted(ids)
 
@@ -456,17 +517,22 @@ def test_keyset_paging(store: SessionDB) -> None:
         pages.append([m["content"] for m in page])
         after = page[-1]["id"]
     assert [len(p) for p in pages] == [10, 10, 5]
-    assert sum(pages, []) == [str(i) for i in range(25)]
-    assert [m["content"] for m in store.iter_messages("s", page_size=7)] == [str(i) for i in range(25)]
+    assert [content for page in pages for content in page] == [str(i) for i in range(25)]
+    assert [m["content"] for m in store.iter_messages("s", page_size=7)] == [
+        str(i) for i in range(25)
+    ]
 
 
 def test_append_messages_is_all_or_nothing(store: SessionDB) -> None:
     store.create_session("s", "cli")
-    ids = store.append_messages("s", [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "a", "tool_calls": [{"id": 1}, {"id": 2}]},
-        {"role": "tool", "content": "r", "tool_calls": [{"id": 3}]},
-    ])  # fmt: skip
+    ids = store.append_messages(
+        "s",
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "tool_calls": [{"id": 1}, {"id": 2}]},
+            {"role": "tool", "content": "r", "tool_calls": [{"id": 3}]},
+        ],
+    )
     row = store.get_session("s")
     assert row is not None and (row["message_count"], row["tool_call_count"]) == (3, 2)
     assert [m["id"] for m in store.get_messages("s")] == ids
@@ -480,15 +546,23 @@ def test_append_messages_is_all_or_nothing(store: SessionDB) -> None:
     assert store.append_messages("s", []) == []
 
 
-def test_corrupted_json_is_decoded_defensively(store: SessionDB, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupted_json_is_decoded_defensively(
+    store: SessionDB, caplog: pytest.LogCaptureFixture
+) -> None:
     store.create_session("s", "cli")
-    mid = store.append_message("s", "assistant", "x", tool_calls=[{"id": 1}],
-                               reasoning_details=[1], codex_reasoning_items=[2])  # fmt: skip
+    mid = store.append_message(
+        "s",
+        "assistant",
+        "x",
+        tool_calls=[{"id": 1}],
+        reasoning_details=[1],
+        codex_reasoning_items=[2],
+    )
     with store.uow.connect() as conn:
         conn.execute(
-            sa.update(Message.__table__).where(Message.__table__.c.id == mid).values(
-                tool_calls="{broken", reasoning_details="[oops", codex_reasoning_items="nope"
-            )
+            sa.update(Message.__table__)
+            .where(Message.__table__.c.id == mid)
+            .values(tool_calls="{broken", reasoning_details="[oops", codex_reasoning_items="nope")
         )
     with caplog.at_level(logging.WARNING, logger="hermes_store"):
         messages = store.get_messages("s")
@@ -505,18 +579,31 @@ def test_conversation_format(store: SessionDB) -> None:
     calls = [{"id": "c1", "type": "function"}]
     store.append_message("s", "system", "sys")
     store.append_message("s", "user", "hi", reasoning="user reasoning is never shown")
-    store.append_message("s", "assistant", "calling", tool_calls=calls, reasoning="because",
-                         reasoning_details=[{"t": "r"}], codex_reasoning_items=[{"i": 1}])  # fmt: skip
+    store.append_message(
+        "s",
+        "assistant",
+        "calling",
+        tool_calls=calls,
+        reasoning="because",
+        reasoning_details=[{"t": "r"}],
+        codex_reasoning_items=[{"i": 1}],
+    )
     store.append_message("s", "tool", "result", tool_name="ls", tool_call_id="c1")
     store.append_message("s", "assistant", "done", reasoning="")
     assert store.get_messages_as_conversation("s") == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "calling", "tool_calls": calls, "reasoning": "because",
-         "reasoning_details": [{"t": "r"}], "codex_reasoning_items": [{"i": 1}]},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "tool_calls": calls,
+            "reasoning": "because",
+            "reasoning_details": [{"t": "r"}],
+            "codex_reasoning_items": [{"i": 1}],
+        },
         {"role": "tool", "content": "result", "tool_call_id": "c1", "tool_name": "ls"},
         {"role": "assistant", "content": "done"},
-    ]  # fmt: skip
+    ]
 
 
 def test_clear_messages_keeps_session_and_tokens(store: SessionDB) -> None:
@@ -566,7 +653,9 @@ def test_export_session_and_all(store: SessionDB) -> None:
 
 def test_search_sessions_newest_first_with_children(store: SessionDB) -> None:
     for i, sid in enumerate(("a", "b", "c")):
-        store.create_session(sid, "cli" if i < 2 else "tg", parent_session_id="a" if sid == "b" else None)
+        store.create_session(
+            sid, "cli" if i < 2 else "tg", parent_session_id="a" if sid == "b" else None
+        )
         time.sleep(0.005)
     assert [s["id"] for s in store.search_sessions()] == ["c", "b", "a"]
     assert [s["id"] for s in store.search_sessions(source="cli")] == ["b", "a"]
@@ -580,8 +669,13 @@ def test_search_sessions_newest_first_with_children(store: SessionDB) -> None:
 def test_orm_relationships(store: SessionDB) -> None:
     store.create_session("p", "cli")
     store.create_session("k", "cli", parent_session_id="p")
-    store.append_messages("p", [{"role": "user", "content": "b", "timestamp": 2.0},
-                                {"role": "user", "content": "a", "timestamp": 1.0}])  # fmt: skip
+    store.append_messages(
+        "p",
+        [
+            {"role": "user", "content": "b", "timestamp": 2.0},
+            {"role": "user", "content": "a", "timestamp": 1.0},
+        ],
+    )
     with store.uow.session(write=False) as s:
         parent = s.get(ChatSession, "p")
         assert parent is not None
@@ -589,7 +683,9 @@ def test_orm_relationships(store: SessionDB) -> None:
         assert [c.id for c in parent.children] == ["k"]
         assert parent.children[0].parent is parent
         assert parent.messages[0].session is parent
-        count = s.scalar(sa.select(sa.func.count()).select_from(Message).where(Message.session_id == "p"))
+        count = s.scalar(
+            sa.select(sa.func.count()).select_from(Message).where(Message.session_id == "p")
+        )
         assert count == 2
 
 

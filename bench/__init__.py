@@ -1,0 +1,1 @@
+"""Benchmarks: hermes_store against the raw-sqlite3 floor (``python -m bench.run``)."""

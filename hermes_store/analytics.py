@@ -1,0 +1,279 @@
+"""Ready-made analytics queries over the ORM models (notebooks, reports, ``hermes-store stats``).
+
+Every function returns a SQLAlchemy ``Select`` (nothing runs until you execute it), so a
+query can be refined further (``.where()``, ``.order_by()``, ``.limit()``) and runs
+unchanged on SQLite and PostgreSQL. :func:`to_dataframe` executes one into a pandas
+``DataFrame`` (``pip install 'hermes-store[analytics]'``).
+
+Usage figures come from the per-session counters (``message_count``, the token columns and
+the costs) that the store keeps up to date on every write, so they cost one pass over
+``sessions``; days are UTC calendar days of ``started_at``, as ``'YYYY-MM-DD'`` text.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+import sqlalchemy as sa
+from sqlalchemy import Select, func, literal_column, select
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
+
+from hermes_store.models import ChatSession, Message
+
+if TYPE_CHECKING:
+    from hermes_store.store import SessionDB
+
+Dimension = Literal["day", "model", "source"]
+#: A ``select()`` with any columns.
+Query: TypeAlias = Select[*tuple[Any, ...]]
+TOKEN_COLUMNS = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "reasoning_tokens",
+)
+#: Recursion guard for lineage queries: a parent cycle (possible with foreign keys off)
+#: stops here instead of looping forever.
+MAX_LINEAGE_DEPTH = 1000
+
+
+class utc_day(FunctionElement[str]):
+    """``'YYYY-MM-DD'`` (UTC) of a float epoch-seconds column, compiled per dialect."""
+
+    type = sa.String()
+    name = "utc_day"
+    inherit_cache = True
+
+
+@compiles(utc_day, "sqlite")
+def _utc_day_sqlite(element: utc_day, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"date({compiler.process(element.clauses, **kw)}, 'unixepoch')"
+
+
+@compiles(utc_day, "postgresql")
+def _utc_day_postgresql(element: utc_day, compiler: SQLCompiler, **kw: Any) -> str:
+    epoch = compiler.process(element.clauses, **kw)
+    return f"to_char(to_timestamp({epoch}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _dimension(name: Dimension) -> ColumnElement[Any]:
+    if name == "day":
+        return utc_day(ChatSession.started_at).label("day")
+    if name in ("model", "source"):
+        return getattr(ChatSession, name).label(name)  # type: ignore[no-any-return]
+    raise ValueError(f"unknown dimension {name!r}; use 'day', 'model' or 'source'")
+
+
+def _session_filters(
+    statement: Query, since: float | None, until: float | None, source: str | None
+) -> Query:
+    if since is not None:
+        statement = statement.where(ChatSession.started_at >= since)
+    if until is not None:
+        statement = statement.where(ChatSession.started_at < until)
+    if source is not None:
+        statement = statement.where(ChatSession.source == source)
+    return statement
+
+
+def _usage_columns() -> list[ColumnElement[Any]]:
+    def total(column: Any) -> ColumnElement[Any]:
+        return func.coalesce(func.sum(column), 0)
+
+    columns: list[ColumnElement[Any]] = [
+        func.count(ChatSession.id).label("sessions"),
+        total(ChatSession.message_count).label("messages"),
+        total(ChatSession.tool_call_count).label("tool_calls"),
+    ]
+    columns += [total(getattr(ChatSession, name)).label(name) for name in TOKEN_COLUMNS]
+    columns += [
+        sa.cast(total(ChatSession.estimated_cost_usd), sa.Float).label("estimated_cost_usd"),
+        sa.cast(total(ChatSession.actual_cost_usd), sa.Float).label("actual_cost_usd"),
+    ]
+    return columns
+
+
+def usage(
+    by: Dimension | Sequence[Dimension] = "model",
+    *,
+    since: float | None = None,
+    until: float | None = None,
+    source: str | None = None,
+) -> Query:
+    """Sessions, messages, tool calls, the five token counters and both costs, grouped ``by``.
+
+    ``by`` is ``"day"``, ``"model"``, ``"source"`` or a sequence of them (``("day", "model")``).
+    ``since``/``until`` bound ``started_at`` (epoch seconds); ``source`` keeps one source.
+    Rows are ordered by the dimensions (days oldest first).
+    """
+    names: list[Dimension] = [by] if isinstance(by, str) else list(by)
+    if not names:
+        raise ValueError("usage() needs at least one dimension")
+    dimensions = [_dimension(name) for name in names]
+    statement = select(*dimensions, *_usage_columns()).group_by(*dimensions)
+    statement = statement.order_by(*dimensions)
+    return _session_filters(statement, since, until, source)
+
+
+def usage_per_day(
+    *, since: float | None = None, until: float | None = None, source: str | None = None
+) -> Query:
+    """:func:`usage` by UTC day of ``started_at``, oldest day first."""
+    return usage("day", since=since, until=until, source=source)
+
+
+def usage_per_model(
+    *, since: float | None = None, until: float | None = None, source: str | None = None
+) -> Query:
+    """:func:`usage` by model (sessions without a model form one ``None`` row)."""
+    return usage("model", since=since, until=until, source=source)
+
+
+def usage_per_source(
+    *, since: float | None = None, until: float | None = None, source: str | None = None
+) -> Query:
+    """:func:`usage` by source (``cli``, ``telegram``, ...)."""
+    return usage("source", since=since, until=until, source=source)
+
+
+def totals(
+    *, since: float | None = None, until: float | None = None, source: str | None = None
+) -> Query:
+    """One row: the :func:`usage` figures over every (matching) session."""
+    return _session_filters(select(*_usage_columns()), since, until, source)
+
+
+def tool_usage(*, since: float | None = None, source: str | None = None) -> Query:
+    """Per ``messages.tool_name``: calls, sessions using it, first and last use; busiest first.
+
+    The agent records a tool's name on the ``role="tool"`` reply, so each row counts results.
+    ``since`` bounds the message timestamp; ``source`` keeps the sessions of one source.
+    """
+    calls = func.count(Message.id)
+    statement = (
+        select(
+            Message.tool_name.label("tool_name"),
+            calls.label("calls"),
+            func.count(sa.distinct(Message.session_id)).label("sessions"),
+            func.min(Message.timestamp).label("first_used"),
+            func.max(Message.timestamp).label("last_used"),
+        )
+        .where(Message.tool_name.is_not(None))
+        .group_by(Message.tool_name)
+        .order_by(calls.desc(), Message.tool_name)
+    )
+    if since is not None:
+        statement = statement.where(Message.timestamp >= since)
+    if source is not None:
+        statement = statement.join(ChatSession, ChatSession.id == Message.session_id).where(
+            ChatSession.source == source
+        )
+    return statement
+
+
+def session_durations(*, source: str | None = None) -> Query:
+    """Ended sessions with ``duration_s = ended_at - started_at``, oldest first."""
+    statement = (
+        select(
+            ChatSession.id,
+            ChatSession.source,
+            ChatSession.model,
+            ChatSession.started_at,
+            ChatSession.ended_at,
+            (ChatSession.ended_at - ChatSession.started_at).label("duration_s"),
+            ChatSession.end_reason,
+            ChatSession.message_count,
+        )
+        .where(ChatSession.ended_at.is_not(None))
+        .order_by(ChatSession.started_at, ChatSession.id)
+    )
+    return _session_filters(statement, None, None, source)
+
+
+def lineage_depth() -> Query:
+    """Every session reachable from a root, with its ``root_id`` and ``depth`` (root = 0).
+
+    A recursive CTE over ``parent_session_id`` (compression continuations, delegated
+    subagents, branches). Sessions whose parent row is missing are not reachable and left out.
+    """
+    roots = select(
+        ChatSession.id.label("id"),
+        ChatSession.id.label("root_id"),
+        literal_column("0", sa.Integer).label("depth"),
+    ).where(ChatSession.parent_session_id.is_(None))
+    tree = roots.cte("lineage", recursive=True)
+    step = select(
+        ChatSession.id, tree.c.root_id, (tree.c.depth + literal_column("1", sa.Integer))
+    ).where(
+        ChatSession.parent_session_id == tree.c.id,
+        tree.c.depth < literal_column(str(MAX_LINEAGE_DEPTH), sa.Integer),
+    )
+    tree = tree.union_all(step)
+    return select(tree.c.id, tree.c.root_id, tree.c.depth).order_by(
+        tree.c.root_id, tree.c.depth, tree.c.id
+    )
+
+
+def lineages(*, min_sessions: int = 1) -> Query:
+    """Per root session: how many sessions its lineage holds and how deep it goes."""
+    tree = lineage_depth().order_by(None).subquery()
+    size = func.count(tree.c.id)
+    return (
+        select(tree.c.root_id, size.label("sessions"), func.max(tree.c.depth).label("max_depth"))
+        .group_by(tree.c.root_id)
+        .having(size >= min_sessions)
+        .order_by(size.desc(), tree.c.root_id)
+    )
+
+
+# -- running a query ---------------------------------------------------------------------------
+
+
+def to_dataframe(
+    statement: sa.Executable,
+    target: SessionDB | Engine | Connection | URL | str | os.PathLike[str],
+) -> Any:
+    """Run ``statement`` on ``target`` and return a ``pandas.DataFrame`` of the rows.
+
+    ``target`` is a :class:`~hermes_store.SessionDB`, an Engine, a Connection, a URL or a
+    SQLite file path (opened read-only as it is: no migration). Needs pandas
+    (``pip install 'hermes-store[analytics]'``).
+    """
+    try:
+        pandas: Any = importlib.import_module("pandas")
+    except ImportError as error:
+        raise ImportError(
+            "to_dataframe() needs pandas: pip install 'hermes-store[analytics]' "
+            "(or pip install pandas)"
+        ) from error
+
+    def frame(conn: Connection) -> Any:
+        result = conn.execute(statement)
+        return pandas.DataFrame(result.all(), columns=list(result.keys()))
+
+    if isinstance(target, Connection):
+        return frame(target)
+    from hermes_store.store import SessionDB
+
+    if isinstance(target, SessionDB):
+        with target.uow.connect(write=False) as conn:
+            return frame(conn)
+    if isinstance(target, Engine):
+        with target.connect() as conn:
+            return frame(conn)
+    from hermes_store.migrate import read_engine
+
+    engine = read_engine(target)
+    try:
+        with engine.connect() as conn:
+            return frame(conn)
+    finally:
+        engine.dispose()

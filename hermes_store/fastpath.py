@@ -1,0 +1,121 @@
+"""Driver-level reads for SQLite hot paths: a Core statement compiled once, run on the unit's own
+DB-API connection (inside its transaction), rows returned as plain dicts.
+
+For a query that returns a few rows, or very many narrow ones, SQLAlchemy's per-execution work
+(cache keys, expanding parameters, result processing, Row objects) costs more than the SQL. These
+helpers keep the Core statement as the single source of truth and skip only that work; errors
+are wrapped exactly as SQLAlchemy wraps them, so callers' ``except`` clauses and the package's
+error mapping see the same exceptions. Other backends simply go through the Connection.
+
+Only statements built once (module-level or cached) belong here: the compiled form is cached
+by statement identity. Column types must not need result processing (true of this schema's
+TEXT/INTEGER/REAL columns on SQLite).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.sql import ClauseElement
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    sql: str
+    #: Per positional slot: (parameter name, index into an expanded list or None).
+    slots: tuple[tuple[str, int | None], ...]
+    defaults: dict[str, Any]
+
+
+_cache: dict[tuple[int, str, tuple[tuple[str, int], ...]], tuple[ClauseElement, _Compiled]] = {}
+_cache_lock = threading.Lock()
+
+
+def _bucket(size: int) -> int:
+    """Expanded lists are padded (with NULL) to a power of two: few compiled variants."""
+    bucket = 1
+    while bucket < size:
+        bucket *= 2
+    return bucket
+
+
+def _compile(
+    statement: ClauseElement, dialect: Dialect, expand: tuple[tuple[str, int], ...]
+) -> _Compiled:
+    key = (id(statement), dialect.name, expand)
+    hit = _cache.get(key)
+    if hit is not None and hit[0] is statement:
+        return hit[1]
+    target = statement
+    if expand:
+        # Rendering the expanded lists needs a value for every parameter: placeholders here
+        # (the real values are bound per execution, by position).
+        sizes = dict(expand)
+        binds = statement.compile(dialect=dialect).binds
+        target = statement.params(
+            {
+                name: [None] * sizes[name] if name in sizes else None
+                for name, bind in binds.items()
+                if name in sizes or bind.required
+            }
+        )
+    compiled = target.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    expanded = {f"{name}_{i + 1}": (name, i) for name, size in expand for i in range(size)}
+    slots = tuple(expanded.get(name, (name, None)) for name in compiled.positiontup or ())
+    defaults = {
+        name: bind.effective_value for name, bind in compiled.binds.items() if name not in expanded
+    }
+    result = _Compiled(compiled.string, slots, defaults)
+    with _cache_lock:
+        _cache[key] = (statement, result)  # the statement is kept, so its id stays unique
+    return result
+
+
+def rows(
+    conn: Connection,
+    statement: ClauseElement,
+    params: Mapping[str, Any] | None = None,
+    *,
+    expanding: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """All rows of ``statement`` as dicts keyed by column label.
+
+    ``expanding`` names list parameters (``bindparam(..., expanding=True)``); on SQLite their
+    lists are padded with NULL up to a power of two, which ``IN (...)`` ignores.
+    """
+    params = dict(params or {})
+    if conn.dialect.name != "sqlite":
+        return [dict(row._mapping) for row in conn.execute(statement, params)]
+    expand = tuple((name, _bucket(len(params[name]))) for name in expanding)
+    compiled = _compile(statement, conn.dialect, expand)
+    bound = []
+    for name, index in compiled.slots:
+        if index is None:
+            bound.append(params[name] if name in params else compiled.defaults.get(name))
+        else:
+            given = params[name]
+            bound.append(given[index] if index < len(given) else None)
+    values = tuple(bound)  # a tuple, as SQLAlchemy hands positional parameters to events
+    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    dispatch = conn.dispatch  # cursor events still fire (tracing, tests that watch the SQL)
+    try:
+        if dispatch.before_cursor_execute:
+            dispatch.before_cursor_execute(conn, cursor, compiled.sql, values, None, False)
+        cursor.execute(compiled.sql, values)
+        names = [column[0] for column in cursor.description]
+        found = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        if dispatch.after_cursor_execute:
+            dispatch.after_cursor_execute(conn, cursor, compiled.sql, values, None, False)
+        return found
+    except dbapi_error as orig:
+        raise sa.exc.DBAPIError.instance(
+            compiled.sql, values, orig, dbapi_error, dialect=conn.dialect
+        ) from orig
+    finally:
+        cursor.close()

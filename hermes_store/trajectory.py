@@ -1,0 +1,68 @@
+"""Trajectory files (the seed's ``agent/trajectory.py``): JSONL samples for training and review.
+
+Independent of the database: :func:`save_trajectory` appends one JSON object per line to a
+file, and two helpers turn the agent's ``<REASONING_SCRATCHPAD>`` tags into ShareGPT-style
+``<think>`` tags and spot a scratchpad that a cut-off stream left open.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import datetime
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SCRATCHPAD_OPEN = "<REASONING_SCRATCHPAD>"
+SCRATCHPAD_CLOSE = "</REASONING_SCRATCHPAD>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+COMPLETED_FILE = "trajectory_samples.jsonl"
+FAILED_FILE = "failed_trajectories.jsonl"
+
+
+def save_trajectory(
+    trajectory: list[dict[str, Any]],
+    model: str | None,
+    completed: bool,
+    filename: str | os.PathLike[str] | None = None,
+) -> None:
+    """Append ``{"conversations", "timestamp", "model", "completed"}`` as one UTF-8 JSON line.
+
+    ``filename`` defaults to ``trajectory_samples.jsonl`` (completed) or
+    ``failed_trajectories.jsonl``; any error is logged and swallowed, as in the seed.
+    """
+    if filename is None:
+        filename = COMPLETED_FILE if completed else FAILED_FILE
+    entry = {
+        "conversations": trajectory,
+        "timestamp": datetime.now().isoformat(),
+        "model": model,
+        "completed": completed,
+    }
+    try:
+        line = json.dumps(entry, ensure_ascii=False) + "\n"
+        with open(filename, "a", encoding="utf-8") as handle:
+            handle.write(line)
+    except Exception as error:  # the agent must never fail because a sample was not saved
+        log.warning("could not save the trajectory to %s: %s", filename, error)
+
+
+def convert_scratchpad_to_think(content: str | None) -> str | None:
+    """``<REASONING_SCRATCHPAD>``/``</REASONING_SCRATCHPAD>`` become ``<think>``/``</think>``.
+
+    Empty content, or content without the opening tag, is returned unchanged.
+    """
+    if not content or SCRATCHPAD_OPEN not in content:
+        return content
+    return content.replace(SCRATCHPAD_OPEN, THINK_OPEN).replace(SCRATCHPAD_CLOSE, THINK_CLOSE)
+
+
+def has_incomplete_scratchpad(content: str | None) -> bool:
+    """True when the opening scratchpad tag is present and the closing one is not."""
+    if not content:
+        return False
+    return SCRATCHPAD_OPEN in content and SCRATCHPAD_CLOSE not in content

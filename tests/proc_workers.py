@@ -1,0 +1,236 @@
+"""Worker processes for the load, concurrency and fault tests.
+
+Kept apart from the test modules so that a ``spawn``ed child imports only this and
+``hermes_store`` (not pytest and the fixtures): starting ten processes on two cores stays cheap.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hermes_store import SessionDB
+
+MARK = "loadmark"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How much each writer does: ``threads`` threads x ``ops`` operations."""
+
+    threads: int
+    ops: int
+    own_sessions: bool = True
+
+
+def writer(url: str, worker: int, shape: Shape, start: Any, done: Any, out: Any) -> None:
+    """Append to the shared session (and its own) and increment counters, from many threads."""
+    errors: list[str] = []
+    try:
+        store = SessionDB(url)
+    except BaseException as error:
+        out.put(("writer", worker, [f"open: {error!r}"], 0))
+        return
+
+    def work(thread: int) -> None:
+        for op in range(shape.ops):
+            tag = f"w{worker}t{thread}o{op}"
+            try:
+                store.append_message("shared", "user", f"{MARK} {tag} shared")
+                store.update_token_counts(
+                    "shared", input_tokens=1, output_tokens=2, estimated_cost_usd=0.5
+                )
+                if shape.own_sessions:
+                    own = f"w{worker}"
+                    store.append_message(own, "assistant", f"{MARK} own {tag}")
+                    store.update_token_counts(own, input_tokens=5, estimated_cost_usd=0.25)
+            except BaseException as error:
+                errors.append(f"{tag}: {error!r}")
+
+    try:
+        start.wait(timeout=120)
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(shape.threads)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        store.close()
+        out.put(("writer", worker, errors, 0))
+
+
+def reader(url: str, worker: int, _shape: Shape, start: Any, done: Any, out: Any) -> None:
+    """Search and list until ``done`` is set (then one last round); results must be well formed."""
+    errors: list[str] = []
+    reads = 0
+    try:
+        store = SessionDB(url)
+    except BaseException as error:
+        out.put(("reader", worker, [f"open: {error!r}"], 0))
+        return
+    try:
+        start.wait(timeout=120)
+        finished = False
+        while not finished:
+            finished = done.is_set()
+            try:
+                hits = store.search_messages(MARK, limit=10)
+                if any(hit["snippet"] is None or "context" not in hit for hit in hits):
+                    errors.append(f"r{worker}: malformed hit {hits[:1]}")
+                listed = store.list_sessions_rich(limit=10, include_children=True)
+                if any("preview" not in row or "last_active" not in row for row in listed):
+                    errors.append(f"r{worker}: malformed row {listed[:1]}")
+                store.get_messages("shared", limit=5)
+                reads += 3
+            except BaseException as error:
+                errors.append(f"r{worker}: {error!r}")
+            time.sleep(0.005)  # readers poll; they must not starve the writers of CPU
+    finally:
+        store.close()
+        out.put(("reader", worker, errors, reads))
+
+
+def run(
+    url: str, *, writers: int, readers: int, shape: Shape, timeout: float = 240
+) -> tuple[list[str], dict[int, int]]:
+    """Start the processes together; every error they report, and each reader's read count."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    start = ctx.Barrier(writers + readers)
+    done = ctx.Event()
+    procs = [ctx.Process(target=writer, args=(url, w, shape, start, done, out))
+             for w in range(writers)]  # fmt: skip
+    procs += [ctx.Process(target=reader, args=(url, r, shape, start, done, out))
+              for r in range(readers)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    errors: list[str] = []
+    reads: dict[int, int] = {}
+    writers_left = writers
+    for _ in procs:
+        try:
+            kind, worker, worker_errors, count = out.get(timeout=timeout)
+        except queue.Empty:
+            errors.append("a worker did not report in time")
+            break
+        errors.extend(worker_errors)
+        if kind == "reader":
+            reads[worker] = count
+        else:
+            writers_left -= 1
+            if writers_left == 0:
+                done.set()
+    done.set()
+    for proc in procs:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            errors.append(f"{proc.name} hung")
+        elif proc.exitcode != 0:
+            errors.append(f"{proc.name} exited with {proc.exitcode}")
+    return errors, reads
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+def die_inside_a_unit(url: str, committed: int, mode: str, ready: Any) -> None:
+    """Commit ``committed`` messages, then stop inside a write unit after inserting (the lock held,
+    rows and their index entries written but not committed) and wait there to be SIGKILLed.
+
+    ``mode`` picks the unit: ``"unit"`` (a Connection unit) or ``"driver"`` (the hot path's).
+    """
+    store = SessionDB(url)
+    store.create_session("victim", "cli")
+    for index in range(committed):
+        store.append_message("victim", "user", f"committed {index} durable")
+    statements = (
+        "INSERT INTO messages (session_id, role, content, timestamp) "
+        "VALUES ('victim', 'user', 'uncommitted ghost', 0)",
+        "UPDATE sessions SET message_count = message_count + 1000 WHERE id = 'victim'",
+        # Many rows at once, so pages may spill to the WAL before the commit that never comes.
+        "INSERT INTO messages (session_id, role, content, timestamp) "
+        "SELECT session_id, role, 'ghost ' || content, 0 FROM messages",
+    )
+
+    def unit(conn: Any) -> None:
+        for statement in statements:
+            conn.exec_driver_sql(statement)
+        ready.set()
+        time.sleep(600)
+
+    def driver_unit(cursor: Any) -> None:
+        for statement in statements:
+            cursor.execute(statement)
+        ready.set()
+        time.sleep(600)
+
+    if mode == "driver":
+        store.uow.run_driver(driver_unit)
+    else:
+        store.uow.run(unit)
+
+
+def drop_privileges_and_probe(path: str, out: Any) -> None:
+    """As ``nobody`` (when started as root): read, then try every kind of write; report what
+    each call returned or raised. Everything is imported and warmed up before the switch,
+    since the interpreter's own files may not be readable by ``nobody``."""
+    import tempfile
+
+    from hermes_store import HermesStoreError
+
+    warm_dir = tempfile.mkdtemp(prefix="hermes-warm-")
+    warm = SessionDB(f"{warm_dir}/warm.db")
+    warm.create_session("w", "cli")
+    warm.append_message("w", "user", "warm hello")
+    warm.update_token_counts("w", input_tokens=1)
+    warm.search_messages("hello")
+    warm.list_sessions_rich()
+    warm.close()
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    report: dict[str, str] = {"uid": str(os.geteuid())}
+
+    def attempt(name: str, fn: Callable[[], object]) -> None:
+        try:
+            value = fn()
+        except HermesStoreError as error:
+            report[name] = f"raised {type(error).__name__}: {error}"
+        except BaseException as error:
+            report[name] = f"RAW {type(error).__name__}: {error}"
+        else:
+            report[name] = f"ok {value!r}"[:300]
+
+    try:
+        store = SessionDB(path)
+    except BaseException as error:
+        report["open"] = f"raised {type(error).__name__}: {error}"
+        out.put(report)
+        return
+    attempt("get_session", lambda: (store.get_session("a") or {}).get("message_count"))
+    attempt("get_messages", lambda: [m["content"] for m in store.get_messages("a")])
+    attempt("search", lambda: len(store.search_messages("hello")))
+    attempt("list", lambda: [row["id"] for row in store.list_sessions_rich()])
+    attempt("append_message", lambda: store.append_message("a", "user", "refused"))
+    attempt("create_session", lambda: store.create_session("b", "cli"))
+    attempt("update_token_counts", lambda: store.update_token_counts("a", input_tokens=1))
+    attempt("set_session_title", lambda: store.set_session_title("a", "refused"))
+    attempt("get_after", lambda: (store.get_session("a") or {}).get("input_tokens"))
+    attempt("close", store.close)
+    out.put(report)
+
+
+def spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
+    """A started ``spawn`` process running ``target(*args, event)``, and that event."""
+    ctx = mp.get_context("spawn")
+    event = ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, event))
+    proc.start()
+    return proc, event

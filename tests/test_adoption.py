@@ -1,0 +1,466 @@
+"""Adoption of ``state.db`` files written by the original store, the refusal of anything else,
+and the two stores sharing one file (files stay readable and writable by the seed's code).
+
+Each legacy file is built as the original store left it (``tests/legacy.py``) and adopted
+three ways: ``hermes_store.upgrade(path)``, opening ``SessionDB(path)``, and the ``alembic
+upgrade head`` command line.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+
+import hermes_store
+from hermes_store import (
+    NotADatabaseError,
+    SchemaError,
+    SchemaTooNewError,
+    SessionDB,
+    UnrecognizedSchemaError,
+)
+from tests import legacy
+from tests.conftest import reset_pg, url_string
+from tests.migration_checks import (
+    FTS_TRIGGERS,
+    HEAD,
+    alembic_cli,
+    alembic_revision,
+    file_state,
+    fts_integrity_check,
+    full_text_ids,
+    plain_engine,
+    schema_version,
+    table_names,
+)
+from tests.seed_store import SeedSessionDB
+
+LEGACY_CASES = [pytest.param(v, False, id=f"v{v}") for v in range(1, 7)] + [
+    pytest.param(v, True, id=f"v{v}-with-later-columns") for v in range(1, 6)
+]
+ADOPTERS = ("upgrade", "SessionDB", "alembic")
+
+#: The value each post-v1 column holds in a row written before the column existed.
+DEFAULTS: dict[str, tuple[str, Any]] = {
+    column: ("integer", 0) if "DEFAULT 0" in decl else ("null", None)
+    for alters in legacy.VERSION_ALTERS.values()
+    for _table, column, decl, _quoted in alters
+}
+
+
+def sqlite_url(path: Path) -> URL:
+    return sa.make_url(f"sqlite:///{path}")
+
+
+def adopt(how: str, path: Path, tmp_path: Path) -> None:
+    """Bring a file to head the way ``how`` names (each must adopt a legacy file)."""
+    if how == "upgrade":
+        assert hermes_store.upgrade(path) == HEAD
+    elif how == "SessionDB":
+        db = SessionDB(path)
+        try:
+            assert db.get_session(legacy.S_ROOT) is not None
+        finally:
+            db.close()
+    else:
+        result = alembic_cli("upgrade", "head", env_url=f"sqlite:///{path}", tmp_path=tmp_path)
+        assert result.returncode == 0, result.stderr
+
+
+def seed_v6_signature(tmp_path: Path) -> dict[str, Any]:
+    reference = tmp_path / "seed_v6.db"
+    legacy.build_from_ddl(reference)
+    return legacy.schema_signature(reference, trigger_sql=True)
+
+
+def assert_seed_can_use(path: Path) -> int:
+    """The original store opens the file, finds old content, appends and finds that too.
+    Returns the id of the appended message."""
+    seed = SeedSessionDB(path)
+    try:
+        assert seed.get_session(legacy.S_ROOT)["source"] == "cli"  # type: ignore[index]
+        assert [m["id"] for m in seed.search_messages("zebracorn")] == [6]
+        new_id = seed.append_message(legacy.S_TG, "user", "the seed saw a quagga")
+        assert [m["id"] for m in seed.search_messages("quagga")] == [new_id]
+    finally:
+        seed.close()
+    return new_id
+
+
+# -- adoption -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ADOPTERS)
+@pytest.mark.parametrize(("version", "later_columns"), LEGACY_CASES)
+def test_adopts_legacy_file(tmp_path: Path, version: int, later_columns: bool, how: str) -> None:
+    """A file at v{version} with rows: nothing lost, new columns at their defaults, version 6,
+    stamped at head, the seed's v6 schema, old content searchable, still usable by the seed."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, version, extra_later_columns=later_columns)
+    before = legacy.dump_rows(path, typed=True)
+    assert before == legacy.expected_rows(version, extra_later_columns=later_columns, typed=True)
+
+    adopt(how, path, tmp_path)
+
+    after = legacy.dump_rows(path, typed=True)
+    for table in ("sessions", "messages"):
+        assert len(after[table]) == len(before[table])
+        for old, new in zip(before[table], after[table], strict=True):
+            assert {c: new[c] for c in old} == old  # every value, with its storage class
+            assert {c: new[c] for c in new if c not in old} == {
+                c: DEFAULTS[c] for c in new if c not in old
+            }
+    url = sqlite_url(path)
+    assert schema_version(url) == 6
+    assert alembic_revision(url) == HEAD
+    assert legacy.schema_signature(path, trigger_sql=True) == seed_v6_signature(tmp_path)
+    assert full_text_ids(url, "zebracorn") == [6]
+    fts_integrity_check(path)
+
+    new_id = assert_seed_can_use(path)
+    assert schema_version(url) == 6 and alembic_revision(url) == HEAD
+    fts_integrity_check(path)
+    db = SessionDB(path)  # and back in hermes_store, the seed's message is there
+    try:
+        assert [m["id"] for m in db.get_messages(legacy.S_TG)][-1] == new_id
+    finally:
+        db.close()
+
+
+def test_legacy_file_without_fts_is_indexed_on_adoption(tmp_path: Path) -> None:
+    """A legacy file whose FTS objects are gone gets them back, indexing the old content."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 4)
+    con = sqlite3.connect(path)
+    for trigger in FTS_TRIGGERS:
+        con.execute(f"DROP TRIGGER {trigger}")
+    con.execute("DROP TABLE messages_fts")
+    con.commit()
+    con.close()
+    assert hermes_store.upgrade(path) == HEAD
+    assert full_text_ids(sqlite_url(path), "zebracorn") == [6]
+    assert sorted(legacy.schema_signature(path)["triggers"]) == FTS_TRIGGERS
+    fts_integrity_check(path)
+
+
+def test_seed_reads_and_writes_a_hermes_file(tmp_path: Path) -> None:
+    """A file created and written by hermes_store is a valid state.db for the original store,
+    and what the seed writes into it is read back by hermes_store."""
+    path = tmp_path / "state.db"
+    db = SessionDB(path)
+    try:
+        db.create_session("h-root", "cli", model="m1", model_config={"t": 0.5})
+        db.set_session_title("h-root", "Hermes wrote this")
+        db.append_message("h-root", "user", "hello from the ibex")
+        db.append_message("h-root", "assistant", "ok", finish_reason="stop", reasoning="r")
+        db.update_token_counts("h-root", input_tokens=10, output_tokens=5)
+    finally:
+        db.close()
+    signature = legacy.schema_signature(path, trigger_sql=True)
+    assert signature == seed_v6_signature(tmp_path)
+
+    seed = SeedSessionDB(path)
+    try:
+        session = seed.get_session("h-root")
+        assert session is not None
+        assert (session["title"], session["model_config"]) == ("Hermes wrote this", '{"t": 0.5}')
+        assert (session["input_tokens"], session["output_tokens"]) == (10, 5)
+        assert [m["content"] for m in seed.get_messages("h-root")] == ["hello from the ibex", "ok"]
+        assert len(seed.search_messages("ibex")) == 1
+        seed.create_session("s-child", "telegram", parent_session_id="h-root")
+        seed_id = seed.append_message("s-child", "user", "the seed adds a yak")
+        seed.set_session_title("s-child", "Seed wrote this")
+    finally:
+        seed.close()
+    assert legacy.schema_signature(path, trigger_sql=True) == signature  # seed changed no DDL
+    url = sqlite_url(path)
+    assert schema_version(url) == 6 and alembic_revision(url) == HEAD
+
+    db = SessionDB(path)
+    try:
+        assert [m["id"] for m in db.get_messages("s-child")] == [seed_id]
+        assert db.get_session("s-child")["title"] == "Seed wrote this"  # type: ignore[index]
+        assert db.message_count() == 3
+    finally:
+        db.close()
+    assert full_text_ids(url, "yak") == [seed_id]
+    fts_integrity_check(path)
+
+
+def test_hermes_opens_a_file_the_seed_created(tmp_path: Path) -> None:
+    """A state.db created fresh by the original store (v6, no alembic_version) opens here."""
+    path = tmp_path / "state.db"
+    seed = SeedSessionDB(path)
+    try:
+        seed.create_session("s1", "cli", model="m")
+        first = seed.append_message("s1", "user", "a fresh capybara")
+        seed.set_session_title("s1", "Seed title")
+    finally:
+        seed.close()
+    url = sqlite_url(path)
+    assert "alembic_version" not in table_names(url)
+    before = legacy.dump_rows(path, typed=True)
+
+    db = SessionDB(path)
+    try:
+        assert db.get_session("s1")["title"] == "Seed title"  # type: ignore[index]
+        second = db.append_message("s1", "assistant", "capybara acknowledged")
+    finally:
+        db.close()
+    assert alembic_revision(url) == HEAD and schema_version(url) == 6
+    after = legacy.dump_rows(path, typed=True)
+    assert after["sessions"][0] == {**before["sessions"][0], "message_count": ("integer", 2)}
+    assert after["messages"][0] == before["messages"][0]
+    assert full_text_ids(url, "capybara") == [first, second]
+    assert legacy.schema_signature(path, trigger_sql=True) == seed_v6_signature(tmp_path)
+    fts_integrity_check(path)
+
+
+# -- refusal -------------------------------------------------------------------------------------
+
+
+def make_v7(path: Path) -> None:
+    legacy.build_legacy_db(path, 6)
+    con = sqlite3.connect(path)
+    con.execute("UPDATE schema_version SET version = 7")
+    con.commit()
+    con.close()
+
+
+def make_garbage(path: Path) -> None:
+    path.write_bytes(os.urandom(3) + b"not sqlite" + os.urandom(8179))
+
+
+def make_empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def make_truncated(path: Path) -> None:
+    full = path.with_name("full.db.bak")
+    legacy.build_legacy_db(full, 6)
+    data = full.read_bytes()
+    full.unlink()
+    assert data.startswith(b"SQLite format 3\x00") and len(data) > 8192
+    path.write_bytes(data[: len(data) // 2])
+
+
+def make_unrelated(path: Path) -> None:
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+    con.execute("INSERT INTO notes (body) VALUES ('keep me')")
+    con.commit()
+    con.close()
+
+
+def make_unknown_column(path: Path) -> None:
+    legacy.build_legacy_db(path, 6)
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE sessions ADD COLUMN mood TEXT")
+    con.commit()
+    con.close()
+
+
+def make_future_revision(path: Path) -> None:
+    """A file a newer hermes_store migrated past this one's head."""
+    hermes_store.upgrade(path)
+    con = sqlite3.connect(path)
+    con.execute("UPDATE alembic_version SET version_num = 'v7_future_feature'")
+    con.commit()
+    con.close()
+
+
+REFUSALS: dict[str, tuple[Callable[[Path], None], type[SchemaError], str]] = {
+    "schema-v7": (make_v7, SchemaTooNewError, r"schema_version 7"),
+    "future-revision": (make_future_revision, SchemaTooNewError, r"'v7_future_feature'"),
+    "garbage": (make_garbage, NotADatabaseError, r"not a SQLite database"),
+    "empty": (make_empty, NotADatabaseError, r"empty file \(0 bytes\)"),
+    "truncated": (make_truncated, NotADatabaseError, r"malformed|not a readable"),
+    "unrelated-tables": (make_unrelated, UnrecognizedSchemaError, r"\(notes\)"),
+    "unknown-column": (make_unknown_column, UnrecognizedSchemaError, r"unknown \['mood'\]"),
+}
+
+
+@pytest.mark.parametrize("how", ADOPTERS)
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refuses_and_leaves_file_untouched(tmp_path: Path, case: str, how: str) -> None:
+    """A clear package error naming what was found, and not one byte (or -wal/-shm) changed."""
+    make, error, found = REFUSALS[case]
+    folder = tmp_path / "db"
+    folder.mkdir()
+    path = folder / "state.db"
+    make(path)
+    before = file_state(path)
+    assert before[1] == ["state.db"]
+
+    if how == "alembic":
+        result = alembic_cli("upgrade", "head", env_url=f"sqlite:///{path}", tmp_path=tmp_path)
+        assert result.returncode != 0
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"hermes_store.errors.{error.__name__}: "), result.stderr
+        assert str(path) in last
+        assert re.search(found, last), last
+    else:
+        with pytest.raises(error, match=found) as caught:
+            if how == "upgrade":
+                hermes_store.upgrade(path)
+            else:
+                SessionDB(path)
+        assert str(path) in str(caught.value)
+        with pytest.raises(error):
+            hermes_store.current(path)
+    assert file_state(path) == before
+
+
+def test_refusals_in_postgresql(pg_worker_url: URL | None) -> None:
+    """On a server too: a newer schema_version and unrelated tables are refused, unchanged."""
+    if pg_worker_url is None:
+        pytest.skip("PostgreSQL tests need HERMES_STORE_TEST_PG_URL")
+    reset_pg(pg_worker_url)
+    empty_url = pg_worker_url
+    engine = plain_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE notes (id integer PRIMARY KEY, body text)"))
+            conn.execute(sa.text("INSERT INTO notes VALUES (1, 'keep me')"))
+        for target in (empty_url, url_string(empty_url)):
+            with pytest.raises(UnrecognizedSchemaError, match="notes"):
+                hermes_store.upgrade(target)
+        with pytest.raises(UnrecognizedSchemaError, match="notes"):
+            SessionDB(url_string(empty_url))
+        assert table_names(empty_url) == {"notes"}
+
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE notes"))
+        hermes_store.upgrade(empty_url)
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE schema_version SET version = 7"))
+            conn.execute(sa.text("DELETE FROM alembic_version"))
+        with pytest.raises(SchemaTooNewError, match="schema_version 7"):
+            hermes_store.upgrade(empty_url)
+        with pytest.raises(SchemaTooNewError, match="schema_version 7"):
+            SessionDB(url_string(empty_url))
+        assert schema_version(empty_url) == 7
+        assert alembic_revision(empty_url) is None
+    finally:
+        engine.dispose()
+
+
+# -- opening without the write lock; many processes at once --------------------------------------
+
+
+def test_open_at_head_takes_no_write_lock(tmp_path: Path) -> None:
+    """With another connection holding the write lock, a head database still opens and reads;
+    a file that needs migrating cannot (so the lock really is held)."""
+    path = tmp_path / "state.db"
+    db = SessionDB(path)
+    db.create_session("s1", "cli")
+    db.append_message("s1", "user", "locked llama")
+    db.close()
+    stale = tmp_path / "stale.db"
+    legacy.build_legacy_db(stale, 5)
+
+    holders = [sqlite3.connect(p, isolation_level=None) for p in (path, stale)]
+    try:
+        for holder in holders:
+            holder.execute("BEGIN IMMEDIATE")
+        opened = SessionDB(path)
+        try:
+            assert opened.message_count("s1") == 1
+            assert opened.get_session("s1")["source"] == "cli"  # type: ignore[index]
+            assert hermes_store.current(path) == HEAD
+        finally:
+            opened.close()
+        with pytest.raises(hermes_store.DatabaseLockedError):
+            SessionDB(stale)
+    finally:
+        for holder in holders:
+            holder.close()
+    assert schema_version(sqlite_url(stale)) == 5  # untouched while locked
+
+
+def _open_and_append(target: str, index: int, barrier: Any, errors: Any) -> None:
+    """Child process: wait for the others, open, write one session and one message."""
+    try:
+        barrier.wait(timeout=60)
+        db = SessionDB(target)
+        try:
+            db.create_session(f"proc-{index}", "cli")
+            db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
+        finally:
+            db.close()
+    except BaseException as error:
+        errors.put(f"{index}: {error!r}")
+        raise
+
+
+def run_openers(target: str, processes: int) -> None:
+    """Start ``processes`` spawned processes that open ``target`` at the same moment and each
+    write one session and one message; fail with every child's error."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, errors = ctx.Barrier(processes), ctx.Queue()
+    workers = [
+        ctx.Process(target=_open_and_append, args=(target, i, barrier, errors))
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    problems = []
+    while not errors.empty():
+        problems.append(errors.get())
+    assert problems == []
+    assert [w.exitcode for w in workers] == [0] * processes
+
+
+def count(url: URL, table: str) -> int:
+    engine = plain_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_first_open(empty_url: URL) -> None:
+    """Six processes opening the same new database at the same moment: no error, one head
+    database, every message stored (SQLite: a new path; PostgreSQL: an empty database)."""
+    run_openers(url_string(empty_url), 6)
+    assert alembic_revision(empty_url) == HEAD
+    assert schema_version(empty_url) == 6
+    for table, rows in (("messages", 6), ("sessions", 6), ("schema_version", 1)):
+        assert count(empty_url, table) == rows, table
+    assert count(empty_url, "alembic_version") == 1
+    assert len(full_text_ids(empty_url, "concurrent")) == 6
+    if empty_url.get_backend_name() == "sqlite":
+        path = Path(empty_url.database or "")
+        fts_integrity_check(path)
+        leftovers = [p.name for p in path.parent.iterdir() if p.name.endswith(".new")]
+        assert leftovers == []
+
+
+def test_concurrent_first_open_of_a_legacy_file(tmp_path: Path) -> None:
+    """Six processes opening one legacy v3 file at once: adopted once, nothing lost."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    before = legacy.dump_rows(path, typed=True)
+    run_openers(str(path), 6)
+    url = sqlite_url(path)
+    assert alembic_revision(url) == HEAD and schema_version(url) == 6
+    after = legacy.dump_rows(path, typed=True)
+    assert [{c: row[c] for c in before["messages"][0]} for row in after["messages"][:9]] == before[
+        "messages"
+    ]
+    assert len(after["messages"]) == 9 + 6 and len(after["sessions"]) == 4 + 6
+    assert full_text_ids(url, "zebracorn") == [6]
+    assert len(full_text_ids(url, "concurrent")) == 6
+    fts_integrity_check(path)
