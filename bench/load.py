@@ -55,8 +55,19 @@ class LoadResult:
         }
 
 
-def _writer(url: str, worker: int, threads: int, ops: int, start: Barrier, out: Any) -> None:
-    store = SessionDB(url)
+def _open(url: str, kind: str) -> Any:
+    """hermes_store, or the seed's own class (``tests/seed_store.py``) for the floor's run."""
+    if kind == "seed":
+        from tests.seed_store import SeedSessionDB
+
+        return SeedSessionDB(url)
+    return SessionDB(url)
+
+
+def _writer(
+    url: str, kind: str, worker: int, threads: int, ops: int, start: Barrier, out: Any
+) -> None:
+    store = _open(url, kind)
     latencies: list[float] = []
     errors: list[str] = []
 
@@ -83,8 +94,8 @@ def _writer(url: str, worker: int, threads: int, ops: int, start: Barrier, out: 
     out.put(("writer", latencies, errors, False))
 
 
-def _reader(url: str, worker: int, start: Barrier, stop: Event, out: Any) -> None:
-    store = SessionDB(url)
+def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: Any) -> None:
+    store = _open(url, kind)
     latencies: list[float] = []
     errors: list[str] = []
     unavailable = False
@@ -131,22 +142,36 @@ def prepare(url: str) -> None:
 
 
 def run_load(
-    url: str, backend: str, *, writers: int = 8, readers: int = 2, threads: int = 4, ops: int = 100
+    url: str,
+    backend: str,
+    *,
+    writers: int = 8,
+    readers: int = 2,
+    threads: int = 4,
+    ops: int = 100,
+    kind: str = "ours",
 ) -> LoadResult:
-    """Run the load shape once against ``url`` (already prepared) and check the totals."""
+    """Run the load shape once against ``url`` (already prepared) and check the totals.
+
+    ``kind="seed"`` runs the same shape with the seed's own class (SQLite path only): the floor.
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start = ctx.Barrier(writers + readers + 1)
     stop = ctx.Event()
     procs = [
-        ctx.Process(target=_writer, args=(url, w, threads, ops, start, out)) for w in range(writers)
+        ctx.Process(target=_writer, args=(url, kind, w, threads, ops, start, out))
+        for w in range(writers)
     ]
-    procs += [ctx.Process(target=_reader, args=(url, r, start, stop, out)) for r in range(readers)]
+    procs += [
+        ctx.Process(target=_reader, args=(url, kind, r, start, stop, out)) for r in range(readers)
+    ]
     for proc in procs:
         proc.start()
     start.wait(timeout=120)
     began = time.perf_counter()
-    result = LoadResult(backend, writers, threads, ops, 0.0)
+    result = LoadResult(backend if kind == "ours" else f"{backend}, seed (floor)", writers,
+                        threads, ops, 0.0)  # fmt: skip
     pending_writers = writers
     pending = len(procs)
     while pending:

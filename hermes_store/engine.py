@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
@@ -181,24 +182,26 @@ def install_sqlite_hooks(
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         write = bool(conn.get_execution_options().get(WRITE_OPTION, False))
-        wanted = writer_ms if write else reader_ms
-        info = conn.connection.info
-        if info.get("busy_ms") != wanted:
-            conn.exec_driver_sql(f"PRAGMA busy_timeout={wanted}")
-            info["busy_ms"] = wanted
-        # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
-        # readers take a deferred BEGIN and never queue behind a writer.
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        pooled = conn.connection
+        try:
+            begin_on_driver(pooled.driver_connection, pooled.info, write=write)  # type: ignore[arg-type]
+        except sqlite3.Error as error:
+            # Raised inside an event, a driver error would escape SQLAlchemy's wrapping.
+            raise sa_exc.DBAPIError.instance(
+                "BEGIN", None, error, sqlite3.Error, dialect=engine.dialect
+            ) from error
 
 
 def begin_on_driver(
     dbapi_connection: sqlite3.Connection, info: dict[Any, Any], *, write: bool
 ) -> None:
-    """What the ``begin`` hook does, on a raw pooled SQLite connection (the Unit of Work's
-    driver-level hot path): the busy timeout of the unit's kind, then ``BEGIN [IMMEDIATE]``."""
+    """Begin a unit on a pooled SQLite connection: the begin hook's body, shared with the Unit
+    of Work's driver-level hot path so both begin exactly alike."""
     writer_ms, reader_ms = info[BUSY_TIMEOUTS_KEY]
     wanted = writer_ms if write else reader_ms
     if info.get("busy_ms") != wanted:
         dbapi_connection.execute(f"PRAGMA busy_timeout={int(wanted)}")
         info["busy_ms"] = wanted
+    # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
+    # readers take a deferred BEGIN and never queue behind a writer.
     dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -17,11 +17,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
-from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql import ClauseElement, Executable
+from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class _Compiled:
 
 _cache: dict[tuple[int, str, tuple[tuple[str, int], ...]], tuple[ClauseElement, _Compiled]] = {}
 _cache_lock = threading.Lock()
+
+
+def _sql_compiler(compiled: Compiled) -> SQLCompiler:
+    assert isinstance(compiled, SQLCompiler)
+    return compiled
 
 
 def _bucket(size: int) -> int:
@@ -56,7 +62,7 @@ def _compile(
         # Rendering the expanded lists needs a value for every parameter: placeholders here
         # (the real values are bound per execution, by position).
         sizes = dict(expand)
-        binds = statement.compile(dialect=dialect).binds
+        binds = _sql_compiler(statement.compile(dialect=dialect)).binds
         target = statement.params(
             {
                 name: [None] * sizes[name] if name in sizes else None
@@ -64,7 +70,9 @@ def _compile(
                 if name in sizes or bind.required
             }
         )
-    compiled = target.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    compiled = _sql_compiler(
+        target.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    )
     expanded = {f"{name}_{i + 1}": (name, i) for name, size in expand for i in range(size)}
     slots = tuple(expanded.get(name, (name, None)) for name in compiled.positiontup or ())
     defaults = {
@@ -90,7 +98,7 @@ def rows(
     """
     params = dict(params or {})
     if conn.dialect.name != "sqlite":
-        return [dict(row._mapping) for row in conn.execute(statement, params)]
+        return [dict(row._mapping) for row in conn.execute(cast(Executable, statement), params)]
     expand = tuple((name, _bucket(len(params[name]))) for name in expanding)
     compiled = _compile(statement, conn.dialect, expand)
     bound = []

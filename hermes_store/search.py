@@ -396,9 +396,12 @@ def _sqlite_full_text(
     statement = _fts_statement()
     if filters:
         statement = statement.where(*filters)
-        run = lambda params: _dicts(conn.execute(statement, params))  # noqa: E731
-    else:  # the common case: the statement built once, run on the driver
-        run = lambda params: fastpath.rows(conn, statement, params)  # noqa: E731
+
+    def run(params: dict[str, Any]) -> list[dict[str, Any]]:
+        if filters:
+            return _dicts(conn.execute(statement, params))
+        return fastpath.rows(conn, statement, params)  # built once: run on the driver
+
     page = {"fts_limit": limit, "fts_offset": offset}
     quoted = fts5_query(terms)
     if quoted != sanitized and _FTS5_PLAIN.fullmatch(_QUOTED_PHRASE.sub(" ", sanitized)):

@@ -22,6 +22,7 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from hermes_store import fastpath, listing, search, titles
 from hermes_store.engine import Target, create_engine, default_db_path
@@ -100,13 +101,6 @@ def _row_dict(row: Row[Any]) -> RowDict:
     return dict(row._mapping)
 
 
-def _message_dict(row: Row[Any]) -> RowDict:
-    message = dict(row._mapping)
-    if message.get("tool_calls"):
-        message["tool_calls"] = _from_json(message["tool_calls"], [], "tool_calls", message["id"])
-    return message
-
-
 class SessionDB:
     """Drop-in for the seed's ``SessionDB``, on a SQLite file or any SQLAlchemy URL.
 
@@ -155,6 +149,10 @@ class SessionDB:
         self._driver_insert = _compiled(
             M.insert(), self.engine, [c.name for c in M.columns if c.name != "id"]
         )
+        self._driver_tokens = {
+            absolute: _compiled(_token_statement(absolute), self.engine)
+            for absolute in (False, True)
+        }
         self._closed = False
 
     @classmethod
@@ -444,31 +442,17 @@ class SessionDB:
         for name, text_value in (overwrite | fill).items():
             self._text(name, text_value)
 
-        values: dict[str, Any] = {}
-        for name, value in counts.items():
-            column = S.c[name]
-            values[name] = value if absolute else func.coalesce(column, 0) + value
-        est, act = S.c.estimated_cost_usd, S.c.actual_cost_usd
-        values["estimated_cost_usd"] = (
-            func.coalesce(sa.literal(estimated_cost_usd, sa.Float()), 0)
-            if absolute
-            else func.coalesce(est, 0)
-            + func.coalesce(sa.literal(estimated_cost_usd, sa.Float()), 0)
-        )
-        if actual_cost_usd is not None:
-            values["actual_cost_usd"] = (
-                actual_cost_usd if absolute else func.coalesce(act, 0) + actual_cost_usd
-            )
-        values.update({name: value for name, value in overwrite.items() if value is not None})
-        values.update(
-            {
-                name: func.coalesce(S.c[name], value)
-                for name, value in fill.items()
-                if value is not None
-            }
-        )
-        statement = update(S).where(S.c.id == session_id).values(values)
-        self.uow.run(lambda conn: conn.execute(statement))
+        params: dict[str, Any] = {
+            f"p_{name}": value for name, value in (counts | overwrite | fill).items()
+        }
+        params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
+        if self.is_sqlite:  # the hot path: the statement compiled once, run on the driver
+            sql, keys = self._driver_tokens[bool(absolute)]
+            bound = tuple(params[key] for key in keys)
+            self.uow.run_driver(lambda cursor: cursor.execute(sql, bound))
+            return
+        statement = _token_statement(bool(absolute))
+        self.uow.run(lambda conn: conn.execute(statement, params))
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -757,6 +741,30 @@ class SessionDB:
     def _contains_cjk(text: str) -> bool:
         return search.contains_cjk(text)
 
+    # -- full-text index maintenance --------------------------------------------------------
+
+    def rebuild_search_index(self) -> None:
+        """Rebuild the full-text index from ``messages`` (recreating missing FTS objects)."""
+        self.uow.run(search.rebuild_index)
+
+    def optimize_search_index(self) -> None:
+        """Merge the full-text index into its most compact form (FTS5 'optimize')."""
+        self.uow.run(search.optimize_index)
+
+    def check_search_index(self) -> bool:
+        """True when the full-text index is complete and in step with ``messages``.
+
+        A write unit on SQLite: FTS5's 'integrity-check' is issued as an INSERT (it changes
+        nothing, and the unit is rolled back rather than committed).
+        """
+
+        def unit(conn: Connection) -> bool:
+            ok = search.check_index(conn)
+            conn.rollback()
+            return ok
+
+        return self.uow.run(unit)
+
     # -- export -----------------------------------------------------------------------------
 
     def export_session(self, session_id: str) -> RowDict | None:
@@ -812,7 +820,39 @@ def _compiled(
 ) -> tuple[str, tuple[str, ...]]:
     """SQL text and positional parameter names of a Core statement, compiled once."""
     compiled = statement.compile(dialect=engine.dialect, column_keys=column_keys)
+    assert isinstance(compiled, SQLCompiler)
     return compiled.string, tuple(compiled.positiontup or ())
+
+
+@functools.cache
+def _token_statement(absolute: bool) -> sa.Update:
+    """The one atomic UPDATE of ``update_token_counts`` for a mode, every value bound: None
+    leaves ``actual_cost_usd`` and the overwrite-only fields as they are (``COALESCE``) and the
+    fill-once fields keep their first value. Built once: constructing it per call cost 25x the
+    SQL, and the write lock is held while it compiles."""
+    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline: binds only the call's values
+    est = sa.cast(sa.bindparam("p_est", type_=sa.Float), sa.Float)
+    act = sa.cast(sa.bindparam("p_act", type_=sa.Float), sa.Float)
+    values: dict[str, Any] = {}
+    for name in _COUNTERS:
+        given = sa.bindparam(f"p_{name}", type_=sa.Integer)
+        values[name] = given if absolute else func.coalesce(S.c[name], zero) + given
+    if absolute:
+        values["estimated_cost_usd"] = func.coalesce(est, zero)
+        values["actual_cost_usd"] = func.coalesce(act, S.c.actual_cost_usd)
+    else:
+        values["estimated_cost_usd"] = func.coalesce(S.c.estimated_cost_usd, zero) + func.coalesce(
+            est, zero
+        )
+        values["actual_cost_usd"] = sa.case(
+            (act.is_(None), S.c.actual_cost_usd),
+            else_=func.coalesce(S.c.actual_cost_usd, zero) + act,
+        )
+    for name in ("cost_status", "cost_source", "pricing_version"):  # overwritten by non-None
+        values[name] = func.coalesce(sa.bindparam(f"p_{name}", type_=sa.Text), S.c[name])
+    for name in ("billing_provider", "billing_base_url", "billing_mode", "model"):  # first wins
+        values[name] = func.coalesce(S.c[name], sa.bindparam(f"p_{name}", type_=sa.Text))
+    return update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
 
 
 @functools.cache

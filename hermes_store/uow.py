@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
 from hermes_store.engine import WRITE_OPTION, begin_on_driver
-from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors, translate
+from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +99,13 @@ class UnitOfWork:
         waits = self.retry.waits()
         while True:
             try:
-                with self._write_lock:
+                with self._write_lock, mapped_errors():
                     result = self._driver_attempt(fn)
             except sa_exc.DBAPIError as error:
-                if is_retryable(error):
-                    self._pause(waits, error)
-                    continue
-                mapped = translate(error)
-                if mapped is None:
+                if not is_retryable(error):
                     raise
-                raise mapped from error
+                self._pause(waits, error)
+                continue
             self._count_write()
             return result
 
@@ -119,6 +116,7 @@ class UnitOfWork:
             if held is None:
                 held = self._driver_connection = self.engine.raw_connection()
             driver = held.driver_connection
+            assert driver is not None
             try:
                 begin_on_driver(driver, held.info, write=True)
                 result = fn(driver.cursor())

@@ -707,3 +707,22 @@ def test_close_twice_and_context_manager(db_url: sa.URL) -> None:
         db.create_session("s", "cli")
     db.close()
     db.close()
+
+
+def test_search_index_maintenance(store: SessionDB) -> None:
+    store.create_session("s", "cli")
+    mid = store.append_message("s", "user", "the quokka jumped")
+    assert store.check_search_index() is True
+    store.optimize_search_index()
+    store.rebuild_search_index()
+    assert store.check_search_index() is True
+    assert [hit["id"] for hit in store.search_messages("quokka")] == [mid]
+    if store.is_sqlite:  # break the index behind the triggers' back, then repair it
+        with store.uow.connect() as conn:
+            conn.exec_driver_sql("DROP TRIGGER messages_fts_update")
+            conn.exec_driver_sql("UPDATE messages SET content = 'the wombat sat'")
+        assert store.check_search_index() is False
+        store.rebuild_search_index()
+        assert store.check_search_index() is True
+        assert [hit["id"] for hit in store.search_messages("wombat")] == [mid]
+        assert store.search_messages("quokka") == []
