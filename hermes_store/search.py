@@ -330,6 +330,10 @@ def search_messages(
             rows = _substring_search(conn, items, filters, limit, offset, ilike=not sqlite)
     if not rows:
         return []
+    if sqlite:  # the page statements carried the context columns (one statement per page)
+        for row in rows:
+            row["context"] = _folded_context(row)
+        return rows
     contexts = _contexts(conn, [row["id"] for row in rows])
     for row in rows:
         row["context"] = contexts.get(row["id"], [])
@@ -427,7 +431,7 @@ def _fts_statement() -> Select[Any]:
     """The FTS5 page query, built once (its construction cost more than a rare word's search);
     filters, when there are any, are added per call."""
     return (
-        select(*_columns(_FTS_SNIPPET))
+        select(*_columns(_FTS_SNIPPET), *_context_columns())
         .select_from(_FTS.join(M, M.c.id == _FTS.c.rowid).join(S, S.c.id == M.c.session_id))
         .where(_FTS_MATCH(sa.bindparam("fts_query")))
         .order_by(_FTS.c.rank)
@@ -499,20 +503,53 @@ def _substring_search(
     ilike: bool,
 ) -> list[dict[str, Any]]:
     """LIKE/ILIKE on the raw fragments, newest first; snippets of ~120 characters around the
-    first fragment found (PostgreSQL's trigram index serves ILIKE when pg_trgm is there)."""
-    statement = (
-        select(*_columns(M.c.content))
-        .select_from(M.join(S, S.c.id == M.c.session_id))
-        .where(M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters)
-        .order_by(M.c.timestamp.desc(), M.c.id.desc())
-        .limit(limit)
-        .offset(offset)
-    )
-    rows = _dicts(conn.execute(statement))
+    first fragment found (PostgreSQL's trigram index serves ILIKE when pg_trgm is there).
+
+    The usual query, one term of one fragment (a CJK word), runs a statement built once with
+    the pattern bound; on SQLite it also carries the same-session context columns."""
+    sqlite = not ilike
+    page = {"sub_limit": limit, "sub_offset": offset}
+    term = items[0] if len(items) == 1 else None
+    if isinstance(term, Term) and len(term.pieces) == 1:
+        statement = _single_substring_statement(sqlite)
+        params = {"pattern": "%" + _escape_like(term.pieces[0]) + "%", **page}
+    else:
+        statement = _substring_statement(substring_predicate(items, ilike=ilike), context=sqlite)
+        params = page
+    if filters:
+        rows = _dicts(conn.execute(statement.where(*filters), params))
+    elif sqlite and statement is _single_substring_statement(sqlite):
+        rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
+    else:
+        rows = _dicts(conn.execute(statement, params))
     pieces = positive_pieces(items)
     for row in rows:
         row["snippet"] = substring_snippet(row["snippet"] or "", pieces)
     return rows
+
+
+def _substring_statement(predicate: ColumnElement[bool], *, context: bool) -> Select[Any]:
+    extra = _context_columns() if context else ()
+    return (
+        select(*_columns(M.c.content), *extra)
+        .select_from(M.join(S, S.c.id == M.c.session_id))
+        .where(predicate)
+        .order_by(M.c.timestamp.desc(), M.c.id.desc())
+        .limit(sa.bindparam("sub_limit", type_=sa.Integer))
+        .offset(sa.bindparam("sub_offset", type_=sa.Integer))
+    )
+
+
+@functools.cache
+def _single_substring_statement(sqlite: bool) -> Select[Any]:
+    """One fragment, pattern bound (NULL content never matches LIKE): built once, since its
+    construction cost as much as running it on a small database."""
+    content = M.c.content
+    pattern = sa.bindparam("pattern", type_=sa.Text)
+    predicate = (
+        content.like(pattern, escape="\\") if sqlite else content.ilike(pattern, escape="\\")
+    )
+    return _substring_statement(predicate, context=sqlite)
 
 
 def substring_snippet(content: str, pieces: Sequence[str]) -> str:
@@ -535,6 +572,72 @@ def substring_snippet(content: str, pieces: Sequence[str]) -> str:
         + content[end:right]
         + ("..." if right < len(content) else "")
     )
+
+
+@functools.cache
+def _context_columns() -> tuple[ColumnElement[Any], ...]:
+    """SQLite: the match's previous and next message of the same session, by (timestamp, id),
+    as correlated columns of the page statement itself (one index seek each, run only for the
+    rows returned), plus the match's own clipped content.
+
+    A neighbour comes back as one text value, ``<length of role>:<role><content>``, so a
+    single seek yields both fields; NULL when there is no such message.
+    """
+    near = M.alias("near")
+    same_session = near.c.session_id == M.c.session_id
+    before = or_(
+        near.c.timestamp < M.c.timestamp,
+        and_(near.c.timestamp == M.c.timestamp, near.c.id < M.c.id),
+    )
+    after = or_(
+        near.c.timestamp > M.c.timestamp,
+        and_(near.c.timestamp == M.c.timestamp, near.c.id > M.c.id),
+    )
+    packed = (
+        func.length(near.c.role)
+        .op("||")(":")
+        .op("||")(near.c.role)
+        .op("||")(func.coalesce(func.substr(near.c.content, 1, CONTEXT_CHARS), ""))
+    )
+    # The redundant bound on timestamp gives the index a range to seek instead of a scan.
+    previous = (
+        select(packed)
+        .where(same_session, near.c.timestamp <= M.c.timestamp, before)
+        .order_by(near.c.timestamp.desc(), near.c.id.desc())
+        .limit(1)
+        .correlate(M)
+        .scalar_subquery()
+    )
+    following = (
+        select(packed)
+        .where(same_session, near.c.timestamp >= M.c.timestamp, after)
+        .order_by(near.c.timestamp, near.c.id)
+        .limit(1)
+        .correlate(M)
+        .scalar_subquery()
+    )
+    return (
+        previous.label("context_previous"),
+        func.substr(M.c.content, 1, CONTEXT_CHARS).label("context_content"),
+        following.label("context_next"),
+    )
+
+
+def _unpack(packed: str) -> dict[str, str]:
+    size, _, rest = packed.partition(":")
+    cut = int(size)
+    return {"role": rest[:cut], "content": rest[cut:][:CONTEXT_CHARS]}
+
+
+def _folded_context(row: dict[str, Any]) -> list[dict[str, str]]:
+    """Pop the context columns of :func:`_context_columns` into the contract's list."""
+    previous, following = row.pop("context_previous"), row.pop("context_next")
+    content = row.pop("context_content")
+    context = [] if previous is None else [_unpack(previous)]
+    context.append({"role": row["role"], "content": (content or "")[:CONTEXT_CHARS]})
+    if following is not None:
+        context.append(_unpack(following))
+    return context
 
 
 def _contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]]]:
