@@ -330,7 +330,7 @@ def search_messages(
             rows = _substring_search(conn, items, filters, limit, offset, ilike=not sqlite)
     if not rows:
         return []
-    if sqlite:  # the page statements carried the context columns (one statement per page)
+    if "context_content" in rows[0]:  # the page statement carried the context columns
         for row in rows:
             row["context"] = _folded_context(row)
         return rows
@@ -431,7 +431,7 @@ def _fts_statement() -> Select[Any]:
     """The FTS5 page query, built once (its construction cost more than a rare word's search);
     filters, when there are any, are added per call."""
     return (
-        select(*_columns(_FTS_SNIPPET), *_context_columns())
+        select(*_columns(_FTS_SNIPPET))
         .select_from(_FTS.join(M, M.c.id == _FTS.c.rowid).join(S, S.c.id == M.c.session_id))
         .where(_FTS_MATCH(sa.bindparam("fts_query")))
         .order_by(_FTS.c.rank)
@@ -506,50 +506,73 @@ def _substring_search(
     first fragment found (PostgreSQL's trigram index serves ILIKE when pg_trgm is there).
 
     The usual query, one term of one fragment (a CJK word), runs a statement built once with
-    the pattern bound; on SQLite it also carries the same-session context columns."""
+    the pattern bound; on SQLite the statement also carries the same-session context."""
     sqlite = not ilike
-    page = {"sub_limit": limit, "sub_offset": offset}
+    params: dict[str, Any] = {"sub_limit": limit, "sub_offset": offset}
     term = items[0] if len(items) == 1 else None
     if isinstance(term, Term) and len(term.pieces) == 1:
-        statement = _single_substring_statement(sqlite)
-        params = {"pattern": "%" + _escape_like(term.pieces[0]) + "%", **page}
+        params["pattern"] = "%" + _escape_like(term.pieces[0]) + "%"
+        if not filters:  # built once: run on the driver
+            rows = fastpath.rows(conn, _single_substring_statement(sqlite), params)
+        else:
+            predicate = _single_substring_predicate(sqlite)
+            statement = _substring_statement((predicate, *filters), sqlite=sqlite)
+            rows = _dicts(conn.execute(statement, params))
     else:
-        statement = _substring_statement(substring_predicate(items, ilike=ilike), context=sqlite)
-        params = page
-    if filters:
-        rows = _dicts(conn.execute(statement.where(*filters), params))
-    elif sqlite and statement is _single_substring_statement(sqlite):
-        rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
-    else:
-        rows = _dicts(conn.execute(statement, params))
+        predicates = (M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters)
+        rows = _dicts(conn.execute(_substring_statement(predicates, sqlite=sqlite), params))
     pieces = positive_pieces(items)
     for row in rows:
         row["snippet"] = substring_snippet(row["snippet"] or "", pieces)
     return rows
 
 
-def _substring_statement(predicate: ColumnElement[bool], *, context: bool) -> Select[Any]:
-    extra = _context_columns() if context else ()
-    return (
-        select(*_columns(M.c.content), *extra)
-        .select_from(M.join(S, S.c.id == M.c.session_id))
-        .where(predicate)
-        .order_by(M.c.timestamp.desc(), M.c.id.desc())
-        .limit(sa.bindparam("sub_limit", type_=sa.Integer))
-        .offset(sa.bindparam("sub_offset", type_=sa.Integer))
+def _substring_statement(predicates: Sequence[ColumnElement[bool]], *, sqlite: bool) -> Select[Any]:
+    """Newest first. On SQLite the page of ids is cut first and the outer statement computes
+    the columns (content, same-session context) for its rows only: a sorter fed whole rows
+    would run the context seeks and copy the content for every match."""
+    limit = sa.bindparam("sub_limit", type_=sa.Integer)
+    offset = sa.bindparam("sub_offset", type_=sa.Integer)
+    newest = (M.c.timestamp.desc(), M.c.id.desc())
+    matching = M.join(S, S.c.id == M.c.session_id)
+    if not sqlite:
+        return (
+            select(*_columns(M.c.content))
+            .select_from(matching)
+            .where(*predicates)
+            .order_by(*newest)
+            .limit(limit)
+            .offset(offset)
+        )
+    page = (
+        select(M.c.id, M.c.timestamp)
+        .select_from(matching)
+        .where(*predicates)
+        .order_by(*newest)
+        .limit(limit)
+        .offset(offset)
+        .subquery("page")
     )
+    return (
+        select(*_columns(M.c.content), *_context_columns(sqlite=True))
+        .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
+        .order_by(page.c.timestamp.desc(), page.c.id.desc())
+    )
+
+
+def _single_substring_predicate(sqlite: bool) -> ColumnElement[bool]:
+    """One fragment, pattern bound (NULL content never matches LIKE)."""
+    pattern = sa.bindparam("pattern", type_=sa.Text)
+    if sqlite:
+        return M.c.content.like(pattern, escape="\\")
+    return M.c.content.ilike(pattern, escape="\\")
 
 
 @functools.cache
 def _single_substring_statement(sqlite: bool) -> Select[Any]:
-    """One fragment, pattern bound (NULL content never matches LIKE): built once, since its
-    construction cost as much as running it on a small database."""
-    content = M.c.content
-    pattern = sa.bindparam("pattern", type_=sa.Text)
-    predicate = (
-        content.like(pattern, escape="\\") if sqlite else content.ilike(pattern, escape="\\")
-    )
-    return _substring_statement(predicate, context=sqlite)
+    """The usual substring query (one CJK word), built once: its construction cost as much as
+    running it on a small database."""
+    return _substring_statement((_single_substring_predicate(sqlite),), sqlite=sqlite)
 
 
 def substring_snippet(content: str, pieces: Sequence[str]) -> str:
@@ -575,13 +598,15 @@ def substring_snippet(content: str, pieces: Sequence[str]) -> str:
 
 
 @functools.cache
-def _context_columns() -> tuple[ColumnElement[Any], ...]:
-    """SQLite: the match's previous and next message of the same session, by (timestamp, id),
-    as correlated columns of the page statement itself (one index seek each, run only for the
-    rows returned), plus the match's own clipped content.
+def _context_columns(*, sqlite: bool) -> tuple[ColumnElement[Any], ...]:
+    """The match's previous and next message of the same session, by (timestamp, id),
+    as correlated columns (one index seek each, run only for the rows returned: folded into the
+    substring page statement on SQLite, a second statement after the full-text page), plus the
+    match's own clipped content.
 
-    A neighbour comes back as one text value, ``<length of role>:<role><content>``, so a
-    single seek yields both fields; NULL when there is no such message.
+    A neighbour comes back as one text value, ``<bytes of role>:<role><content>``, so a
+    single seek yields both fields; NULL when there is no such message. The length is in
+    UTF-8 bytes: SQLite's character ``length()`` stops at a NUL, which SQLite text may hold.
     """
     near = M.alias("near")
     same_session = near.c.session_id == M.c.session_id
@@ -593,11 +618,16 @@ def _context_columns() -> tuple[ColumnElement[Any], ...]:
         near.c.timestamp > M.c.timestamp,
         and_(near.c.timestamp == M.c.timestamp, near.c.id > M.c.id),
     )
+    role_bytes = (
+        func.length(sa.cast(near.c.role, sa.LargeBinary))
+        if sqlite
+        else func.octet_length(near.c.role)
+    )
     packed = (
-        func.length(near.c.role)
-        .op("||")(":")
-        .op("||")(near.c.role)
-        .op("||")(func.coalesce(func.substr(near.c.content, 1, CONTEXT_CHARS), ""))
+        sa.cast(role_bytes, sa.Text)
+        + ":"
+        + near.c.role
+        + func.coalesce(func.substr(near.c.content, 1, CONTEXT_CHARS), "")
     )
     # The redundant bound on timestamp gives the index a range to seek instead of a scan.
     previous = (
@@ -626,7 +656,12 @@ def _context_columns() -> tuple[ColumnElement[Any], ...]:
 def _unpack(packed: str) -> dict[str, str]:
     size, _, rest = packed.partition(":")
     cut = int(size)
-    return {"role": rest[:cut], "content": rest[cut:][:CONTEXT_CHARS]}
+    role = rest[:cut]
+    if role.isascii():  # as many characters as bytes: the usual case
+        return {"role": role, "content": rest[cut:][:CONTEXT_CHARS]}
+    data = rest.encode("utf-8")
+    content = data[cut:].decode("utf-8")
+    return {"role": data[:cut].decode("utf-8"), "content": content[:CONTEXT_CHARS]}
 
 
 def _folded_context(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -642,63 +677,19 @@ def _folded_context(row: dict[str, Any]) -> list[dict[str, str]]:
 
 def _contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]]]:
     """Previous message, the match and next message of the SAME session, by (timestamp, id),
-    for a whole page in one query (correlated seeks on idx_messages_session)."""
-    slots: dict[int, dict[int, dict[str, str]]] = {}
-    for row in fastpath.rows(conn, _contexts_statement(), {"ids": ids}, expanding=["ids"]):
-        position = 0 if row["id"] == row["prev_id"] else 2 if row["id"] == row["next_id"] else 1
-        message = {"role": row["role"], "content": (row["content"] or "")[:CONTEXT_CHARS]}
-        slots.setdefault(row["match_id"], {})[position] = message
-    return {mid: [by[k] for k in sorted(by)] for mid, by in slots.items()}
+    for a whole page in one query: per match, a primary-key lookup and two seeks on
+    idx_messages_session (ids bind as a list)."""
+    statement = _contexts_statement(conn.dialect.name == "sqlite")
+    rows = fastpath.rows(conn, statement, {"ids": ids}, expanding=["ids"])
+    return {row["id"]: _folded_context(row) for row in rows}
 
 
 @functools.cache
-def _contexts_statement() -> Select[Any]:
-    """Built once: constructing its aliases cost more than running it (ids bind as a list)."""
-    cur = M.alias("cur")
-    near = M.alias("near")
-    same_session = near.c.session_id == cur.c.session_id
-    before = or_(
-        near.c.timestamp < cur.c.timestamp,
-        and_(near.c.timestamp == cur.c.timestamp, near.c.id < cur.c.id),
+def _contexts_statement(sqlite: bool) -> Select[Any]:
+    """Built once: constructing it cost more than running it."""
+    return select(M.c.id, M.c.role, *_context_columns(sqlite=sqlite)).where(
+        M.c.id.in_(sa.bindparam("ids", expanding=True))
     )
-    after = or_(
-        near.c.timestamp > cur.c.timestamp,
-        and_(near.c.timestamp == cur.c.timestamp, near.c.id > cur.c.id),
-    )
-    # The redundant bound on timestamp gives the index a range to seek instead of a scan.
-    prev_id = (
-        select(near.c.id)
-        .where(same_session, near.c.timestamp <= cur.c.timestamp, before)
-        .order_by(near.c.timestamp.desc(), near.c.id.desc())
-        .limit(1)
-        .scalar_subquery()
-    )
-    next_id = (
-        select(near.c.id)
-        .where(same_session, near.c.timestamp >= cur.c.timestamp, after)
-        .order_by(near.c.timestamp, near.c.id)
-        .limit(1)
-        .scalar_subquery()
-    )
-    anchors = (
-        select(cur.c.id.label("match_id"), prev_id.label("prev_id"), next_id.label("next_id"))
-        .where(cur.c.id.in_(sa.bindparam("ids", expanding=True)))
-        .subquery("anchors")
-    )
-    shown = M.alias("shown")
-    statement = select(
-        anchors.c.match_id,
-        anchors.c.prev_id,
-        anchors.c.next_id,
-        shown.c.id,
-        shown.c.role,
-        func.substr(shown.c.content, 1, CONTEXT_CHARS).label("content"),
-    ).join(
-        # IN, not OR: SQLite then computes each anchor's subqueries once (3x faster).
-        shown,
-        shown.c.id.in_([anchors.c.match_id, anchors.c.prev_id, anchors.c.next_id]),
-    )
-    return statement
 
 
 # -- index maintenance ----------------------------------------------------------------------------
