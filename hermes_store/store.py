@@ -135,7 +135,7 @@ class SessionDB:
         self.uow = UnitOfWork(self.engine, retry=retry, checkpoint_every=checkpoint_every)
         dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
         self._insert_session = dialect_insert(S).on_conflict_do_nothing(index_elements=["id"])
-        self._insert_message = M.insert() if self.is_sqlite else M.insert().returning(M.c.id)
+        self._insert_message = M.insert().returning(M.c.id)
         self._bump_counters = (
             update(S)
             .where(S.c.id == sa.bindparam("sid"))
@@ -508,8 +508,7 @@ class SessionDB:
         def unit(conn: Connection) -> int:
             if conn.execute(self._bump_counters, bump).rowcount != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
-            result = conn.execute(self._insert_message, values)
-            return int(result.lastrowid if self.is_sqlite else result.scalar_one())
+            return int(conn.execute(self._insert_message, values).scalar_one())
 
         return self.uow.run(unit)
 
@@ -614,16 +613,8 @@ class SessionDB:
         ``limit`` and ``after_id`` page through very long sessions by keyset: pass the last
         id of one page as ``after_id`` of the next.
         """
-        statement = _messages_statement(after_id is not None, limit is not None)
-        params = {"sid": session_id, "after": after_id, "lim": limit}
         with self._read() as conn:
-            rows = fastpath.rows(conn, statement, params)
-        for message in rows:
-            if message.get("tool_calls"):
-                message["tool_calls"] = _from_json(
-                    message["tool_calls"], [], "tool_calls", message["id"]
-                )
-        return rows
+            return _fetch_messages(conn, session_id, limit=limit, after_id=after_id)
 
     def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[RowDict]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
@@ -778,7 +769,11 @@ class SessionDB:
         return list(self.iter_export(source))
 
     def iter_export(self, source: str | None = None, *, page_size: int = 200) -> Iterator[RowDict]:
-        """:meth:`export_all` as a stream: one session (and its messages) in memory at a time."""
+        """:meth:`export_all` as a stream: one session (and its messages) in memory at a time.
+
+        Each page of ``page_size`` sessions is read in one transaction (a consistent snapshot
+        of the page); stop iterating early and the generator's close releases it.
+        """
         order = (S.c.started_at.desc(), S.c.id.desc())
         last: tuple[float, str] | None = None
         while True:
@@ -789,10 +784,12 @@ class SessionDB:
                 statement = statement.where(
                     or_(S.c.started_at < last[0], and_(S.c.started_at == last[0], S.c.id < last[1]))
                 )
+            # One read unit per page: a round trip per session, not a transaction per session
+            # (on PostgreSQL each checkout also pings the server).
             with self._read() as conn:
                 page = [_row_dict(row) for row in conn.execute(statement)]
-            for session in page:
-                yield {**session, "messages": list(self.iter_messages(session["id"]))}
+                for session in page:
+                    yield {**session, "messages": _fetch_messages(conn, session["id"])}
             if len(page) < page_size:
                 return
             last = (page[-1]["started_at"], page[-1]["id"])
@@ -853,6 +850,21 @@ def _token_statement(absolute: bool) -> sa.Update:
     for name in ("billing_provider", "billing_base_url", "billing_mode", "model"):  # first wins
         values[name] = func.coalesce(S.c[name], sa.bindparam(f"p_{name}", type_=sa.Text))
     return update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
+
+
+def _fetch_messages(
+    conn: Connection, session_id: str, *, limit: int | None = None, after_id: int | None = None
+) -> list[RowDict]:
+    """One session's messages on ``conn``, ``tool_calls`` decoded (bad JSON gives ``[]``)."""
+    statement = _messages_statement(after_id is not None, limit is not None)
+    params = {"sid": session_id, "after": after_id, "lim": limit}
+    rows = fastpath.rows(conn, statement, params)
+    for message in rows:
+        if message.get("tool_calls"):
+            message["tool_calls"] = _from_json(
+                message["tool_calls"], [], "tool_calls", message["id"]
+            )
+    return rows
 
 
 @functools.cache

@@ -126,6 +126,8 @@ class UnitOfWork:
                     driver.rollback()
                 except dbapi_error:
                     self._drop_driver(invalidate=True)  # state unknown: never reuse it
+                    raise
+                self._drop_driver(invalidate=False)  # a retry starts on a fresh connection
                 raise
         except dbapi_error as orig:  # the same wrapped errors as the Connection path
             raise sa_exc.DBAPIError.instance(
