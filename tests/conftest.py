@@ -95,6 +95,16 @@ def db_url(empty_url: URL) -> URL:
 
 
 @pytest.fixture
+def pg_url(pg_worker_url: URL | None) -> URL:
+    """This worker's PostgreSQL database, empty and at head (for PostgreSQL-only tests)."""
+    if pg_worker_url is None:
+        pytest.skip(f"PostgreSQL tests need {PG_ENV}")
+    reset_pg(pg_worker_url)
+    migrate.upgrade(pg_worker_url)
+    return pg_worker_url
+
+
+@pytest.fixture
 def store(db_url: URL) -> Iterator[SessionDB]:
     db = SessionDB(db_url.render_as_string(hide_password=False))
     yield db

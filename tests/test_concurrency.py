@@ -26,11 +26,10 @@ from hermes_store import (
     RetryPolicy,
     SessionDB,
     UnitOfWork,
-    migrate,
 )
 from hermes_store.errors import is_retryable
 from tests import proc_workers
-from tests.conftest import PG_ENV, reset_pg, url_string
+from tests.conftest import url_string
 from tests.proc_workers import Shape
 
 FAST_RETRY = RetryPolicy(attempts=400, min_wait=0.002, max_wait=0.005)
@@ -373,16 +372,6 @@ def test_processes_and_threads_append_and_increment_exactly(db_url: URL) -> None
 
 def _pg_raw(url: URL) -> psycopg.Connection[Any]:
     return psycopg.connect(url.set(drivername="postgresql").render_as_string(hide_password=False))
-
-
-@pytest.fixture
-def pg_url(pg_worker_url: URL | None) -> URL:
-    """This worker's PostgreSQL database, empty and at head."""
-    if pg_worker_url is None:
-        pytest.skip(f"needs {PG_ENV}")
-    reset_pg(pg_worker_url)
-    migrate.upgrade(pg_worker_url)
-    return pg_worker_url
 
 
 def test_pg_real_deadlock_and_serialization_errors_are_retryable(pg_url: URL) -> None:

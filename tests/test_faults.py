@@ -310,18 +310,6 @@ def _terminate_other_backends(url: URL) -> int:
     return int(killed)
 
 
-@pytest.fixture
-def pg_url(pg_worker_url: URL | None) -> URL:
-    from hermes_store import migrate
-    from tests.conftest import PG_ENV, reset_pg
-
-    if pg_worker_url is None:
-        pytest.skip(f"needs {PG_ENV}")
-    reset_pg(pg_worker_url)
-    migrate.upgrade(pg_worker_url)
-    return pg_worker_url
-
-
 def _call_or_unavailable(fn: Any) -> str:
     try:
         fn()
