@@ -9,6 +9,7 @@ shape or version this package does not know, is refused before a single byte is 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -69,7 +70,9 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
+@functools.cache
 def _scripts() -> ScriptDirectory:
+    """The revisions, read once per process: opening a database consults them every time."""
     return ScriptDirectory(script_location())
 
 

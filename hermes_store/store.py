@@ -135,24 +135,6 @@ class SessionDB:
         self.uow = UnitOfWork(self.engine, retry=retry, checkpoint_every=checkpoint_every)
         dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
         self._insert_session = dialect_insert(S).on_conflict_do_nothing(index_elements=["id"])
-        self._insert_message = M.insert().returning(M.c.id)
-        self._bump_counters = (
-            update(S)
-            .where(S.c.id == sa.bindparam("sid"))
-            .values(
-                message_count=S.c.message_count + sa.bindparam("messages", type_=sa.Integer),
-                tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=sa.Integer),
-            )
-        )
-        # SQLite hot path: the same Core statements, compiled once, run on the driver's cursor.
-        self._driver_bump = _compiled(self._bump_counters, self.engine)
-        self._driver_insert = _compiled(
-            M.insert(), self.engine, [c.name for c in M.columns if c.name != "id"]
-        )
-        self._driver_tokens = {
-            absolute: _compiled(_token_statement(absolute), self.engine)
-            for absolute in (False, True)
-        }
         self._closed = False
 
     @classmethod
@@ -447,7 +429,7 @@ class SessionDB:
         }
         params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
         if self.is_sqlite:  # the hot path: the statement compiled once, run on the driver
-            sql, keys = self._driver_tokens[bool(absolute)]
+            sql, keys = _sqlite_sql("tokens_absolute" if absolute else "tokens")
             bound = tuple(params[key] for key in keys)
             self.uow.run_driver(lambda cursor: cursor.execute(sql, bound))
             return
@@ -491,8 +473,8 @@ class SessionDB:
         }
 
         if self.is_sqlite:
-            bump_sql, bump_keys = self._driver_bump
-            insert_sql, insert_keys = self._driver_insert
+            bump_sql, bump_keys = _sqlite_sql("bump")
+            insert_sql, insert_keys = _sqlite_sql("insert")
             bump_params = tuple(bump[key] for key in bump_keys)
             insert_params = tuple(values[key] for key in insert_keys)
 
@@ -506,9 +488,9 @@ class SessionDB:
             return self.uow.run_driver(driver_unit)
 
         def unit(conn: Connection) -> int:
-            if conn.execute(self._bump_counters, bump).rowcount != 1:
+            if conn.execute(_BUMP_COUNTERS, bump).rowcount != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
-            return int(conn.execute(self._insert_message, values).scalar_one())
+            return int(conn.execute(_INSERT_MESSAGE, values).scalar_one())
 
         return self.uow.run(unit)
 
@@ -533,8 +515,8 @@ class SessionDB:
         bump = {"sid": session_id, "messages": len(rows), "tool_calls": tool_call_total}
 
         if self.is_sqlite:  # the hot path: one executemany of the compiled INSERT
-            bump_sql, bump_keys = self._driver_bump
-            insert_sql, insert_keys = self._driver_insert
+            bump_sql, bump_keys = _sqlite_sql("bump")
+            insert_sql, insert_keys = _sqlite_sql("insert")
             bump_params = tuple(bump[key] for key in bump_keys)
             insert_rows = [tuple(row[key] for key in insert_keys) for row in rows]
 
@@ -550,7 +532,7 @@ class SessionDB:
             return self.uow.run_driver(driver_unit)
 
         def unit(conn: Connection) -> list[int]:
-            if conn.execute(self._bump_counters, bump).rowcount != 1:
+            if conn.execute(_BUMP_COUNTERS, bump).rowcount != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
             statement = M.insert().returning(M.c.id, sort_by_parameter_order=True)
             return list(conn.scalars(statement, rows))
@@ -812,11 +794,29 @@ _MESSAGE_ARGUMENTS = frozenset(
 )
 
 
-def _compiled(
-    statement: sa.ClauseElement, engine: Engine, column_keys: list[str] | None = None
-) -> tuple[str, tuple[str, ...]]:
-    """SQL text and positional parameter names of a Core statement, compiled once."""
-    compiled = statement.compile(dialect=engine.dialect, column_keys=column_keys)
+_INSERT_MESSAGE = M.insert().returning(M.c.id)
+_BUMP_COUNTERS = (
+    update(S)
+    .where(S.c.id == sa.bindparam("sid"))
+    .values(
+        message_count=S.c.message_count + sa.bindparam("messages", type_=sa.Integer),
+        tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=sa.Integer),
+    )
+)
+
+
+@functools.cache
+def _sqlite_sql(name: str) -> tuple[str, tuple[str, ...]]:
+    """SQL text and positional parameter names of a hot-path Core statement, compiled for
+    SQLite once per process (the driver-level units run it on the cursor)."""
+    statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
+        "bump": (_BUMP_COUNTERS, None),
+        "insert": (M.insert(), [c.name for c in M.columns if c.name != "id"]),
+        "tokens": (_token_statement(False), None),
+        "tokens_absolute": (_token_statement(True), None),
+    }
+    statement, column_keys = statements[name]
+    compiled = statement.compile(dialect=sqlite.dialect(), column_keys=column_keys)
     assert isinstance(compiled, SQLCompiler)
     return compiled.string, tuple(compiled.positiontup or ())
 
