@@ -17,6 +17,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -47,7 +48,7 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.pool import NullPool
 
-from hermes_store import analytics, ddl, migrate
+from hermes_store import analytics, ddl, files, migrate
 from hermes_store import search as search_index
 from hermes_store.engine import create_engine, sqlite_file, to_url, url_from_environment
 from hermes_store.errors import (
@@ -696,19 +697,29 @@ def _progress(console: Console, *, bytes_: bool = False) -> Progress:
 
 
 @contextmanager
-def _output(path: str) -> Iterator[IO[str]]:
-    """``-`` is stdout; a file is written beside its final name and renamed when complete."""
+def _output(path: str, database: URL) -> Iterator[IO[str]]:
+    """``-`` is stdout; a file is written owner-only (0600) into an unpredictable temp file
+    created exclusively beside its final name, and renamed into place when complete.
+
+    The database and its ``-wal``/``-shm`` are never a target: replacing them would destroy
+    the store, and even opening them would drop this process's SQLite locks.
+    """
     if path == "-":
         yield sys.stdout
         return
     final = Path(path)
-    partial = final.with_name(f".{final.name}.partial")
+    db_file = sqlite_file(database)
+    if db_file is not None and final.resolve() in {
+        Path(f"{db_file.resolve()}{suffix}") for suffix in ("", *files.SIDECAR_SUFFIXES)
+    }:
+        raise Problem(f"refusing to export onto the database itself ({final})")
     try:
-        handle = partial.open("w", encoding="utf-8", newline="\n")
+        fd, partial_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
     except OSError as error:
         raise click.FileError(path, hint=error.strerror or str(error)) from error
+    partial = Path(partial_name)
     try:
-        with handle:
+        with open(fd, "w", encoding="utf-8", newline="\n") as handle:
             yield handle
         os.replace(partial, final)
     finally:
@@ -739,7 +750,7 @@ def export(app: App, session_ref: str | None, source: str | None, output: str) -
     else:
         records, total = store.iter_export(source), store.session_count(source)
     count = messages = 0
-    with _output(output) as handle, _progress(app.err) as progress:
+    with _output(output, app.url) as handle, _progress(app.err) as progress:
         task = progress.add_task("exporting", total=total)
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -1175,10 +1186,30 @@ def _sqlite_checks(conn: Connection, path: Path) -> list[Check]:
             + (" (a long reader blocks checkpoints?)" if size > WAL_WARN_BYTES else ""),
         )
     )
+    checks.append(_wal_file_check(path, str(mode)))
     problems = [row[0] for row in conn.exec_driver_sql("PRAGMA integrity_check")]
     ok = problems == ["ok"]
     checks.append(Check("integrity_check", "ok" if ok else "error", "; ".join(problems[:3])))
     return checks
+
+
+def _wal_file_check(path: Path, mode: str) -> Check:
+    """Run while the doctor's own connection is open: the WAL must exist, and no process may
+    still be writing into one that was unlinked (it lost its locks; its commits will vanish)."""
+    name = "WAL file"
+    holders = files.deleted_wal_holders(path)
+    if holders:
+        who = "; ".join(f"pid {pid} ({command})" for pid, command in holders)
+        return Check(
+            name,
+            "error",
+            f"{who} writes into a deleted WAL: its commits since then are invisible to other "
+            "processes and are lost when it exits; stop it and check what closed a file "
+            "handle on the database",
+        )
+    if mode == "wal" and not Path(f"{path}-wal").exists():
+        return Check(name, "warn", "missing although the database is open in WAL mode")
+    return Check(name, "ok", "present, used by no process that lost its locks")
 
 
 def _postgresql_checks(conn: Connection) -> list[Check]:

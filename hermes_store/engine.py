@@ -22,6 +22,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from hermes_store import files
+from hermes_store.errors import InvalidInputError
+
 log = logging.getLogger(__name__)
 
 #: Execution option read by the ``begin`` hook: True takes the write lock up front.
@@ -32,6 +35,9 @@ WRITER_BUSY_TIMEOUT_S = 1.0
 READER_BUSY_TIMEOUT_S = 5.0
 #: Pool-record key holding ``(writer_ms, reader_ms)``, for code that begins on a raw connection.
 BUSY_TIMEOUTS_KEY = "hermes_busy_timeouts"
+
+#: SQLite's Unix VFS handles names of up to 512 bytes, its sidecars' suffixes included.
+MAX_PATH_BYTES = 512 - len("-journal")
 
 Target = str | os.PathLike[str] | URL | Engine
 
@@ -57,6 +63,12 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         url = make_url(target)
     else:
         path = Path(os.fspath(target)).expanduser().resolve()
+        if len(os.fsencode(path)) > MAX_PATH_BYTES:
+            raise InvalidInputError(
+                f"{path} is {len(os.fsencode(path))} bytes long; SQLite opens database paths "
+                f"of at most {MAX_PATH_BYTES} bytes (it adds '-journal' within 512): "
+                "choose a shorter path or a symlink to the folder"
+            )
         return URL.create("sqlite", database=str(path))
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
@@ -71,7 +83,7 @@ def sqlite_file(url: URL) -> Path | None:
     if database in ("", ":memory:") or database.startswith("file::memory:"):
         return None
     if database.startswith("file:"):
-        database = database[len("file:") :].split("?", 1)[0]
+        return files.path_from_uri(database)
     return Path(database)
 
 
@@ -117,7 +129,7 @@ def create_engine(
         path = sqlite_file(url)
         if path is not None and unreadable_in_wal(path):
             log.warning("%s: its folder is read-only; opening it read-only (immutable)", path)
-            url = make_url(f"sqlite:///file:{path}?mode=ro&immutable=1&uri=true")
+            url = files.sqlite_uri(path, mode="ro", immutable="1")
         if path is not None and "poolclass" not in engine_kwargs:
             # One connection per busy thread; SQLite connections are cheap to keep.
             engine_kwargs.setdefault("pool_size", 8)

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import stat
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from hermes_store import ddl
+from hermes_store import ddl, files
 from hermes_store.engine import (
     WRITE_OPTION,
     Target,
@@ -47,7 +48,6 @@ from hermes_store.errors import (
 
 log = logging.getLogger(__name__)
 
-SQLITE_HEADER = b"SQLite format 3\x00"
 #: Key of the transaction-level advisory lock that serialises migrations on PostgreSQL.
 PG_MIGRATION_LOCK = 0x4865726D6573  # "Hermes"
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -167,51 +167,52 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
 
 
 def preflight_sqlite(path: Path) -> DatabaseState | None:
-    """Refuse files that are not adoptable, reading them only (None: the file does not exist)."""
+    """Refuse files that are not adoptable, reading them only (None: the file does not exist).
+
+    The file is only ``stat``-ed and read through SQLite, never with a plain file handle:
+    closing one would drop the SQLite locks this process's live connections hold on it.
+    """
+    where = str(path)
     try:
-        size = path.stat().st_size
+        info = path.stat()
     except FileNotFoundError:
         return None
-    where = str(path)
-    if size == 0:
+    except OSError as error:
+        raise NotADatabaseError(f"{where} cannot be examined: {error.strerror or error}") from error
+    if stat.S_ISDIR(info.st_mode):
+        raise NotADatabaseError(f"{where} is a directory, not a SQLite database")
+    if info.st_size == 0:
         raise NotADatabaseError(f"{where} is an empty file (0 bytes), not a SQLite database")
-    with path.open("rb") as handle:
-        header = handle.read(len(SQLITE_HEADER))
-    if header != SQLITE_HEADER:
-        raise NotADatabaseError(
-            f"{where} is not a SQLite database (starts with {header[:16]!r}, {size} bytes)"
-        )
-    quiet = not _sidecars(path)
+    quiet = not files.sidecars(path)
     try:
         state = _probe(path, immutable=quiet)
     except sa.exc.DBAPIError as error:
-        if not (quiet and _sidecars(path)):
-            raise NotADatabaseError(
-                f"{where} is not a readable SQLite database: {error.orig}"
-            ) from error
+        if not (quiet and files.sidecars(path)):
+            raise _unreadable(where, info.st_size, error) from error
         # Another process opened the file while it was read without locks: read it properly.
         try:
             state = _probe(path, immutable=False)
         except sa.exc.DBAPIError as again:
-            raise NotADatabaseError(
-                f"{where} is not a readable SQLite database: {again.orig}"
-            ) from again
+            raise _unreadable(where, info.st_size, again) from again
     check_adoptable(state, where)
     return state
 
 
-def _sidecars(path: Path) -> list[Path]:
-    """The -wal, -shm and -journal files beside ``path`` (someone has or had it open)."""
-    found = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))
-    return [p for p in found if p.exists()]
+def _unreadable(where: str, size: int, error: sa.exc.DBAPIError) -> NotADatabaseError:
+    if getattr(error.orig, "sqlite_errorname", None) == "SQLITE_NOTADB":
+        return NotADatabaseError(
+            f"{where} is not a SQLite database ({size:,} bytes without a SQLite header)"
+        )
+    return NotADatabaseError(f"{where} is not a readable SQLite database: {error.orig}")
 
 
 def _probe(path: Path, *, immutable: bool) -> DatabaseState:
     """Read the state without writing. A read-only connection to a WAL file still creates
     -wal and -shm and cannot remove them again, so a file nobody has open (no sidecar files)
-    is read with ``immutable=1``, which touches nothing: a refused file is left as it was."""
-    mode = "immutable=1" if immutable else "mode=ro"
-    probe = sa.create_engine(f"sqlite:///file:{path}?{mode}&uri=true", poolclass=NullPool)
+    is read with ``immutable=1``, which touches nothing: a refused file is left as it was.
+    Either way it is a SQLite connection, whose close keeps this process's other locks."""
+    params = {"immutable": "1"} if immutable else {"mode": "ro"}
+    probe = sa.create_engine(files.sqlite_uri(path, **params), poolclass=NullPool)
     try:
         with probe.connect() as conn:
             return read_state(conn)

@@ -391,7 +391,7 @@ def test_export_streams_one_session_per_line(
     root = lines[2]
     assert root["messages"][1]["tool_calls"] == TOOL_CALLS
     assert root["messages"][1]["reasoning"] == LONG_REASONING
-    assert not list(tmp_path.glob(".*.partial"))
+    assert not list(tmp_path.glob(".all.jsonl.*"))
     one = export_file(runner, populated, tmp_path / "one.jsonl", "--session", "数据库迁移 🚀")
     assert [json.loads(x)["id"] for x in one.decode().splitlines()] == [TG]
     some = export_file(runner, populated, tmp_path / "cli.jsonl", "--source", "cli")

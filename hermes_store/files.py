@@ -1,0 +1,86 @@
+"""The database's files on disk, looked at without disturbing SQLite's locks.
+
+SQLite's POSIX advisory locks belong to the process, not to the connection: closing *any*
+descriptor on the database file releases every lock this process holds on it, including those
+of live connections. Another process may then believe it is the last user, checkpoint and unlink
+the WAL, and this process's later commits go into an unlinked file and vanish. So this package
+never opens the database, its ``-wal`` or its ``-shm`` with a plain file handle: it reads them
+through SQLite (whose connections in one process share their locks), and only ``stat``\\ s paths.
+
+Paths reach SQLite as URIs (``file:...?mode=ro``) where a connection needs flags; they are
+percent-encoded here, so folders named ``My%20Files`` or ``a#b?c`` open the file they name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from sqlalchemy.engine import URL
+
+log = logging.getLogger(__name__)
+
+#: The files SQLite keeps beside a database while it is (or was) open.
+SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
+
+
+def sqlite_uri(path: Path, **params: str) -> URL:
+    """A SQLAlchemy URL that hands SQLite ``file:<path>?<params>`` with the path percent-encoded.
+
+    ``URL.create`` keeps the database string as given (``make_url`` would decode it first),
+    and SQLite decodes the ``%XX`` escapes itself, so any byte of a path survives.
+    """
+    encoded = quote(os.fspath(path), safe="/")
+    return URL.create("sqlite", database=f"file:{encoded}", query={**params, "uri": "true"})
+
+
+def path_from_uri(database: str) -> Path:
+    """The file a ``file:`` URI names, decoded the way SQLite decodes it."""
+    rest = database[len("file:") :]
+    if rest.startswith("//"):  # an authority (empty or ``localhost`` on Unix) before the path
+        rest = "/" + rest[2:].partition("/")[2]
+    for stop in ("?", "#"):
+        rest = rest.split(stop, 1)[0]
+    return Path(unquote(rest))
+
+
+def sidecars(path: Path) -> list[Path]:
+    """The ``-wal``, ``-shm`` and ``-journal`` files beside ``path`` (someone has or had it
+    open). Only ``stat``: never a descriptor on them."""
+    found = (Path(f"{path}{suffix}") for suffix in SIDECAR_SUFFIXES)
+    return [p for p in found if p.exists()]
+
+
+def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:
+    """Processes holding this database's WAL open although the file was unlinked.
+
+    Such a process lost its locks (something closed a descriptor on the database), another
+    process checkpointed and deleted the WAL, and every commit it makes since lands in a file
+    nobody else can see and that vanishes when it exits. Linux only (reads ``/proc``); other
+    systems and processes this user may not inspect are skipped. Returns (pid, command line).
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    wanted = f"{Path(path).resolve()}-wal (deleted)"
+    found: list[tuple[int, str]] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:  # gone meanwhile, or not ours to inspect
+            continue
+        if wanted in targets:
+            found.append((int(entry.name), _command_line(entry)))
+    return found
+
+
+def _command_line(entry: Path) -> str:
+    try:
+        raw = (entry / "cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\x00", b" ").decode("utf-8", "replace").strip() or "?"
