@@ -253,3 +253,47 @@ def test_export_is_owner_only_and_leaves_no_temp_file(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert out.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in out.parent.iterdir()] == ["all.jsonl"]
+
+
+#: Every place in the package that opens, reads, writes or replaces a file by name, with why it
+#: can never be the database, its -wal or its -shm. A new one must be added here, consciously.
+FILE_ACCESS_ALLOWED = {
+    ("cli.py", "open"): "export: the descriptor of its own mkstemp file (never the database)",
+    ("cli.py", "os.replace"): "export: renames its temp file onto a target checked not to be "
+    "the database or a sidecar",
+    ("engine.py", "os.open"): "create_private_file: O_CREAT|O_EXCL, fails rather than open an "
+    "existing file",
+    ("migrate.py", "os.link"): "links a complete new database into place; never replaces a path "
+    "that exists (no descriptor either)",
+    ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file",
+    ("files.py", "read_bytes"): "/proc/<pid>/cmdline of a process holding a deleted WAL",
+}
+_FILE_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text"}
+_OS_CALLS = {"open", "replace", "rename", "link", "unlink", "remove", "truncate"}
+
+
+def _file_accesses(source: Path) -> set[tuple[str, str]]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "open":
+            found.add((source.name, "open"))
+        elif isinstance(func, ast.Attribute):
+            owner = func.value.id if isinstance(func.value, ast.Name) else ""
+            if owner == "shutil" or (owner == "os" and func.attr in _OS_CALLS):
+                found.add((source.name, f"{owner}.{func.attr}"))
+            elif owner != "os" and func.attr in _FILE_CALLS:
+                found.add((source.name, func.attr))
+    return found
+
+
+def test_the_package_opens_no_file_outside_the_audited_places() -> None:
+    package = Path(__file__).resolve().parent.parent / "hermes_store"
+    found: set[tuple[str, str]] = set()
+    for source in package.rglob("*.py"):
+        found |= _file_accesses(source)
+    assert found <= set(FILE_ACCESS_ALLOWED), sorted(found - set(FILE_ACCESS_ALLOWED))
