@@ -54,11 +54,11 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def script_location() -> str:
-    """The revisions: inside the installed package, else the checkout's ``migrations/``."""
-    for candidate in (_PACKAGE_DIR / "migrations", _PACKAGE_DIR.parent / "migrations"):
-        if (candidate / "env.py").is_file():
-            return str(candidate)
-    raise FileNotFoundError("hermes_store's Alembic revisions are missing from this install")
+    """The revisions, which ship inside the package (``hermes_store/migrations``)."""
+    candidate = _PACKAGE_DIR / "migrations"
+    if not (candidate / "env.py").is_file():
+        raise FileNotFoundError("hermes_store's Alembic revisions are missing from this install")
+    return str(candidate)
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

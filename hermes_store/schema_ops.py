@@ -1,7 +1,10 @@
-"""Operations the Alembic revisions share: full-text objects per backend, column steps, the marker.
+"""Mechanics the Alembic revisions share; never schema facts.
 
-Each revision stays a readable list of steps; what differs between SQLite and PostgreSQL, and
-what must survive SQLite's table rebuilds (the FTS triggers, the partial title index), lives here.
+Each revision spells out its own columns, indexes and raw DDL, so editing this package can never
+rewrite history (``tests/test_revisions_frozen.py`` pins the SQL every revision emits). What lives
+here is *how* to apply a step on each backend, online or offline (``alembic upgrade --sql``):
+skip columns an older build of the original store already added, rebuild SQLite tables without
+losing triggers, indexes or the AUTOINCREMENT high-water mark, and keep ``schema_version`` in step.
 """
 
 from __future__ import annotations
@@ -10,110 +13,75 @@ import logging
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import op
-
-from hermes_store import ddl
+from alembic import context, op
 
 log = logging.getLogger(__name__)
 
 
-def _is_sqlite() -> bool:
-    return op.get_bind().dialect.name == "sqlite"
+def dialect_name() -> str:
+    """The backend being migrated (works offline, where there is no connection)."""
+    return str(op.get_context().dialect.name)
+
+
+def offline() -> bool:
+    """True under ``alembic ... --sql``: emit SQL, inspect nothing."""
+    return bool(context.is_offline_mode())
 
 
 def set_schema_version(version: int) -> None:
-    """Keep the seed's one-row marker in step with the Alembic revision."""
+    """Keep the original store's one-row marker in step with the Alembic revision."""
     op.execute(sa.text("DELETE FROM schema_version"))
     op.execute(sa.text("INSERT INTO schema_version (version) VALUES (:v)").bindparams(v=version))
 
 
-def create_full_text() -> None:
-    """The FTS5 table and triggers on SQLite; the tsvector and trigram GIN indexes on PostgreSQL."""
-    bind = op.get_bind()
-    if bind.dialect.name == "sqlite":
-        missing = not sa.inspect(bind).has_table(ddl.FTS_TABLE)
-        op.execute(sa.text(ddl.SQLITE_FTS_TABLE))
-        for trigger in ddl.SQLITE_FTS_TRIGGERS:
-            op.execute(sa.text(trigger))
-        if missing:  # index whatever the table already holds (adopted files, rebuilt tables)
-            op.execute(sa.text(ddl.SQLITE_FTS_REBUILD))
+def add_columns(table: str, *columns: sa.Column[Any]) -> None:
+    """Add ``columns``, skipping any an older build of the original store already added
+    (online only: offline SQL starts from the previous revision's exact shape)."""
+    existing: set[str] = set()
+    if not offline():
+        existing = {c["name"] for c in sa.inspect(op.get_bind()).get_columns(table)}
+    for column in columns:
+        if column.name not in existing:
+            op.add_column(table, column)
+
+
+def drop_columns(table: str, *names: str, autoincrement: bool = False) -> None:
+    """Remove columns: ``ALTER TABLE ... DROP COLUMN`` on PostgreSQL, a table rebuild on SQLite
+    that puts back what the rebuild loses (see :class:`_SqliteTableState`)."""
+    if dialect_name() != "sqlite":
+        for name in names:
+            op.drop_column(table, name)
         return
-    op.execute(sa.text(ddl.PG_FTS_COLUMN_CREATE))
-    op.execute(sa.text(ddl.PG_FTS_CREATE))
-    create_trigram_index()
+    if offline():
+        raise RuntimeError(
+            "an offline (--sql) downgrade cannot rebuild a SQLite table: it needs the live "
+            "schema; run the downgrade against the database instead"
+        )
+    bind = op.get_bind()
+    saved = _SqliteTableState.capture(bind, table, list(names))
+    table_kwargs = {"sqlite_autoincrement": True} if autoincrement else {}
+    with op.batch_alter_table(table, table_kwargs=table_kwargs) as batch:
+        for name in names:
+            batch.drop_column(name)
+    saved.restore(bind)
 
 
-def create_trigram_index() -> bool:
-    """Substring (CJK) search index; optional, since pg_trgm may not be installable."""
+def create_optional(description: str, *statements: str) -> bool:
+    """Statements a server may refuse (``CREATE EXTENSION pg_trgm`` needs privileges): online
+    they run in a savepoint and a refusal is logged, not fatal; offline they are emitted."""
+    if offline():
+        for statement in statements:
+            op.execute(sa.text(statement))
+        return True
     bind = op.get_bind()
     try:
         with bind.begin_nested():
-            bind.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pg_trgm"))
-            bind.execute(sa.text(ddl.PG_TRGM_CREATE))
+            for statement in statements:
+                bind.execute(sa.text(statement))
     except sa.exc.DBAPIError as error:
-        log.warning(
-            "pg_trgm unavailable (%s); substring search will scan without an index",
-            str(error.orig).strip(),
-        )
+        log.warning("%s unavailable (%s); continuing without it", description, error.orig)
         return False
     return True
-
-
-def drop_full_text() -> None:
-    if _is_sqlite():
-        for statement in ddl.SQLITE_FTS_DROP:
-            op.execute(sa.text(statement))
-    else:
-        op.execute(sa.text(f"DROP INDEX IF EXISTS {ddl.PG_TRGM_INDEX}"))
-        op.execute(sa.text(f"DROP INDEX IF EXISTS {ddl.PG_FTS_INDEX}"))
-        op.execute(sa.text(f"ALTER TABLE messages DROP COLUMN IF EXISTS {ddl.PG_TSV_COLUMN}"))
-
-
-def create_title_index() -> None:
-    op.create_index(
-        "idx_sessions_title_unique",
-        "sessions",
-        ["title"],
-        unique=True,
-        sqlite_where=sa.text("title IS NOT NULL"),
-        postgresql_where=sa.text("title IS NOT NULL"),
-        if_not_exists=True,
-    )
-
-
-def _column(sql_type: str, name: str, default: str | None) -> sa.Column[Any]:
-    types: dict[str, sa.types.TypeEngine[Any]] = {
-        "TEXT": sa.Text(),
-        "INTEGER": sa.Integer(),
-        "REAL": sa.REAL().with_variant(sa.dialects.postgresql.DOUBLE_PRECISION(), "postgresql"),
-    }
-    server_default = sa.text(default) if default is not None else None
-    return sa.Column(name, types[sql_type], server_default=server_default)
-
-
-def add_version_columns(version: int) -> None:
-    """Add the columns ``version`` introduced, skipping any an older build already added."""
-    bind = op.get_bind()
-    for table, name, sql_type, default in ddl.VERSION_COLUMNS[version]:
-        existing = {c["name"] for c in sa.inspect(bind).get_columns(table)}
-        if name not in existing:
-            op.add_column(table, _column(sql_type, name, default))
-
-
-def drop_version_columns(version: int) -> None:
-    """Remove the columns ``version`` introduced (a table rebuild on SQLite)."""
-    bind = op.get_bind()
-    by_table: dict[str, list[str]] = {}
-    for table, name, _type, _default in ddl.VERSION_COLUMNS[version]:
-        by_table.setdefault(table, []).append(name)
-    for table, names in by_table.items():
-        saved = _SqliteTableState.capture(bind, table, names) if _is_sqlite() else None
-        table_kwargs = {"sqlite_autoincrement": True} if table == "messages" else {}
-        with op.batch_alter_table(table, table_kwargs=table_kwargs) as batch:
-            for name in names:
-                batch.drop_column(name)
-        if saved is not None:
-            saved.restore(bind)
 
 
 class _SqliteTableState:
@@ -122,40 +90,39 @@ class _SqliteTableState:
     The rebuild drops the table's triggers, recreates its indexes from reflection (which
     loses ``DESC`` and may lose a partial index's predicate) and resets the AUTOINCREMENT
     high-water mark to the largest id left (so ids of deleted rows would be handed out
-    again). ``restore`` puts back the FTS triggers, the indexes from their original SQL and
-    the sequence value.
+    again). ``restore`` puts back the triggers and indexes from their stored SQL, verbatim,
+    and the sequence value.
     """
 
-    def __init__(self, table: str, indexes: list[tuple[str, str]], seq: int | None) -> None:
-        self.table, self.indexes, self.seq = table, indexes, seq
+    def __init__(self, table: str, objects: list[tuple[str, str, str]], seq: int | None) -> None:
+        self.table, self.objects, self.seq = table, objects, seq
 
     @classmethod
     def capture(cls, bind: sa.Connection, table: str, dropped: list[str]) -> _SqliteTableState:
         rows = bind.execute(
             sa.text(
-                "SELECT name, sql FROM sqlite_master "
-                "WHERE type = 'index' AND tbl_name = :t AND sql IS NOT NULL"
+                "SELECT type, name, sql FROM sqlite_master "
+                "WHERE type IN ('index', 'trigger') AND tbl_name = :t AND sql IS NOT NULL"
             ),
             {"t": table},
         ).all()
-        indexes: list[tuple[str, str]] = []
-        for name, sql in rows:
-            info = bind.execute(sa.text("SELECT name FROM pragma_index_info(:i)"), {"i": name})
-            if not {column for (column,) in info} & set(dropped):
-                indexes.append((name, sql))
+        objects: list[tuple[str, str, str]] = []
+        for kind, name, sql in rows:
+            if kind == "index":
+                info = bind.execute(sa.text("SELECT name FROM pragma_index_info(:i)"), {"i": name})
+                if {column for (column,) in info} & set(dropped):
+                    continue  # an index on a dropped column goes with it
+            objects.append((kind, name, sql))
         seq = None
         if sa.inspect(bind).has_table("sqlite_sequence"):
             seq = bind.execute(
                 sa.text("SELECT seq FROM sqlite_sequence WHERE name = :t"), {"t": table}
             ).scalar()
-        return cls(table, indexes, seq)
+        return cls(table, objects, seq)
 
     def restore(self, bind: sa.Connection) -> None:
-        if self.table == "messages" and sa.inspect(bind).has_table(ddl.FTS_TABLE):
-            for trigger in ddl.SQLITE_FTS_TRIGGERS:
-                op.execute(sa.text(trigger))
-        for name, sql in self.indexes:  # the stored SQL verbatim (no bind-parameter parsing)
-            bind.exec_driver_sql(f'DROP INDEX IF EXISTS "{name}"')
+        for kind, name, sql in self.objects:  # the stored SQL verbatim (no bind parsing)
+            bind.exec_driver_sql(f'DROP {kind.upper()} IF EXISTS "{name}"')
             bind.exec_driver_sql(sql)
         if self.seq is not None:
             params = {"t": self.table, "s": self.seq}

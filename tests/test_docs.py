@@ -39,6 +39,8 @@ QUICKSTART = (
     "&& hermes-store db upgrade && hermes-store doctor"
 )
 TEST_COMMAND = "pip install -e '.[test]' && pytest -n auto"
+PACKAGED_INI_WORD = "$(python -m hermes_store.migrations --ini)"
+PACKAGED_INI = ROOT / "hermes_store" / "migrations" / "alembic.ini"
 
 
 def code_blocks(page: Path) -> list[tuple[str, str]]:
@@ -94,6 +96,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _redirect(words: list[str]) -> tuple[list[str], str | None]:
+    """``... > FILE``: the command without the redirection, and the file."""
+    if len(words) > 2 and words[-2] == ">":
+        return words[:-2], words[-1]
+    return words, None
+
+
 def run_shell_block(body: str, pg_url: str | None, home: Path) -> int:
     """Run the block's CLI and alembic commands; returns how many ran."""
     env: dict[str, str | None] = {"COLUMNS": "160", "NO_COLOR": "1"}
@@ -113,17 +122,21 @@ def run_shell_block(body: str, pg_url: str | None, home: Path) -> int:
             result = CliRunner(env=env).invoke(cli, args, catch_exceptions=False)
             assert result.exit_code == 0, f"`{line}` exited {result.exit_code}:\n{result.output}"
             ran += 1
-        elif words[0] == "alembic":
+        elif words[0] == "alembic" or words[:3] == ["python", "-m", "hermes_store.migrations"]:
+            words, output = _redirect(words)
+            if words[0] == "alembic":
+                words = [w.replace(PACKAGED_INI_WORD, str(PACKAGED_INI)) for w in words]
+                config = [] if "-c" in words else ["-c", str(ROOT / "alembic.ini")]
+                argv = [sys.executable, "-m", "alembic", *config, *words[1:]]
+            else:
+                argv = [sys.executable, *words[1:]]
             full_env = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
             done = subprocess.run(
-                [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini"), *words[1:]],
-                cwd=home,
-                env=full_env,
-                capture_output=True,
-                text=True,
-                timeout=120,
+                argv, cwd=home, env=full_env, capture_output=True, text=True, timeout=120
             )
             assert done.returncode == 0, f"`{line}` failed:\n{done.stdout}{done.stderr}"
+            if output is not None:
+                (home / output).write_text(done.stdout, encoding="utf-8")
             ran += 1
     return ran
 

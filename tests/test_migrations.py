@@ -435,11 +435,12 @@ def test_cli_x_url(empty_url: URL, tmp_path: Path, no_env_url: None) -> None:
     assert not (tmp_path / "hermes_home").exists()  # the default file was never touched
 
 
-def test_cli_env_url_wins_over_x_url(tmp_path: Path) -> None:
-    """HERMES_STORE_URL takes precedence over ``-x url=`` (the documented order)."""
+def test_cli_x_url_wins_over_env_url(tmp_path: Path) -> None:
+    """``-x url=`` (typed for this command) beats HERMES_STORE_URL (set for the shell), so a
+    downgrade never lands on the wrong server."""
     chosen, ignored = tmp_path / "chosen.db", tmp_path / "ignored.db"
-    result = alembic_cli("-x", f"url=sqlite:///{ignored}", "upgrade", "head",
-                         env_url=f"sqlite:///{chosen}", tmp_path=tmp_path)  # fmt: skip
+    result = alembic_cli("-x", f"url=sqlite:///{chosen}", "upgrade", "head",
+                         env_url=f"sqlite:///{ignored}", tmp_path=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert chosen.exists() and not ignored.exists()
 

@@ -94,3 +94,34 @@ def test_upgrade_from_installed_wheel_outside_checkout(wheel: Path, tmp_path: Pa
     assert Path(report["scripts"]) == site / "hermes_store" / "migrations"
     assert report["revision"] == report["current"] == HEAD
     assert report["schema_version"] == 6
+
+
+def test_alembic_from_installed_wheel_online_and_offline(wheel: Path, tmp_path: Path) -> None:
+    """``python -m hermes_store.migrations`` (Alembic's command line with the packaged ini)
+    upgrades a database and prints offline SQL, importing only the unpacked wheel."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(work),
+    }
+    module = [sys.executable, "-S", "-m", "hermes_store.migrations"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*module, *args], cwd=work, env=env, capture_output=True, text=True, timeout=120
+        )
+
+    ini = run("--ini")
+    assert ini.returncode == 0, ini.stderr
+    assert Path(ini.stdout.strip()) == site / "hermes_store" / "migrations" / "alembic.ini"
+    online = run("-x", f"url={work / 'state.db'}", "upgrade", "head")
+    assert online.returncode == 0, online.stderr
+    assert f"-> {HEAD}" in online.stderr
+    offline = run("-x", "url=postgresql+psycopg://nobody@127.0.0.1:1/x", "upgrade", "head", "--sql")
+    assert offline.returncode == 0, offline.stderr
+    assert "CREATE INDEX IF NOT EXISTS ix_messages_content_fts" in offline.stdout

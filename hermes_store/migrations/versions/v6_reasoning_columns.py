@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+
 from hermes_store import schema_ops
 
 revision: str = "v6_reasoning_columns"
@@ -18,10 +20,17 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    schema_ops.add_version_columns(6)
+    schema_ops.add_columns(
+        "messages",
+        sa.Column("reasoning", sa.Text()),
+        sa.Column("reasoning_details", sa.Text()),
+        sa.Column("codex_reasoning_items", sa.Text()),
+    )
     schema_ops.set_schema_version(6)
 
 
 def downgrade() -> None:
-    schema_ops.drop_version_columns(6)
+    schema_ops.drop_columns(
+        "messages", "reasoning", "reasoning_details", "codex_reasoning_items", autoincrement=True
+    )
     schema_ops.set_schema_version(5)

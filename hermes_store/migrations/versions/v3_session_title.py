@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+
 from hermes_store import schema_ops
 
 revision: str = "v3_session_title"
@@ -18,10 +20,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    schema_ops.add_version_columns(3)
+    schema_ops.add_columns("sessions", sa.Column("title", sa.Text()))
     schema_ops.set_schema_version(3)
 
 
 def downgrade() -> None:
-    schema_ops.drop_version_columns(3)
+    schema_ops.drop_columns("sessions", "title")
     schema_ops.set_schema_version(2)

@@ -1,13 +1,15 @@
 """Alembic environment for hermes_store.
 
-The database is ``HERMES_STORE_URL``, else ``-x url=...``, else ``$HERMES_HOME/state.db``;
-a caller may hand over an open connection in ``config.attributes["connection"]``.
-Every mutating command first adopts a ``state.db`` written by the original store.
+The database is ``-x url=...`` (what the operator typed for this command), else
+``HERMES_STORE_URL``, else ``$HERMES_HOME/state.db``; a caller may hand over an open connection
+in ``config.attributes["connection"]``. Every mutating command first adopts a ``state.db``
+written by the original store. Offline (``--sql``), the SQL for an empty database (or from a
+stated revision, ``upgrade v3_session_title:head --sql``) is printed and nothing is inspected:
+optional objects (PostgreSQL's pg_trgm index) are emitted as if the server allowed them.
 """
 
 from __future__ import annotations
 
-import os
 from logging.config import fileConfig
 from typing import Any
 
@@ -21,14 +23,17 @@ from hermes_store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
-if config.config_file_name is not None and "connection" not in config.attributes:
+if (
+    config.config_file_name is not None
+    and "connection" not in config.attributes
+    and config.file_config.has_section("loggers")  # a minimal hand-written ini has none
+):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 
 def _url() -> str:
-    env = os.environ.get("HERMES_STORE_URL")
     x_url = context.get_x_argument(as_dictionary=True).get("url")
-    url = to_url(env) if env else to_url(x_url) if x_url else url_from_environment()
+    url = to_url(x_url) if x_url else url_from_environment()
     return url.render_as_string(hide_password=False)
 
 
@@ -91,7 +96,11 @@ def _configure(connection: Connection) -> None:
 
 def run_migrations_offline() -> None:
     context.configure(
-        url=_url(), target_metadata=target_metadata, literal_binds=True, render_as_batch=True
+        url=_url(),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+        transaction_per_migration=False,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 
 from hermes_store import schema_ops
@@ -20,7 +21,15 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    schema_ops.create_title_index()
+    op.create_index(
+        "idx_sessions_title_unique",
+        "sessions",
+        ["title"],
+        unique=True,
+        sqlite_where=sa.text("title IS NOT NULL"),
+        postgresql_where=sa.text("title IS NOT NULL"),
+        if_not_exists=True,
+    )
     schema_ops.set_schema_version(4)
 
 

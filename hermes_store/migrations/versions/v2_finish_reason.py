@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+
 from hermes_store import schema_ops
 
 revision: str = "v2_finish_reason"
@@ -18,10 +20,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    schema_ops.add_version_columns(2)
+    schema_ops.add_columns("messages", sa.Column("finish_reason", sa.Text()))
     schema_ops.set_schema_version(2)
 
 
 def downgrade() -> None:
-    schema_ops.drop_version_columns(2)
+    schema_ops.drop_columns("messages", "finish_reason", autoincrement=True)
     schema_ops.set_schema_version(1)

@@ -1,0 +1,78 @@
+CREATE TABLE alembic_version (
+    version_num VARCHAR(32) NOT NULL, 
+    CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num)
+);
+
+-- Running upgrade  -> v1_base
+
+CREATE TABLE schema_version (
+    version INTEGER NOT NULL
+);
+
+CREATE TABLE sessions (
+    id TEXT, 
+    source TEXT NOT NULL, 
+    user_id TEXT, 
+    model TEXT, 
+    model_config TEXT, 
+    system_prompt TEXT, 
+    parent_session_id TEXT, 
+    started_at REAL NOT NULL, 
+    ended_at REAL, 
+    end_reason TEXT, 
+    message_count INTEGER DEFAULT 0, 
+    tool_call_count INTEGER DEFAULT 0, 
+    input_tokens INTEGER DEFAULT 0, 
+    output_tokens INTEGER DEFAULT 0, 
+    CONSTRAINT pk_sessions PRIMARY KEY (id), 
+    CONSTRAINT fk_sessions_parent_session_id_sessions FOREIGN KEY(parent_session_id) REFERENCES sessions (id)
+);
+
+CREATE TABLE messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, 
+    session_id TEXT NOT NULL, 
+    role TEXT NOT NULL, 
+    content TEXT, 
+    tool_call_id TEXT, 
+    tool_calls TEXT, 
+    tool_name TEXT, 
+    timestamp REAL NOT NULL, 
+    token_count INTEGER, 
+    CONSTRAINT fk_messages_session_id_sessions FOREIGN KEY(session_id) REFERENCES sessions (id)
+);
+
+CREATE INDEX idx_sessions_source ON sessions (source);
+
+CREATE INDEX idx_sessions_parent ON sessions (parent_session_id);
+
+CREATE INDEX idx_sessions_started ON sessions (started_at DESC);
+
+CREATE INDEX idx_messages_session ON messages (session_id, timestamp);
+
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
+    content,
+    content=messages,
+    content_rowid=id
+);
+
+CREATE TRIGGER IF NOT EXISTS messages_fts_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+
+CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content)
+        VALUES('delete', old.id, old.content);
+END;
+
+CREATE TRIGGER IF NOT EXISTS messages_fts_update AFTER UPDATE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content)
+        VALUES('delete', old.id, old.content);
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+
+DELETE FROM schema_version;
+
+INSERT INTO schema_version (version) VALUES (1);
+
+INSERT INTO alembic_version (version_num) VALUES ('v1_base') RETURNING version_num;
+
