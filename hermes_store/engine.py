@@ -142,6 +142,7 @@ def create_engine(
             foreign_keys=foreign_keys,
         )
         return engine
+    url, engine_kwargs = _prepared_statement_option(url, engine_kwargs)
     # A fleet of gateways shares the server: keep a modest pool and test connections before
     # use, so a restarted server costs one reconnect instead of an error.
     engine_kwargs.setdefault("pool_pre_ping", True)
@@ -149,6 +150,29 @@ def create_engine(
         engine_kwargs.setdefault("pool_size", 5)
         engine_kwargs.setdefault("max_overflow", 10)
     return sa.create_engine(url, **engine_kwargs)
+
+
+def _prepared_statement_option(
+    url: URL, engine_kwargs: dict[str, Any]
+) -> tuple[URL, dict[str, Any]]:
+    """``?prepare_threshold=none`` on a PostgreSQL URL turns off psycopg's automatic server-side
+    prepared statements, which PgBouncer in transaction pooling mode (1.18, Debian 12) cannot
+    carry from one transaction to the next server connection. A number sets the threshold."""
+    raw = url.query.get("prepare_threshold")
+    if raw is None:
+        return url, engine_kwargs
+    value = raw if isinstance(raw, str) else raw[-1]
+    try:
+        threshold = None if value.lower() in ("none", "off", "") else int(value)
+    except ValueError:
+        raise InvalidInputError(
+            f"prepare_threshold={value!r} in the URL: use a number or 'none'"
+        ) from None
+    connect_args = {**engine_kwargs.get("connect_args", {}), "prepare_threshold": threshold}
+    return url.difference_update_query(["prepare_threshold"]), {
+        **engine_kwargs,
+        "connect_args": connect_args,
+    }
 
 
 def install_sqlite_hooks(

@@ -19,7 +19,13 @@ from hermes_store import SessionDB, migrate
 from hermes_store.engine import to_url
 
 PG_ENV = "HERMES_STORE_TEST_PG_URL"
+#: PgBouncer in transaction pooling mode in front of the same server (host, port and options
+#: are taken from it; the database is the worker's), e.g.
+#: ``postgresql+psycopg://postgres@127.0.0.1:6432/test?prepare_threshold=none``.
+PGBOUNCER_ENV = "HERMES_STORE_TEST_PGBOUNCER_URL"
 BACKENDS = ("sqlite", "postgresql")
+#: The contract suites also run through PgBouncer.
+CONTRACT_BACKENDS = (*BACKENDS, "pgbouncer")
 
 
 def _pg_base_url() -> URL | None:
@@ -67,8 +73,18 @@ def reset_pg(url: URL) -> None:
 
 
 def _require_backend(backend: str, pg_worker_url: URL | None) -> None:
-    if backend == "postgresql" and pg_worker_url is None:
+    if backend in ("postgresql", "pgbouncer") and pg_worker_url is None:
         pytest.skip(f"PostgreSQL tests need {PG_ENV}")
+    if backend == "pgbouncer" and not os.environ.get(PGBOUNCER_ENV):
+        if os.environ.get("HERMES_STORE_REQUIRE_PG") == "1":
+            pytest.fail(f"{PGBOUNCER_ENV} is not set but HERMES_STORE_REQUIRE_PG=1")
+        pytest.skip(f"PostgreSQL-through-PgBouncer tests need {PGBOUNCER_ENV}")
+
+
+def through_pgbouncer(url: URL) -> URL:
+    """The worker's database, reached through PgBouncer."""
+    bouncer = to_url(os.environ[PGBOUNCER_ENV])
+    return url.set(host=bouncer.host, port=bouncer.port, query=bouncer.query)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -84,7 +100,7 @@ def empty_url(backend: str, pg_worker_url: URL | None, tmp_path: Path) -> URL:
         return to_url(tmp_path / "state.db")
     assert pg_worker_url is not None
     reset_pg(pg_worker_url)
-    return pg_worker_url
+    return through_pgbouncer(pg_worker_url) if backend == "pgbouncer" else pg_worker_url
 
 
 @pytest.fixture

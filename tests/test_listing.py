@@ -9,7 +9,15 @@ import pytest
 
 from hermes_store import SessionDB, listing
 from hermes_store.models import ChatSession
+from tests.conftest import CONTRACT_BACKENDS
 from tests.test_search import captured_selects, explain
+
+
+@pytest.fixture(params=CONTRACT_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The contract runs on SQLite, PostgreSQL and PostgreSQL behind PgBouncer."""
+    return str(request.param)
+
 
 T0 = 1_700_000_000.0
 TIP_FIELDS = {

@@ -21,7 +21,15 @@ from sqlalchemy import event
 from hermes_store import SessionDB, ddl, search
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
+from tests.conftest import CONTRACT_BACKENDS
 from tests.search_corpus import CORPUS
+
+
+@pytest.fixture(params=CONTRACT_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The contract runs on SQLite, PostgreSQL and PostgreSQL behind PgBouncer."""
+    return str(request.param)
+
 
 RESULT_KEYS = {
     "id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",

@@ -18,6 +18,14 @@ from hermes_store import (
     UnknownSessionError,
 )
 from hermes_store.models import ChatSession, Message
+from tests.conftest import CONTRACT_BACKENDS
+
+
+@pytest.fixture(params=CONTRACT_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The contract runs on SQLite, PostgreSQL and PostgreSQL behind PgBouncer."""
+    return str(request.param)
+
 
 # -- sessions ---------------------------------------------------------------------------------
 
