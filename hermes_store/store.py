@@ -912,10 +912,10 @@ def _checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -
     turn the counter into a REAL. ``abs()`` of the smallest 64-bit integer is the error
     (``integer overflow`` on SQLite, ``bigint out of range`` on PostgreSQL), which the error
     mapping reports as InvalidInputError; the check is part of the atomic UPDATE."""
-    zero, one = sa.literal_column("0"), sa.literal_column("1")  # inline: no extra binds
-    low, high = sa.literal_column(str(validate.INT64_MIN + 1)) - one, sa.literal_column(
-        str(validate.INT64_MAX)
-    )
+    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline constants: no extra binds
+    high: sa.ColumnElement[Any] = sa.literal_column(str(validate.INT64_MAX))
+    # Written as MIN + 1 - 1: SQLite reads the literal 9223372036854775808 as a REAL.
+    low: sa.ColumnElement[Any] = sa.literal_column(f"({validate.INT64_MIN + 1} - 1)")
     fail = func.abs(low + zero * current)  # row-dependent: PostgreSQL cannot fold it early
     return sa.case(
         (and_(given > zero, current > high - given), fail),
