@@ -28,7 +28,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import ArgumentError
 
+from hermes_store.engine import to_url
 from hermes_store.errors import InvalidInputError
 
 INT64_MIN = -(2**63)
@@ -100,9 +102,9 @@ def names(name: str, value: object) -> list[str] | None:
     return listed
 
 
-def page(limit: object, offset: object, *, optional_limit: bool = False) -> None:
-    """``limit`` and ``offset`` of a page: integers >= 0 (``limit`` may be None if allowed)."""
-    integer("limit", limit, optional=optional_limit, minimum=0)
+def page(limit: object, offset: object) -> None:
+    """``limit`` and ``offset`` of a page: integers >= 0."""
+    integer("limit", limit, minimum=0)
     integer("offset", offset, minimum=0)
 
 
@@ -146,11 +148,14 @@ def target(value: object) -> None:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
-        raise InvalidInputError(
-            f"db_path must be a path, a URL or an Engine, not {_kind(value)}"
-        )
+        raise InvalidInputError(f"db_path must be a path, a URL or an Engine, not {_kind(value)}")
     if "\x00" in value or not value.strip():
         raise InvalidInputError(f"db_path is not a usable path: {value!r}")
+    if "://" in value:
+        try:
+            to_url(value).get_dialect()
+        except ArgumentError as error:  # a malformed URL, or no such backend installed
+            raise InvalidInputError(f"db_path is not a usable database URL: {error}") from None
 
 
 def open_options(retry: object, checkpoint_every: object, writer_busy_timeout: object) -> None:

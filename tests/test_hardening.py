@@ -8,6 +8,7 @@ runs the store in a child that drops root privileges to ``nobody``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import multiprocessing as mp
@@ -26,9 +27,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from sqlalchemy.engine import URL
 
 from hermes_store import (
     AccessDeniedError,
@@ -64,7 +64,7 @@ def test_list_sessions_rich_excludes_any_number_of_sources(store: SessionDB) -> 
 def test_exclude_sources_as_a_tuple_a_set_or_one_string(store: SessionDB) -> None:
     sources = _sources_store(store)
     for excluded in (tuple(sources[:3]), set(sources[:3]), iter(sources[:3])):
-        rows = store.list_sessions_rich(exclude_sources=excluded, limit=50)
+        rows = store.list_sessions_rich(exclude_sources=excluded, limit=50)  # type: ignore[arg-type]
         assert sorted(row["source"] for row in rows) == sources[3:]
     rows = store.list_sessions_rich(exclude_sources="src0", limit=50)  # one name, not 4 letters
     assert sorted(row["source"] for row in rows) == sources[1:]
@@ -210,9 +210,11 @@ def test_io_error_family_maps_to_package_errors() -> None:
 
     def wrapped(code: int, name: str) -> sa.exc.DBAPIError:
         orig = sqlite3.OperationalError("disk I/O error")
-        orig.sqlite_errorcode = code  # type: ignore[attr-defined]
-        orig.sqlite_errorname = name  # type: ignore[attr-defined]
-        return sa.exc.DBAPIError.instance("SELECT 1", None, orig, sqlite3.Error)
+        orig.sqlite_errorcode = code
+        orig.sqlite_errorname = name
+        error = sa.exc.DBAPIError.instance("SELECT 1", None, orig, sqlite3.Error)
+        assert isinstance(error, sa.exc.DBAPIError)
+        return error
 
     assert isinstance(translate(wrapped(4874, "SQLITE_IOERR_SHMSIZE")), StorageFullError)
     read_error = translate(wrapped(266, "SQLITE_IOERR_READ"))
@@ -236,14 +238,18 @@ def _nested(depth: int) -> list[Any]:
 
 BAD_CALLS: dict[str, Callable[[SessionDB], object]] = {
     "input_tokens >= 2**63": lambda db: db.update_token_counts("base", input_tokens=HUGE),
-    "reasoning_tokens < -2**63": lambda db: db.update_token_counts("base", reasoning_tokens=-HUGE - 1),
+    "reasoning_tokens < -2**63": lambda db: db.update_token_counts(
+        "base", reasoning_tokens=-HUGE - 1
+    ),
     "token_count >= 2**63": lambda db: db.append_message("base", "user", "x", token_count=HUGE),
     "limit >= 2**63": lambda db: db.list_sessions_rich(limit=HUGE),
     "offset >= 2**63": lambda db: db.search_sessions(offset=HUGE),
     "search limit >= 2**63": lambda db: db.search_messages("hello", limit=HUGE),
     "prune 10**400 days": lambda db: db.prune_sessions(10**400),
     "prune nan days": lambda db: db.prune_sessions(NAN),
-    "nested tool_calls": lambda db: db.append_message("base", "user", "x", tool_calls=_nested(5000)),
+    "nested tool_calls": lambda db: db.append_message(
+        "base", "user", "x", tool_calls=_nested(5000)
+    ),
     "timestamp NaN": lambda db: db.append_messages("base", [{"role": "user", "timestamp": NAN}]),
     "timestamp inf": lambda db: db.append_messages("base", [{"role": "user", "timestamp": INF}]),
     "estimated cost NaN": lambda db: db.update_token_counts("base", estimated_cost_usd=NAN),
@@ -274,7 +280,9 @@ def baseline(store: SessionDB) -> Iterator[SessionDB]:
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CALLS))
-def test_bad_arguments_raise_invalid_input_and_write_nothing(baseline: SessionDB, case: str) -> None:
+def test_bad_arguments_raise_invalid_input_and_write_nothing(
+    baseline: SessionDB, case: str
+) -> None:
     with pytest.raises(InvalidInputError):
         BAD_CALLS[case](baseline)
 
@@ -436,6 +444,10 @@ def test_every_public_method_answers_or_raises_a_package_error(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@example(db_path="a://b", checkpoint_every=50, writer_busy_timeout=None)
+@example(db_path="folder", checkpoint_every=50, writer_busy_timeout=None)
+@example(db_path=b"state.db", checkpoint_every=50, writer_busy_timeout=None)
+@example(db_path=None, checkpoint_every=-1, writer_busy_timeout=float("nan"))
 @given(
     db_path=st.one_of(
         ARGS.filter(lambda value: not isinstance(value, str)),
@@ -456,12 +468,10 @@ def test_opening_with_arbitrary_arguments(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HERMES_HOME", str(tmp_path / "home"))
     (tmp_path / "folder").mkdir(exist_ok=True)
-    try:
+    with contextlib.suppress(HermesStoreError):
         SessionDB(
             db_path, checkpoint_every=checkpoint_every, writer_busy_timeout=writer_busy_timeout
         ).close()
-    except HermesStoreError:
-        pass
 
 
 # -- 6. litter from killed creators, and folder modes -------------------------------------------
