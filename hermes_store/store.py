@@ -431,6 +431,7 @@ class SessionDB:
             )
         )
         validate.token_counts(counts, estimated_cost_usd, actual_cost_usd)
+        validate.flag("absolute", absolute)
         for name, value in counts.items():
             _check_number(name, value, int)
         _check_number("estimated_cost_usd", estimated_cost_usd, float)

@@ -261,6 +261,7 @@ BAD_CALLS: dict[str, Callable[[SessionDB], object]] = {
     "get_session list": lambda db: db.get_session(["a"]),  # type: ignore[arg-type]
     "end_session dict": lambda db: db.end_session({"a": 1}, "x"),  # type: ignore[arg-type]
     "after_id 'abc'": lambda db: db.get_messages("base", after_id="abc"),  # type: ignore[arg-type]
+    "absolute 'yes'": lambda db: db.update_token_counts("base", absolute="yes"),  # type: ignore[arg-type]
     "iter_messages page_size 0": lambda db: list(db.iter_messages("base", page_size=0)),
     "exclude_sources [None]": lambda db: db.list_sessions_rich(exclude_sources=[None]),  # type: ignore[list-item]
     "messages not mappings": lambda db: db.append_messages("base", [1, 2]),  # type: ignore[list-item]
