@@ -382,8 +382,7 @@ def ensure_head(engine: Engine) -> None:
             with mapped_errors(), engine.connect() as conn:
                 state = read_state(conn)
             check_adoptable(state, _describe_url(engine.url))
-        at_head = state is not None and state.revision == head
-        if at_head and state is not None and state.schema_version == ddl.HEAD_VERSION:
+        if state is not None and (state.revision, state.schema_version) == (head, ddl.HEAD_VERSION):
             return
         upgrade(engine, "head")
 
@@ -458,8 +457,8 @@ def remove_stale_temps(path: Path, *, older_than: float = STALE_TEMP_AFTER_S) ->
 
 def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` names a live process here (another user's counts as alive)."""
-    if pid <= 0 or pid == os.getpid():
-        return True  # ours, or no real creator's: never delete on that basis
+    if pid <= 0 or pid == os.getpid():  # ours, or no creator's at all: keep the file
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
