@@ -6,6 +6,7 @@ models, :mod:`hermes_store.uow` the Unit of Work, :mod:`hermes_store.migrate` th
 
 from hermes_store.engine import create_engine, default_db_path
 from hermes_store.errors import (
+    AccessDeniedError,
     DatabaseLockedError,
     DatabaseUnavailableError,
     HermesStoreError,
@@ -15,6 +16,7 @@ from hermes_store.errors import (
     SchemaError,
     SchemaTooNewError,
     StorageFullError,
+    StorageIOError,
     TitleInUseError,
     TitleTooLongError,
     UnknownSessionError,
@@ -33,6 +35,7 @@ from hermes_store.uow import RetryPolicy, UnitOfWork
 
 __all__ = [
     "MAX_TITLE_LENGTH",
+    "AccessDeniedError",
     "Base",
     "ChatSession",
     "DatabaseLockedError",
@@ -48,6 +51,7 @@ __all__ = [
     "SchemaVersion",
     "SessionDB",
     "StorageFullError",
+    "StorageIOError",
     "TitleInUseError",
     "TitleTooLongError",
     "UnitOfWork",

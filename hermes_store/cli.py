@@ -56,6 +56,7 @@ from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
     mapped_errors,
+    open_errors,
     translate,
 )
 from hermes_store.models import messages_table as M
@@ -274,7 +275,8 @@ def _read_state(url: URL) -> migrate.DatabaseState | None:
     """The database's tables and versions, read without locking (None: no such file)."""
     path = sqlite_file(url)
     if path is not None:
-        return migrate.preflight_sqlite(path)
+        with open_errors(path):  # a full disk is not "an unreadable file"
+            return migrate.preflight_sqlite(path)
     engine = migrate.read_engine(url)
     try:
         with mapped_errors(), engine.connect() as conn:

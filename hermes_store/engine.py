@@ -87,9 +87,28 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
+def make_private_dirs(folder: Path) -> None:
+    """Create ``folder`` and any missing parents owner-only (0700) whatever the umask: they
+    will hold conversations. Folders that already exist (or that another process creates
+    meanwhile) are left exactly as they are."""
+    missing: list[Path] = []
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    for candidate in reversed(missing):
+        try:
+            os.mkdir(candidate, 0o700)
+        except FileExistsError:
+            if not candidate.is_dir():
+                raise
+            continue
+        os.chmod(candidate, 0o700)  # mkdir's mode is cut by the umask
+
+
 def create_private_file(path: Path) -> bool:
     """Create ``path`` owner-only (0600) unless it exists; SQLite gives -wal/-shm the same mode."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:

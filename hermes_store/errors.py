@@ -6,6 +6,7 @@ the subclass is also a ``ValueError`` so existing ``except ValueError`` code kee
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,6 +21,9 @@ SQLITE_CORRUPT = 11
 SQLITE_FULL = 13
 SQLITE_CANTOPEN = 14
 SQLITE_NOTADB = 26
+#: SQLITE_IOERR_SHMSIZE: the shared-memory (-shm) file could not be grown, which on a local
+#: file system means no space left (a fresh process opening a WAL database on a full disk).
+SQLITE_IOERR_SHMSIZE = SQLITE_IOERR | (19 << 8)
 # PostgreSQL SQLSTATEs that mean "run the transaction again".
 PG_RETRYABLE = frozenset({"40001", "40P01"})
 
@@ -54,6 +58,15 @@ class ReadOnlyDatabaseError(HermesStoreError):
 
 class StorageFullError(HermesStoreError):
     """The disk or the database's page limit is full; the transaction was rolled back."""
+
+
+class StorageIOError(HermesStoreError):
+    """The operating system failed a read or write of the database's files (SQLite's
+    ``disk I/O error`` family, other than lack of space)."""
+
+
+class AccessDeniedError(ReadOnlyDatabaseError):
+    """The process may not open the database file or its folder (another owner, a mode)."""
 
 
 class DatabaseUnavailableError(HermesStoreError):
@@ -107,6 +120,8 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
         return ReadOnlyDatabaseError(f"the database refuses writes: {text}")
     if code == SQLITE_FULL or getattr(orig, "sqlstate", None) in ("53100", "53200"):
         return StorageFullError(f"the database is full: {text}")
+    if code == SQLITE_IOERR:
+        return _sqlite_io_error(orig, text)
     if code == SQLITE_CANTOPEN:
         return ReadOnlyDatabaseError(f"cannot open the database file: {text}")
     sqlstate = getattr(orig, "sqlstate", None)
@@ -115,6 +130,13 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     # 54000: e.g. a message whose words make a tsvector over PostgreSQL's 1 MB limit.
     if sqlstate == "54000":
         return InvalidInputError(f"a value is too large for the database to store: {text}")
+    # Class 22 (data exception): a value out of a column's range (22003), a NaN where an
+    # integer goes, a negative LIMIT... the argument was wrong, nothing was written.
+    if (sqlstate or "").startswith("22"):
+        return InvalidInputError(f"the database refused a value: {text}")
+    # SQLite's abs() of the smallest integer: how the counter updates refuse an overflow.
+    if code is not None and text == "integer overflow":
+        return InvalidInputError("a counter would overflow a 64-bit integer; nothing was written")
     # psycopg refuses NUL in text before sending anything: the input is wrong, not the server.
     if isinstance(error, sa_exc.DataError) and sqlstate is None and "NUL" in text:
         return InvalidInputError(f"a text argument contains a NUL character: {text}")
@@ -126,6 +148,49 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     ):
         return DatabaseUnavailableError(f"cannot reach the database: {text}")
     return None
+
+
+def _sqlite_io_error(orig: BaseException | None, text: str) -> HermesStoreError:
+    extended = getattr(orig, "sqlite_errorcode", None)
+    name = getattr(orig, "sqlite_errorname", None) or "SQLITE_IOERR"
+    if extended == SQLITE_IOERR_SHMSIZE:
+        return StorageFullError(
+            "the disk is full: SQLite could not size the database's shared-memory (-shm) "
+            f"file ({name}: {text}); free some space and try again"
+        )
+    return StorageIOError(f"the operating system failed an I/O on the database ({name}: {text})")
+
+
+def translate_os_error(error: OSError, where: str) -> HermesStoreError:
+    """The package error for an OS error met while opening or creating the database."""
+    code = error.errno
+    detail = f"{where}: {error.strerror or error}"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(f"no space left for the database: {detail}")
+    if code in (errno.EACCES, errno.EPERM):
+        return AccessDeniedError(f"permission denied opening the database: {detail}")
+    if code == errno.EROFS:
+        return ReadOnlyDatabaseError(f"the database's file system is read-only: {detail}")
+    if code == errno.EISDIR:
+        return NotADatabaseError(f"{where} is a directory, not a SQLite database file")
+    if code == errno.ENOTDIR:
+        return NotADatabaseError(f"a part of the database path is not a folder: {detail}")
+    return StorageIOError(f"cannot open the database: {detail}")
+
+
+@contextmanager
+def open_errors(where: object) -> Iterator[None]:
+    """Around opening a database: OS errors become package errors, and a file refused as
+    unreadable because of an I/O failure (a full disk) says what really happened."""
+    try:
+        yield
+    except OSError as error:
+        raise translate_os_error(error, str(where)) from error
+    except NotADatabaseError as error:
+        cause = error.__cause__
+        if isinstance(cause, sa_exc.DBAPIError) and _sqlite_code(cause.orig) == SQLITE_IOERR:
+            raise _sqlite_io_error(cause.orig, str(cause.orig)) from cause
+        raise
 
 
 @contextmanager

@@ -43,7 +43,9 @@ def _sql_compiler(compiled: Compiled) -> SQLCompiler:
 
 
 def _bucket(size: int) -> int:
-    """Expanded lists are padded (with NULL) to a power of two: few compiled variants."""
+    """Expanded lists are padded to a power of two (few compiled variants) by repeating their
+    last element: a repeat changes neither ``IN`` nor ``NOT IN``, where a NULL pad would make
+    ``NOT IN`` never true."""
     bucket = 1
     while bucket < size:
         bucket *= 2
@@ -94,10 +96,12 @@ def rows(
     """All rows of ``statement`` as dicts keyed by column label.
 
     ``expanding`` names list parameters (``bindparam(..., expanding=True)``); on SQLite their
-    lists are padded with NULL up to a power of two, which ``IN (...)`` ignores.
+    lists are padded up to a power of two by repeating their last element, which neither
+    ``IN (...)`` nor ``NOT IN (...)`` notices. An empty list has nothing to repeat (and
+    ``NOT IN ()`` is true for every row): SQLAlchemy renders that case itself.
     """
     params = dict(params or {})
-    if conn.dialect.name != "sqlite":
+    if conn.dialect.name != "sqlite" or any(not params[name] for name in expanding):
         return [dict(row._mapping) for row in conn.execute(cast(Executable, statement), params)]
     expand = tuple((name, _bucket(len(params[name]))) for name in expanding)
     compiled = _compile(statement, conn.dialect, expand)
@@ -107,7 +111,7 @@ def rows(
             bound.append(params[name] if name in params else compiled.defaults.get(name))
         else:
             given = params[name]
-            bound.append(given[index] if index < len(given) else None)
+            bound.append(given[index] if index < len(given) else given[-1])
     values = tuple(bound)  # a tuple, as SQLAlchemy hands positional parameters to events
     dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import secrets
 import sqlite3
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -34,16 +36,19 @@ from hermes_store.engine import (
     Target,
     create_engine,
     create_private_file,
+    make_private_dirs,
     sqlite_file,
     to_url,
 )
 from hermes_store.errors import (
+    AccessDeniedError,
     DatabaseLockedError,
     NotADatabaseError,
     SchemaTooNewError,
     UnrecognizedSchemaError,
     is_retryable,
     mapped_errors,
+    open_errors,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +134,12 @@ def read_state(conn: Connection) -> DatabaseState:
 def check_adoptable(state: DatabaseState, where: str) -> None:
     """Raise a clear error unless the database is empty, ours, or a known legacy version."""
     known = {s.revision for s in _scripts().walk_revisions()}
+    version_type = type(state.schema_version)
+    if state.schema_version is not None and version_type is not int:
+        raise UnrecognizedSchemaError(
+            f"{where} has a schema_version that is not a number "
+            f"({state.schema_version!r}, {version_type.__name__}): not a Hermes state database"
+        )
     if state.schema_version is not None and state.schema_version > ddl.HEAD_VERSION:
         raise SchemaTooNewError(
             f"{where} has schema_version {state.schema_version}; this hermes_store knows "
@@ -183,6 +194,11 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
         raise NotADatabaseError(f"{where} is a directory, not a SQLite database")
     if info.st_size == 0:
         raise NotADatabaseError(f"{where} is an empty file (0 bytes), not a SQLite database")
+    if not os.access(path, os.R_OK):
+        raise AccessDeniedError(
+            f"permission denied opening the database: {where} belongs to uid {info.st_uid} "
+            f"(mode {stat.S_IMODE(info.st_mode):o})"
+        )
     quiet = not files.sidecars(path)
     try:
         state = _probe(path, immutable=quiet)
@@ -254,6 +270,8 @@ def migration_connection(target: Target) -> Iterator[Connection]:
     """One connection holding the write lock, foreign keys off (SQLite rebuilds tables)."""
     url = target.url if isinstance(target, Engine) else to_url(target)
     path = sqlite_file(url)
+    if path is not None:
+        remove_stale_temps(path)
     created = path is not None and preflight_sqlite(path) is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
     try:
@@ -361,24 +379,27 @@ def ensure_head(engine: Engine) -> None:
     """
     head = head_revision()
     path = sqlite_file(engine.url)
-    if path is not None and not path.exists():
-        _create_sqlite_at_head(path)
-        return
-    if path is not None:
-        state = preflight_sqlite(path)
-    else:
-        with mapped_errors(), engine.connect() as conn:
-            state = read_state(conn)
-        check_adoptable(state, _describe_url(engine.url))
-    if state is not None and state.revision == head and state.schema_version == ddl.HEAD_VERSION:
-        return
-    upgrade(engine, "head")
+    with open_errors(path or _describe_url(engine.url)):
+        if path is not None and not path.exists():
+            _create_sqlite_at_head(path)
+            return
+        if path is not None:
+            state = preflight_sqlite(path)
+        else:
+            with mapped_errors(), engine.connect() as conn:
+                state = read_state(conn)
+            check_adoptable(state, _describe_url(engine.url))
+        if state is not None and (state.revision, state.schema_version) == (head, ddl.HEAD_VERSION):
+            return
+        upgrade(engine, "head")
 
 
 def _create_sqlite_at_head(path: Path) -> None:
     """Build a new file beside ``path`` and link it into place, so a path either does not
     exist or holds a complete database at head, whatever other processes do meanwhile."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.new")
+    make_private_dirs(path.parent)
+    remove_stale_temps(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.new")
     try:
         create_private_file(temp)
         engine = create_engine(temp, poolclass=NullPool)
@@ -398,6 +419,60 @@ def _create_sqlite_at_head(path: Path) -> None:
     finally:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{temp}{suffix}").unlink(missing_ok=True)
+
+
+#: A database is created in well under a second: a temporary file this old whose creator is
+#: gone was left by a process that was killed (or lost power) while creating it.
+STALE_TEMP_AFTER_S = 3600.0
+
+
+def remove_stale_temps(path: Path, *, older_than: float = STALE_TEMP_AFTER_S) -> list[Path]:
+    """Delete what killed creators left beside ``path``: ``.NAME.PID.HEX.new`` (and its
+    ``-wal``/``-shm``/``-journal``) whose process no longer exists on this machine AND that
+    is older than ``older_than`` seconds; the age also covers creators in other pid
+    namespaces or on other hosts sharing the folder. ``.NAME.HEX.new``, the name of older
+    releases, has no pid: only the age applies. Anything else is never touched."""
+    pattern = re.compile(
+        rf"\.{re.escape(path.name)}\.(?:(?P<pid>\d{{1,10}})\.)?[0-9a-f]{{16}}\.new"
+        r"(?:-wal|-shm|-journal)?"
+    )
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError as error:
+        log.debug("cannot list %s for stale temporary files: %s", path.parent, error)
+        return removed
+    now = time.time()
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        pid = match.group("pid")
+        try:
+            stale = entry.is_file(follow_symlinks=False) and (
+                now - entry.stat(follow_symlinks=False).st_mtime > older_than
+            )
+            if stale and (pid is None or not _pid_alive(int(pid))):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError as error:  # gone meanwhile, or not ours to delete: leave it
+            log.debug("left %s in place: %s", entry.path, error)
+    if removed:
+        log.info("removed %d stale temporary file(s) beside %s", len(removed), path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process here (another user's counts as alive)."""
+    if pid <= 0 or pid == os.getpid():  # ours, or no creator's at all: keep the file
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _close_wal(path: Path) -> None:

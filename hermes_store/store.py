@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import fastpath, listing, search, titles
+from hermes_store import fastpath, listing, search, titles, validate
 from hermes_store.engine import Target, create_engine, default_db_path
 from hermes_store.errors import (
     InvalidInputError,
@@ -85,7 +85,7 @@ def _to_json(name: str, value: Any) -> str | None:
         return None
     try:
         return json.dumps(value)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, RecursionError) as error:
         raise InvalidInputError(f"{name} cannot be stored as JSON: {error}") from error
 
 
@@ -119,6 +119,8 @@ class SessionDB:
         checkpoint_every: int = 50,
         writer_busy_timeout: float | None = None,
     ) -> None:
+        validate.target(db_path)
+        validate.open_options(retry, checkpoint_every, writer_busy_timeout)
         target: Target = default_db_path() if db_path is None else db_path
         extra: dict[str, Any] = {}
         if writer_busy_timeout is not None:
@@ -140,6 +142,7 @@ class SessionDB:
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> SessionDB:
         """The same store on any SQLAlchemy URL (``postgresql+psycopg://...``, ``sqlite:///...``)."""
+        validate.text("url", url)
         return cls(url, **kwargs)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -179,6 +182,7 @@ class SessionDB:
         parent_session_id: str | None = None,
     ) -> str:
         """Insert a session (an existing id is left as it is: first write wins)."""
+        validate.text("session_id", session_id)
         self._text("session_id", session_id, required=True)
         self._text("source", source, required=True)
         for name, value in (
@@ -213,6 +217,7 @@ class SessionDB:
         self, session_id: str, source: str = "unknown", model: str | None = None
     ) -> None:
         """Insert-or-ignore of (id, source, model, started_at); never overwrites."""
+        validate.text("session_id", session_id)
         self._text("session_id", session_id, required=True)
         self._text("source", source, required=True)
         self._text("model", model)
@@ -221,6 +226,8 @@ class SessionDB:
 
     def end_session(self, session_id: str, end_reason: str) -> None:
         """Mark the session ended; the first end wins until it is reopened."""
+        validate.text("session_id", session_id)
+        validate.text("end_reason", end_reason, optional=True)
         self._text("end_reason", end_reason)
         statement = (
             update(S)
@@ -230,21 +237,26 @@ class SessionDB:
         self.uow.run(lambda conn: conn.execute(statement))
 
     def reopen_session(self, session_id: str) -> None:
+        validate.text("session_id", session_id)
         statement = update(S).where(S.c.id == session_id).values(ended_at=None, end_reason=None)
         self.uow.run(lambda conn: conn.execute(statement))
 
     def update_system_prompt(self, session_id: str, system_prompt: str | None) -> None:
+        validate.text("session_id", session_id)
+        validate.text("system_prompt", system_prompt, optional=True)
         self._text("system_prompt", system_prompt)
         statement = update(S).where(S.c.id == session_id).values(system_prompt=system_prompt)
         self.uow.run(lambda conn: conn.execute(statement))
 
     def get_session(self, session_id: str) -> RowDict | None:
+        validate.text("session_id", session_id)
         with self._read() as conn:
             row = conn.execute(select(S).where(S.c.id == session_id)).first()
         return _row_dict(row) if row else None
 
     def resolve_session_id(self, session_id_or_prefix: str) -> str | None:
         """The exact id, else the one session whose id starts with the prefix (else None)."""
+        validate.text("session_id_or_prefix", session_id_or_prefix)
         with self._read() as conn:
             if self._exists(conn, session_id_or_prefix):
                 return session_id_or_prefix
@@ -259,6 +271,7 @@ class SessionDB:
 
     def delete_session(self, session_id: str) -> bool:
         """Delete a session and its messages; its children are orphaned, never deleted."""
+        validate.text("session_id", session_id)
 
         def unit(conn: Connection) -> bool:
             if not self._exists(conn, session_id):
@@ -274,6 +287,8 @@ class SessionDB:
 
     def prune_sessions(self, older_than_days: float = 90, source: str | None = None) -> int:
         """Delete ended sessions started before the cutoff; active sessions are never pruned."""
+        validate.real("older_than_days", older_than_days, scale=86400.0)
+        validate.text("source", source, optional=True)
         _check_number("older_than_days", older_than_days, float)
         cutoff = time.time() - older_than_days * 86400
         criteria = [S.c.started_at < cutoff, S.c.ended_at.is_not(None)]
@@ -294,6 +309,7 @@ class SessionDB:
 
     def get_compression_tip(self, session_id: str) -> str | None:
         """Follow the compression chain forward (at most 100 hops) to its newest continuation."""
+        validate.text("session_id", session_id)
         with self._read() as conn:
             return listing.compression_tip(conn, session_id)
 
@@ -305,10 +321,13 @@ class SessionDB:
 
     @staticmethod
     def sanitize_title(title: str | None) -> str | None:
+        validate.text("title", title, optional=True)
         return titles.sanitize_title(title)
 
     def set_session_title(self, session_id: str, title: str | None) -> bool:
         """Set (or with an empty title, clear) the title; a title held elsewhere raises."""
+        validate.text("session_id", session_id)
+        validate.text("title", title, optional=True)
         clean = titles.sanitize_title(title)
         self._text("title", clean)
 
@@ -331,17 +350,20 @@ class SessionDB:
         return self.uow.run(unit)
 
     def get_session_title(self, session_id: str) -> str | None:
+        validate.text("session_id", session_id)
         with self._read() as conn:
             title: str | None = conn.scalar(select(S.c.title).where(S.c.id == session_id))
         return title
 
     def get_session_by_title(self, title: str) -> RowDict | None:
+        validate.text("title", title)
         with self._read() as conn:
             row = conn.execute(select(S).where(S.c.title == title)).first()
         return _row_dict(row) if row else None
 
     def resolve_session_by_title(self, title: str) -> str | None:
         """The newest "title #N" variant when any exists, else the exact title, else None."""
+        validate.text("title", title)
         with self._read() as conn:
             candidates = conn.execute(
                 select(S.c.id, S.c.title)
@@ -356,6 +378,7 @@ class SessionDB:
 
     def get_next_title_in_lineage(self, base_title: str) -> str:
         """``"x"`` -> ``"x #2"``; with ``"x #3"`` present -> ``"x #4"``."""
+        validate.text("base_title", base_title)
         base = titles.lineage_base(base_title)
         with self._read() as conn:
             held = conn.scalars(
@@ -393,6 +416,7 @@ class SessionDB:
         absolute: bool = False,
     ) -> None:
         """Add to (or with ``absolute``, set) the counters and costs in one atomic statement."""
+        validate.text("session_id", session_id)
         counts = dict(
             zip(
                 _COUNTERS,
@@ -406,6 +430,8 @@ class SessionDB:
                 strict=True,
             )
         )
+        validate.token_counts(counts, estimated_cost_usd, actual_cost_usd)
+        validate.flag("absolute", absolute)
         for name, value in counts.items():
             _check_number(name, value, int)
         _check_number("estimated_cost_usd", estimated_cost_usd, float)
@@ -499,6 +525,8 @@ class SessionDB:
 
         Each mapping takes the keyword arguments of :meth:`append_message` (``role`` required).
         """
+        validate.text("session_id", session_id)
+        messages = validate.messages(messages)
         rows: list[dict[str, Any]] = []
         tool_call_total = 0
         for index, message in enumerate(messages):
@@ -555,6 +583,7 @@ class SessionDB:
         timestamp: float | None = None,
     ) -> dict[str, Any]:
         """Validate and serialise one message before any transaction starts."""
+        validate.message_numbers(token_count, timestamp)
         self._text("session_id", session_id, required=True)
         self._text("role", role, required=True)
         for name, value in (
@@ -595,11 +624,16 @@ class SessionDB:
         ``limit`` and ``after_id`` page through very long sessions by keyset: pass the last
         id of one page as ``after_id`` of the next.
         """
+        validate.text("session_id", session_id)
+        validate.integer("limit", limit, optional=True, minimum=0)
+        validate.integer("after_id", after_id, optional=True)
         with self._read() as conn:
             return _fetch_messages(conn, session_id, limit=limit, after_id=after_id)
 
     def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[RowDict]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
+        validate.text("session_id", session_id)
+        validate.integer("page_size", page_size, minimum=1)
         after: int | None = None
         while True:
             page = self.get_messages(session_id, limit=page_size, after_id=after)
@@ -610,6 +644,7 @@ class SessionDB:
 
     def get_messages_as_conversation(self, session_id: str) -> list[RowDict]:
         """The session in OpenAI chat format (role, content and the tool/reasoning extras)."""
+        validate.text("session_id", session_id)
         conversation = []
         for row in self.get_messages(session_id):
             message: RowDict = {"role": row["role"], "content": row["content"]}
@@ -627,6 +662,7 @@ class SessionDB:
 
     def clear_messages(self, session_id: str) -> None:
         """Delete the session's messages and reset its counters; token figures stay."""
+        validate.text("session_id", session_id)
 
         def unit(conn: Connection) -> None:
             conn.execute(delete(M).where(M.c.session_id == session_id))
@@ -637,6 +673,7 @@ class SessionDB:
         self.uow.run(unit)
 
     def message_count(self, session_id: str | None = None) -> int:
+        validate.text("session_id", session_id, optional=True)
         statement = select(func.count()).select_from(M)
         if session_id is not None:
             statement = statement.where(M.c.session_id == session_id)
@@ -644,6 +681,7 @@ class SessionDB:
             return int(conn.scalar(statement) or 0)
 
     def session_count(self, source: str | None = None) -> int:
+        validate.text("source", source, optional=True)
         statement = select(func.count()).select_from(S)
         if source is not None:
             statement = statement.where(S.c.source == source)
@@ -656,6 +694,8 @@ class SessionDB:
         self, source: str | None = None, limit: int = 20, offset: int = 0
     ) -> list[RowDict]:
         """Row dicts, newest first, children included, no preview."""
+        validate.text("source", source, optional=True)
+        validate.page(limit, offset)
         statement = (
             select(S).order_by(S.c.started_at.desc(), S.c.id.desc()).limit(limit).offset(offset)
         )
@@ -674,6 +714,11 @@ class SessionDB:
         project_compression_tips: bool = True,
     ) -> list[RowDict]:
         """Sessions with ``preview`` and ``last_active``, newest first, in one query."""
+        validate.text("source", source, optional=True)
+        exclude_sources = validate.names("exclude_sources", exclude_sources)
+        validate.lenient_page(limit, offset)
+        validate.flag("include_children", include_children)
+        validate.flag("project_compression_tips", project_compression_tips)
         with self._read() as conn:
             return listing.list_sessions_rich(
                 conn,
@@ -695,6 +740,11 @@ class SessionDB:
         offset: int = 0,
     ) -> list[RowDict]:
         """Full-text search with snippets and same-session context; never raises on syntax."""
+        validate.text("query", query, optional=True)
+        source_filter = validate.names("source_filter", source_filter)
+        exclude_sources = validate.names("exclude_sources", exclude_sources)
+        role_filter = validate.names("role_filter", role_filter)
+        validate.lenient_page(limit, offset)
         with self._read() as conn:
             return search.search_messages(
                 conn,
@@ -708,10 +758,12 @@ class SessionDB:
 
     @staticmethod
     def _sanitize_fts5_query(query: str) -> str:
+        validate.text("query", query)
         return search.sanitize_fts5_query(query)
 
     @staticmethod
     def _contains_cjk(text: str) -> bool:
+        validate.text("text", text)
         return search.contains_cjk(text)
 
     # -- full-text index maintenance --------------------------------------------------------
@@ -741,6 +793,7 @@ class SessionDB:
     # -- export -----------------------------------------------------------------------------
 
     def export_session(self, session_id: str) -> RowDict | None:
+        validate.text("session_id", session_id)
         session = self.get_session(session_id)
         if session is None:
             return None
@@ -748,6 +801,7 @@ class SessionDB:
 
     def export_all(self, source: str | None = None) -> list[RowDict]:
         """Every session (children included), newest first, each with its messages."""
+        validate.text("source", source, optional=True)
         return list(self.iter_export(source))
 
     def iter_export(self, source: str | None = None, *, page_size: int = 200) -> Iterator[RowDict]:
@@ -756,6 +810,8 @@ class SessionDB:
         Each page of ``page_size`` sessions is read in one transaction (a consistent snapshot
         of the page); stop iterating early and the generator's close releases it.
         """
+        validate.text("source", source, optional=True)
+        validate.integer("page_size", page_size, minimum=1)
         order = (S.c.started_at.desc(), S.c.id.desc())
         last: tuple[float, str] | None = None
         while True:
@@ -833,7 +889,7 @@ def _token_statement(absolute: bool) -> sa.Update:
     values: dict[str, Any] = {}
     for name in _COUNTERS:
         given = sa.bindparam(f"p_{name}", type_=sa.Integer)
-        values[name] = given if absolute else func.coalesce(S.c[name], zero) + given
+        values[name] = given if absolute else _checked_add(func.coalesce(S.c[name], zero), given)
     if absolute:
         values["estimated_cost_usd"] = func.coalesce(est, zero)
         values["actual_cost_usd"] = func.coalesce(act, S.c.actual_cost_usd)
@@ -850,6 +906,23 @@ def _token_statement(absolute: bool) -> sa.Update:
     for name in ("billing_provider", "billing_base_url", "billing_mode", "model"):  # first wins
         values[name] = func.coalesce(S.c[name], sa.bindparam(f"p_{name}", type_=sa.Text))
     return update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
+
+
+def _checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -> Any:
+    """``current + given``, or an SQL error when it would leave 64 bits: SQLite would silently
+    turn the counter into a REAL. ``abs()`` of the smallest 64-bit integer is the error
+    (``integer overflow`` on SQLite, ``bigint out of range`` on PostgreSQL), which the error
+    mapping reports as InvalidInputError; the check is part of the atomic UPDATE."""
+    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline constants: no extra binds
+    high: sa.ColumnElement[Any] = sa.literal_column(str(validate.INT64_MAX))
+    # Written as MIN + 1 - 1: SQLite reads the literal 9223372036854775808 as a REAL.
+    low: sa.ColumnElement[Any] = sa.literal_column(f"({validate.INT64_MIN + 1} - 1)")
+    fail = func.abs(low + zero * current)  # row-dependent: PostgreSQL cannot fold it early
+    return sa.case(
+        (and_(given > zero, current > high - given), fail),
+        (and_(given < zero, current < low - given), fail),
+        else_=current + given,
+    )
 
 
 def _fetch_messages(

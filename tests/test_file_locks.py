@@ -263,6 +263,8 @@ FILE_ACCESS_ALLOWED = {
     "the database or a sidecar",
     ("engine.py", "os.open"): "create_private_file: O_CREAT|O_EXCL, fails rather than open an "
     "existing file",
+    ("migrate.py", "os.unlink"): "removes stale temporary databases (.NAME.PID.HEX.new) whose "
+    "creator is dead, never the database",
     ("migrate.py", "os.link"): "links a complete new database into place; never replaces a path "
     "that exists (no descriptor either)",
     ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file",

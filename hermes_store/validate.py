@@ -1,0 +1,169 @@
+"""Argument checks that every public method of ``SessionDB`` runs before it touches a database.
+
+One rule for the whole API: an argument of the wrong type, or a value no backend can store as
+given, is refused with :class:`~hermes_store.errors.InvalidInputError` (a ``ValueError``), so
+callers never see a driver's ``OverflowError``, ``TypeError`` or ``ProgrammingError`` and
+nothing is written. The rules:
+
+- ids, titles, queries and other text: ``str`` (``bytes`` are refused, not decoded);
+- integers (token counts, ``limit``, ``offset``, ids): ``int`` but not ``bool``, within
+  SQLite's 64-bit range (-2**63 .. 2**63 - 1); ``limit`` and page sizes where noted are >= 0/1;
+- real numbers (costs, timestamps, day counts): ``int`` or ``float`` but not ``bool``, finite
+  (NaN and infinities are refused on both backends: PostgreSQL would store them, SQLite would
+  turn NaN into NULL);
+- lists of names (``exclude_sources``, ``source_filter``, ``role_filter``): a ``str`` (one name)
+  or an iterable of ``str``;
+- flags: ``bool`` (or ``int``);
+- messages for ``append_messages``: mappings with ``str`` keys.
+
+A counter that would overflow 64 bits in the database is refused by the statement itself
+(see ``store._checked_add``): the check must be atomic with the increment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import ArgumentError
+
+from hermes_store.engine import to_url
+from hermes_store.errors import InvalidInputError
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: SQLite's busy timeout is a 32-bit count of milliseconds.
+_MAX_BUSY_S = (2**31 - 1) // 1000
+
+
+def _kind(value: object) -> str:
+    return type(value).__name__
+
+
+def text(name: str, value: object, *, optional: bool = False) -> None:
+    """A ``str`` (or ``None`` when ``optional``). Encoding and NUL are checked by the store."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a string, not {_kind(value)}")
+
+
+def integer(
+    name: str,
+    value: object,
+    *,
+    optional: bool = False,
+    minimum: int = INT64_MIN,
+    maximum: int = INT64_MAX,
+) -> None:
+    """An ``int`` (not ``bool``) within ``minimum .. maximum`` (64-bit by default)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be an integer, not {_kind(value)}")
+    if not minimum <= value <= maximum:
+        raise InvalidInputError(f"{name} must be between {minimum} and {maximum}, not {value}")
+
+
+def real(name: str, value: object, *, optional: bool = False, scale: float = 1.0) -> None:
+    """A finite ``int`` or ``float`` (not ``bool``); ``value * scale`` must stay finite too."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be a number, not {_kind(value)}")
+    try:
+        finite = math.isfinite(float(value) * scale)
+    except OverflowError:  # an int beyond a float's range
+        finite = False
+    if not finite:
+        raise InvalidInputError(f"{name} must be a finite number, not {value!r}")
+
+
+def flag(name: str, value: object) -> None:
+    if not isinstance(value, int):  # bool is an int
+        raise InvalidInputError(f"{name} must be True or False, not {_kind(value)}")
+
+
+def names(name: str, value: object) -> list[str] | None:
+    """``None``, or a list of names from one ``str`` or an iterable of ``str``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise InvalidInputError(f"{name} must be a list of strings, not {_kind(value)}")
+    listed = list(value)
+    for item in listed:
+        if not isinstance(item, str):
+            raise InvalidInputError(f"{name} must hold strings only, not {_kind(item)}")
+    return listed
+
+
+def page(limit: object, offset: object) -> None:
+    """``limit`` and ``offset`` of a page: integers >= 0."""
+    integer("limit", limit, minimum=0)
+    integer("offset", offset, minimum=0)
+
+
+def lenient_page(limit: object, offset: object) -> None:
+    """For the calls that always read a negative ``limit``/``offset`` as 0: integers only."""
+    integer("limit", limit)
+    integer("offset", offset)
+
+
+def messages(value: object) -> list[Mapping[str, Any]]:
+    """``append_messages``' batch: an iterable (not a mapping or text) of mappings with
+    ``str`` keys, materialised once so a generator is read only once."""
+    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise InvalidInputError(f"messages must be a list of mappings, not {_kind(value)}")
+    batch = list(value)
+    for index, message in enumerate(batch):
+        if not isinstance(message, Mapping):
+            raise InvalidInputError(f"message {index} must be a mapping, not {_kind(message)}")
+        for key in message:
+            if not isinstance(key, str):
+                raise InvalidInputError(f"message {index}: keys must be strings, not {key!r}")
+    return batch
+
+
+def message_numbers(token_count: object, timestamp: object) -> None:
+    integer("token_count", token_count, optional=True)
+    real("timestamp", timestamp, optional=True)
+
+
+def token_counts(counts: Mapping[str, object], estimated: object, actual: object) -> None:
+    for name, value in counts.items():
+        integer(name, value)
+    real("estimated_cost_usd", estimated, optional=True)
+    real("actual_cost_usd", actual, optional=True)
+
+
+def target(value: object) -> None:
+    """What ``SessionDB`` opens: a path (``str``/``PathLike`` of ``str``), a URL or an Engine."""
+    if value is None or isinstance(value, URL | Engine):
+        return
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise InvalidInputError(f"db_path must be a path, a URL or an Engine, not {_kind(value)}")
+    if "\x00" in value or not value.strip():
+        raise InvalidInputError(f"db_path is not a usable path: {value!r}")
+    if "://" in value:
+        try:
+            to_url(value).get_dialect()
+        except ArgumentError as error:  # a malformed URL, or no such backend installed
+            raise InvalidInputError(f"db_path is not a usable database URL: {error}") from None
+
+
+def open_options(retry: object, checkpoint_every: object, writer_busy_timeout: object) -> None:
+    from hermes_store.uow import RetryPolicy  # the store imports this module first
+
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise InvalidInputError(f"retry must be a RetryPolicy, not {_kind(retry)}")
+    integer("checkpoint_every", checkpoint_every, minimum=0)
+    real("writer_busy_timeout", writer_busy_timeout, optional=True)
+    if writer_busy_timeout is not None and not 0 <= writer_busy_timeout <= _MAX_BUSY_S:  # type: ignore[operator]
+        raise InvalidInputError(f"writer_busy_timeout must be between 0 and {_MAX_BUSY_S} s")
