@@ -71,7 +71,7 @@ def _holding_write_lock(path: Path) -> sqlite3.Connection:
     [
         (("DROP TABLE messages_fts",), False),  # every append raised "no such table"
         (("DROP TRIGGER messages_fts_insert",), True),
-        (tuple(f"DROP TRIGGER {t}" for t in ddl.FTS_TRIGGERS) + ("DROP TABLE messages_fts",), True),
+        ((*(f"DROP TRIGGER {t}" for t in ddl.FTS_TRIGGERS), "DROP TABLE messages_fts"), True),
     ],
     ids=["fts-table", "insert-trigger", "everything"],
 )
@@ -226,7 +226,8 @@ def test_pg_damage_is_repaired_on_open(
     store = SessionDB(url)
     try:
         assert len(_repair_warnings(caplog)) == 1
-        assert [hit["snippet"] for hit in store.search_messages("zebra")] == [">>>zebra<<< crossing"]
+        [hit] = store.search_messages("zebra")
+        assert hit["snippet"] == ">>>zebra<<< crossing"
         store.append_message("s", "user", "zebra again")
         assert len(store.search_messages("zebra")) == 2
     finally:
