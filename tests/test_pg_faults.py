@@ -28,7 +28,9 @@ def admin(pg_url: URL) -> Iterator[Connection]:
 
 
 def _terminate(admin: Connection, pid: int) -> None:
-    assert admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
+    # With a timeout, the call returns once the backend is gone (not merely signalled).
+    query = sa.text("SELECT pg_terminate_backend(:pid, 5000)")
+    assert admin.execute(query, {"pid": pid}).scalar()
 
 
 def _terminate_all_but_admin(admin: Connection) -> int:
@@ -36,7 +38,7 @@ def _terminate_all_but_admin(admin: Connection) -> int:
     return int(
         admin.execute(
             sa.text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
         ).scalar_one()
@@ -85,6 +87,12 @@ def _writes(store: SessionDB, n: int) -> dict[str, Callable[[], object]]:
         "update_token_counts": lambda: store.update_token_counts("s", input_tokens=1),
         "set_session_title": lambda: store.set_session_title("s", f"title {n}"),
         "end_session": lambda: store.end_session(f"new-{n}", "done"),
+        "reopen_session": lambda: store.reopen_session(f"new-{n}"),
+        "update_system_prompt": lambda: store.update_system_prompt(f"new-{n}", "be brief"),
+        "ensure_session": lambda: store.ensure_session(f"other-{n}", "cli"),
+        "clear_messages": lambda: store.clear_messages(f"other-{n}"),
+        "delete_session": lambda: store.delete_session(f"other-{n}"),
+        "prune_sessions": lambda: store.prune_sessions(older_than_days=0, source="none"),
     }
 
 
