@@ -272,7 +272,7 @@ def test_chaos_sqlite(tmp_path: Path) -> None:
         rng=rng,
     )
     first_wave = len(kinds) * THREADS * SQLITE_OPS
-    chaos.run([(mark, chaos.kill_one) for mark in _marks(rng, 14, first_wave)])
+    chaos.run([(mark, chaos.kill_one) for mark in _marks(rng, 14, first_wave * 4 // 5)])
     assert chaos.errors == [], (seed, chaos.errors)
     assert chaos.killed == 14, (seed, chaos.log)
     _sqlite_is_sound(path)
@@ -416,7 +416,7 @@ def test_chaos_postgresql(cluster: Cluster) -> None:
         rng=rng,
     )
     first_wave = len(workers) * THREADS * PG_OPS
-    marks = _marks(rng, 15, first_wave)
+    marks = _marks(rng, 15, first_wave * 4 // 5)
     restart_at = marks[len(marks) // 2]
 
     def restart() -> None:
