@@ -168,7 +168,41 @@ def create_engine(
     if "poolclass" not in engine_kwargs:
         engine_kwargs.setdefault("pool_size", 5)
         engine_kwargs.setdefault("max_overflow", 10)
-    return sa.create_engine(url, **engine_kwargs)
+    engine = sa.create_engine(url, **engine_kwargs)
+    if url.get_backend_name() == "postgresql" and engine.dialect.driver == "psycopg":
+        install_safe_ping(engine)
+    return engine
+
+
+def install_safe_ping(engine: Engine) -> None:
+    """Make the pool's liveness check treat a connection in any unknown state as dead.
+
+    SQLAlchemy's psycopg ping switches ``autocommit`` on and back off around ``SELECT 1``;
+    on a connection not idle (a request still in flight after a send failed halfway, as
+    terminated backends leave them) psycopg refuses the switch with a ``ProgrammingError``
+    that the pool does not count as a disconnect, so it reached the caller raw. Here any such
+    state closes the connection and the pool replaces it; a driver error of the ping itself
+    closes it and reports it dead, so the pool renews every connection as after a restart.
+    """
+    dialect = engine.dialect
+    original = dialect.do_ping
+    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+    idle = dialect.loaded_dbapi.pq.TransactionStatus.IDLE
+
+    def do_ping(dbapi_connection: Any) -> bool:
+        status = dbapi_connection.info.transaction_status
+        if status != idle:
+            dbapi_connection.close()
+            # This connection only: the pool replaces it (the server itself may be fine).
+            raise sa_exc.DisconnectionError(f"pooled connection not idle ({status.name})")
+        try:
+            return bool(original(dbapi_connection))
+        except dbapi_error as error:
+            log.info("pooled connection failed its ping (%s); replacing it", error)
+            dbapi_connection.close()
+            return False
+
+    dialect.do_ping = do_ping  # type: ignore[method-assign]
 
 
 def _prepared_statement_option(

@@ -106,6 +106,9 @@ class DatabaseState:
     revision: str | None = None
     schema_version: int | None = None
     columns: dict[str, set[str]] = field(default_factory=dict)
+    #: SQLite: the trigger names; PostgreSQL: the index names on ``messages``.
+    triggers: set[str] = field(default_factory=set)
+    indexes: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -119,8 +122,28 @@ class DatabaseState:
 def read_state(conn: Connection) -> DatabaseState:
     """Tables, Alembic revision and the seed's schema_version of the connected database."""
     inspector = sa.inspect(conn)
-    tables = set(inspector.get_table_names())
-    state = DatabaseState(tables=tables)
+    triggers: set[str] = set()
+    indexes: set[str] = set()
+    if conn.dialect.name == "sqlite":
+        # One read of sqlite_master gives the tables and the FTS triggers (the open-time check).
+        rows = conn.exec_driver_sql(
+            "SELECT type, name FROM sqlite_master WHERE type IN ('table', 'trigger') "
+            "AND name NOT LIKE 'sqlite~_%' ESCAPE '~'"
+        ).all()
+        tables = {name for kind, name in rows if kind == "table"}
+        triggers = {name for kind, name in rows if kind == "trigger"}
+    else:
+        tables = set(inspector.get_table_names())
+        if "messages" in tables:
+            indexes = set(
+                conn.execute(
+                    sa.text(
+                        "SELECT indexname FROM pg_indexes "
+                        "WHERE schemaname = current_schema() AND tablename = 'messages'"
+                    )
+                ).scalars()
+            )
+    state = DatabaseState(tables=tables, triggers=triggers, indexes=indexes)
     if "alembic_version" in tables:
         state.revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
     if "schema_version" in tables:
@@ -307,6 +330,97 @@ def _lock_errors(url: sa.URL) -> Iterator[None]:
         ) from error
 
 
+# -- damage on a database Alembic says is at head ------------------------------------------------
+
+
+def find_damage(state: DatabaseState, dialect: str, where: str) -> list[str]:
+    """What must be repaired on a database whose Alembic revision is head (empty: nothing).
+
+    Runs on every open, on the state already read (no further query). Raises
+    :class:`UnrecognizedSchemaError` for damage the data cannot repair (columns or tables gone).
+    """
+    want = ddl.columns_at(ddl.HEAD_VERSION)
+    for table in ("sessions", "messages"):
+        have = state.columns.get(table)
+        if have is None:
+            raise UnrecognizedSchemaError(
+                f"{where} is at Alembic revision {state.revision!r} but has no {table} table; "
+                "it cannot be repaired (restore it from a backup)"
+            )
+        missing = want[table] - have
+        if missing:
+            raise UnrecognizedSchemaError(
+                f"{where} is at Alembic revision {state.revision!r} but table {table} lacks "
+                f"columns {sorted(missing)}; it cannot be repaired (restore it from a backup)"
+            )
+    damage: list[str] = []
+    if state.schema_version != ddl.HEAD_VERSION:
+        damage.append(f"schema_version {state.schema_version} (Alembic is at head)")
+    if dialect == "sqlite":
+        if ddl.FTS_TABLE not in state.tables:
+            damage.append(f"no {ddl.FTS_TABLE} table")
+        missing_triggers = set(ddl.FTS_TRIGGERS) - state.triggers
+        if missing_triggers:
+            damage.append(f"missing triggers {sorted(missing_triggers)}")
+    else:
+        if ddl.PG_TSV_COLUMN not in state.columns["messages"]:
+            damage.append(f"no messages.{ddl.PG_TSV_COLUMN} column")
+        if ddl.PG_FTS_INDEX not in state.indexes:
+            damage.append(f"no {ddl.PG_FTS_INDEX} index")
+    return damage
+
+
+def repair_at_head(conn: Connection) -> list[str]:
+    """Inside a write transaction: repair what :func:`find_damage` reports, from the data.
+
+    Re-reads the state under the lock (another process may have repaired it meanwhile) and
+    logs a WARNING naming every repair. Returns what was repaired (empty: nothing was wrong).
+    """
+    state = read_state(conn)
+    if state.revision != head_revision():
+        return []
+    where = _describe(conn)
+    damage = find_damage(state, conn.dialect.name, where)
+    if not damage:
+        return []
+    done: list[str] = []
+    if state.schema_version != ddl.HEAD_VERSION:
+        if "schema_version" not in state.tables:
+            conn.exec_driver_sql("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        conn.exec_driver_sql("DELETE FROM schema_version")
+        conn.execute(
+            sa.text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": ddl.HEAD_VERSION}
+        )
+        done.append(f"set schema_version from {state.schema_version} to {ddl.HEAD_VERSION}")
+    if conn.dialect.name == "sqlite":
+        fts_ok = ddl.FTS_TABLE in state.tables and set(ddl.FTS_TRIGGERS) <= state.triggers
+        if not fts_ok:
+            conn.exec_driver_sql(ddl.SQLITE_FTS_TABLE)
+            for trigger in ddl.SQLITE_FTS_TRIGGERS:
+                conn.exec_driver_sql(trigger)
+            # Rows written while the table or a trigger was missing are not indexed: rebuild.
+            conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
+            done.append(
+                f"recreated {ddl.FTS_TABLE} and its triggers and rebuilt the index "
+                f"(was: {'; '.join(d for d in damage if not d.startswith('schema_version'))})"
+            )
+    else:
+        if ddl.PG_TSV_COLUMN not in state.columns["messages"]:
+            conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
+            done.append(f"recreated the messages.{ddl.PG_TSV_COLUMN} column")
+        if ddl.PG_FTS_INDEX not in state.indexes:
+            conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+            done.append(f"recreated the {ddl.PG_FTS_INDEX} index")
+    log.warning("%s was damaged and has been repaired: %s", where, "; ".join(done))
+    return done
+
+
+def repair(target: Target) -> list[str]:
+    """Repair a damaged database at head under the write lock (see :func:`repair_at_head`)."""
+    with migration_connection(target) as conn:
+        return repair_at_head(conn)
+
+
 def read_engine(target: Target) -> Engine:
     """An engine for read-only commands (``current``, ``check``) on an existing database."""
     url = target.url if isinstance(target, Engine) else to_url(target)
@@ -322,7 +436,10 @@ def upgrade(target: Target, revision: str = "head") -> str | None:
     """Bring ``target`` (a path, URL or Engine) to ``revision``, adopting a legacy file first."""
     with migration_connection(target) as conn:
         command.upgrade(alembic_config(conn), revision)
-        return _current_revision(conn)
+        reached = _current_revision(conn)
+        if reached == head_revision():
+            repair_at_head(conn)
+        return reached
 
 
 def downgrade(target: Target, revision: str) -> str | None:
@@ -372,7 +489,8 @@ def _current_revision(conn: Connection) -> str | None:
 
 
 def ensure_head(engine: Engine) -> None:
-    """Open-time check: read the version without locking; migrate only when behind.
+    """Open-time check: read the version without locking; migrate only when behind, repair
+    (under the write lock) only when damaged.
 
     Several processes open the same file at once, so the common case (already at head) must
     not queue for the write lock; the upgrade itself re-checks under the lock.
@@ -389,7 +507,10 @@ def ensure_head(engine: Engine) -> None:
             with mapped_errors(), engine.connect() as conn:
                 state = read_state(conn)
             check_adoptable(state, _describe_url(engine.url))
-        if state is not None and (state.revision, state.schema_version) == (head, ddl.HEAD_VERSION):
+        if state is not None and state.revision == head:
+            # At head: repair only when something is wrong, so a sound database takes no lock.
+            if find_damage(state, engine.dialect.name, _describe_url(engine.url)):
+                repair(engine)
             return
         upgrade(engine, "head")
 
