@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import fastpath, listing, search, titles
+from hermes_store import fastpath, listing, retention, search, titles
 from hermes_store.engine import Target, create_engine, default_db_path
 from hermes_store.errors import (
     InvalidInputError,
@@ -275,13 +275,11 @@ class SessionDB:
     def prune_sessions(self, older_than_days: float = 90, source: str | None = None) -> int:
         """Delete ended sessions started before the cutoff; active sessions are never pruned."""
         _check_number("older_than_days", older_than_days, float)
-        cutoff = time.time() - older_than_days * 86400
-        criteria = [S.c.started_at < cutoff, S.c.ended_at.is_not(None)]
-        if source is not None:
-            criteria.append(S.c.source == source)
+        self._text("source", source)
+        doomed_query = retention.candidates(retention.Policy.of(older_than_days, source))
 
         def unit(conn: Connection) -> int:
-            doomed = list(conn.scalars(select(S.c.id).where(*criteria)))
+            doomed = list(conn.scalars(doomed_query))
             for chunk in _chunks(doomed, 500):
                 conn.execute(
                     update(S).where(S.c.parent_session_id.in_(chunk)).values(parent_session_id=None)
