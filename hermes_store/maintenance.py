@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -88,19 +89,38 @@ def _timed(report: Report, fn: Callable[[Connection], T]) -> Callable[[Connectio
     return unit
 
 
-def _merge_step(conn: Connection) -> bool:
+def _merge_step(conn: Connection, secure_delete: bool = False) -> bool:
     """One bounded FTS5 merge; True while it still found work (FTS5 says "done" by changing
     fewer than two rows)."""
     driver: Any = conn.connection.driver_connection
     before = driver.total_changes
-    conn.execute(
-        sa.text(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('merge', :pages)"),
-        {"pages": -MERGE_PAGES},  # negative: merge every segment, as 'optimize' does, in steps
-    )
+    with secure_deletes(conn, secure_delete):
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('merge', :pages)"
+            ),
+            {"pages": -MERGE_PAGES},  # negative: merge every segment, as 'optimize' does
+        )
     return bool(driver.total_changes - before >= 2)
 
 
-def merge_index(db: SessionDB, report: Report | None = None) -> int:
+@contextmanager
+def secure_deletes(conn: Connection, on: bool = True) -> Iterator[None]:
+    """SQLite's ``secure_delete`` for this unit: freed pages are zeroed, so deleted text does
+    not linger in the file (the setting belongs to the pooled connection: reset after)."""
+    if not on or conn.dialect.name != "sqlite":
+        yield
+        return
+    conn.exec_driver_sql("PRAGMA secure_delete=ON")
+    try:
+        yield
+    finally:
+        conn.exec_driver_sql("PRAGMA secure_delete=OFF")
+
+
+def merge_index(
+    db: SessionDB, report: Report | None = None, *, secure_delete: bool = False
+) -> int:
     """Merge the full-text index's segments in bounded steps until it is compact.
 
     Deleted rows only leave an FTS5 index when the segments holding them are merged, so this
@@ -115,7 +135,8 @@ def merge_index(db: SessionDB, report: Report | None = None) -> int:
     steps = 0
     for _ in range(MAX_STEPS):
         steps += 1
-        if not db.uow.run(_timed(report, _merge_step)):
+        step = _timed(report, lambda conn: _merge_step(conn, secure_delete))
+        if not db.uow.run(step):
             break
     report.merge_steps += steps
     return steps
@@ -123,7 +144,7 @@ def merge_index(db: SessionDB, report: Report | None = None) -> int:
 
 def _vacuum_step(conn: Connection) -> int:
     before = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
-    conn.exec_driver_sql(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
+    conn.exec_driver_sql(f"PRAGMA incremental_vacuum({VACUUM_PAGES})")
     after = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
     return before - after
 
@@ -139,7 +160,7 @@ def optimize(db: SessionDB) -> Report:
     report = Report(db.engine.dialect.name, database_bytes(db))
     merge_index(db, report)
     if db.is_sqlite:
-        db.uow.run(_timed(report, lambda conn: conn.exec_driver_sql("PRAGMA optimize").fetchall()))
+        db.uow.run(_timed(report, lambda conn: conn.exec_driver_sql("PRAGMA optimize")))
         with db.uow.connect(write=False) as conn:
             auto_vacuum = int(conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() or 0)
         if auto_vacuum == 2:

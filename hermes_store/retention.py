@@ -22,6 +22,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import Select
 
+from hermes_store import maintenance
 from hermes_store.errors import InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
@@ -166,14 +167,9 @@ def run(
     report = Report()
 
     def unit(conn: Connection) -> tuple[list[str], int, int]:
-        if conn.dialect.name == "sqlite" and secure_delete:
-            conn.exec_driver_sql("PRAGMA secure_delete=ON")
-        try:
+        with maintenance.secure_deletes(conn, secure_delete):
             ids = list(conn.scalars(select_chunk))
             sessions, messages = delete_sessions(conn, ids)
-        finally:
-            if conn.dialect.name == "sqlite" and secure_delete:
-                conn.exec_driver_sql("PRAGMA secure_delete=OFF")
         return ids, sessions, messages
 
     while True:
@@ -187,8 +183,6 @@ def run(
         if on_chunk is not None:
             on_chunk(sessions, messages)
     if merge_index and report.sessions:
-        from hermes_store import maintenance
-
-        maintenance.merge_index(db)
+        maintenance.merge_index(db, secure_delete=secure_delete)
         report.index_merged = True
     return report
