@@ -139,9 +139,7 @@ def backup(
     started = time.monotonic()
     try:
         pages = _copy(source, partial, method, progress, pages_per_step)
-        report = BackupReport(
-            str(source), str(target), method, partial.stat().st_size, pages, 0.0
-        )
+        report = BackupReport(str(source), str(target), method, partial.stat().st_size, pages, 0.0)
         if verify:
             report.problems = check_snapshot(partial)
             report.verified = not report.problems

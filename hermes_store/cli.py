@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -49,8 +48,8 @@ from sqlalchemy.engine import URL, Connection
 from sqlalchemy.pool import NullPool
 
 from hermes_store import analytics, ddl, files, maintenance, markdown, migrate, retention
-from hermes_store import redact as redact_mod
 from hermes_store import backup as backups
+from hermes_store import redact as redact_mod
 from hermes_store import search as search_index
 from hermes_store.engine import create_engine, sqlite_file, to_url, url_from_environment
 from hermes_store.errors import (
@@ -603,7 +602,9 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     metavar="DAYS",
     help="Delete ended sessions started more than DAYS days ago.",
 )
-@click.option("--source", "sources", multiple=True, help="Only sessions of this source (repeatable).")
+@click.option(
+    "--source", "sources", multiple=True, help="Only sessions of this source (repeatable)."
+)
 @click.option("--keep-titled", is_flag=True, help="Keep sessions that have a title.")
 @click.option(
     "--keep-lineage",
@@ -789,9 +790,7 @@ def _output(path: str, database: URL) -> Iterator[IO[str]]:
     show_default=True,
     help="JSON Lines (for import) or Markdown (for reading).",
 )
-@click.option(
-    "--redact", is_flag=True, help="Mask API keys, tokens, passwords and private keys."
-)
+@click.option("--redact", is_flag=True, help="Mask API keys, tokens, passwords and private keys.")
 @click.option(
     "--split", is_flag=True, help="Markdown: one file per session into the folder -o names."
 )
@@ -1195,9 +1194,7 @@ def _sqlite_only(app: App, what: str) -> None:
 @click.option("--force", is_flag=True, help="Replace DEST if it exists.")
 @json_option
 @pass_app
-def backup_cmd(
-    app: App, dest: str, verify: bool, method: str, force: bool, as_json: bool
-) -> None:
+def backup_cmd(app: App, dest: str, verify: bool, method: str, force: bool, as_json: bool) -> None:
     """Copy a consistent snapshot of the live database to DEST (0600) while writers write."""
     _sqlite_only(app, "backup")
     store = app.store()
@@ -1235,9 +1232,7 @@ def restore_cmd(app: App, snapshot: str, yes: bool, as_json: bool) -> None:
     _sqlite_only(app, "restore")
     store = app.store()
     if not yes:
-        click.confirm(
-            f"Replace the content of {app.where} with {snapshot}?", abort=True, err=True
-        )
+        click.confirm(f"Replace the content of {app.where} with {snapshot}?", abort=True, err=True)
     with _progress(app.err) as progress:
         task = progress.add_task("restoring (pages)", total=None)
         report = backups.restore(
@@ -1274,7 +1269,7 @@ def db_optimize(app: App, vacuum: bool, as_json: bool) -> None:
         if as_json:
             _echo_json({"vacuum": True, "bytes_before": before, "bytes_after": after})
             return
-        app.out.print(f"{app.where}: VACUUM done, {before:,} -> {after:,} bytes.")
+        app.out.print(f"{app.where}: rewritten (full vacuum), {before:,} -> {after:,} bytes.")
         return
     report = maintenance.optimize(app.store())
     if as_json:

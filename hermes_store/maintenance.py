@@ -37,6 +37,8 @@ T = TypeVar("T")
 MERGE_PAGES = 64
 #: Freed pages handed back to the file system per unit (``PRAGMA incremental_vacuum``).
 VACUUM_PAGES = 2048
+#: ``PRAGMA secure_delete`` values by number (0 off, 1 on, 2 fast).
+SECURE_DELETE_VALUES = {0: "0", 1: "1", 2: "2"}
 #: A guard against an index that never reports "done": plenty for a multi-GB index.
 MAX_STEPS = 100_000
 
@@ -96,9 +98,7 @@ def _merge_step(conn: Connection, secure_delete: bool = False) -> bool:
     before = driver.total_changes
     with secure_deletes(conn, secure_delete):
         conn.execute(
-            sa.text(
-                f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('merge', :pages)"
-            ),
+            sa.text(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('merge', :pages)"),
             {"pages": -MERGE_PAGES},  # negative: merge every segment, as 'optimize' does
         )
     return bool(driver.total_changes - before >= 2)
@@ -111,16 +111,16 @@ def secure_deletes(conn: Connection, on: bool = True) -> Iterator[None]:
     if not on or conn.dialect.name != "sqlite":
         yield
         return
-    conn.exec_driver_sql("PRAGMA secure_delete=ON")
+    previous = int(conn.exec_driver_sql("PRAGMA secure_delete").scalar() or 0)
+    conn.exec_driver_sql("PRAGMA secure_delete=1")
     try:
         yield
     finally:
-        conn.exec_driver_sql("PRAGMA secure_delete=OFF")
+        if previous != 1:  # some builds (Debian's) default to ON: put back what was there
+            conn.exec_driver_sql(f"PRAGMA secure_delete={SECURE_DELETE_VALUES[previous]}")
 
 
-def merge_index(
-    db: SessionDB, report: Report | None = None, *, secure_delete: bool = False
-) -> int:
+def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: bool = False) -> int:
     """Merge the full-text index's segments in bounded steps until it is compact.
 
     Deleted rows only leave an FTS5 index when the segments holding them are merged, so this
@@ -208,7 +208,7 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
             except sqlite3.OperationalError as error:
                 raise DatabaseLockedError(
                     f"{path} is open in another process or connection: stop every agent, "
-                    "gateway and job using it before a full VACUUM (or run `hermes-store db "
+                    "gateway and job using it before a full vacuum (or run `hermes-store db "
                     "optimize` without --vacuum, which works online)"
                 ) from error
             connection.execute("COMMIT")

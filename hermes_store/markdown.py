@@ -53,9 +53,10 @@ def _pretty_json(raw: Any) -> str:
     """Tool arguments are a JSON string in the OpenAI format: shown indented when they parse."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            parsed = json.loads(raw)
         except ValueError:
             return raw
+        return json.dumps(parsed, ensure_ascii=False, indent=2)
     return json.dumps(raw, ensure_ascii=False, indent=2)
 
 
@@ -128,9 +129,7 @@ def _metadata(session: RowDict) -> str:
             "tool calls)",
         )
     )
-    tokens = (
-        f"{session.get('input_tokens') or 0:,} in / {session.get('output_tokens') or 0:,} out"
-    )
+    tokens = f"{session.get('input_tokens') or 0:,} in / {session.get('output_tokens') or 0:,} out"
     extra = [
         f"{session.get(key) or 0:,} {label}"
         for key, label in (

@@ -30,8 +30,30 @@ _KEY_NAMES = (
     r"private[_-]?key|secret[_-]?key|session[_-]?token|token)"
 )
 _PLACEHOLDERS = frozenset(
-    "string str int integer number bool boolean null none nil true false undefined required "
-    "optional any redacted hidden changeme_later example your_token your_key".split()
+    [
+        "string",
+        "str",
+        "int",
+        "integer",
+        "number",
+        "bool",
+        "boolean",
+        "null",
+        "none",
+        "nil",
+        "true",
+        "false",
+        "undefined",
+        "required",
+        "optional",
+        "any",
+        "redacted",
+        "hidden",
+        "changeme_later",
+        "example",
+        "your_token",
+        "your_key",
+    ]
 )
 
 
@@ -49,7 +71,18 @@ def _is_placeholder(value: str) -> bool:
         return True
     if set(stripped) <= set("*x.X•-_#"):  # ****, xxxx, ...
         return True
-    starts = ("<", "${", "{{", "%(", "$", "os.environ", "process.env", "getenv", "env(", "[REDACTED")
+    starts = (
+        "<",
+        "${",
+        "{{",
+        "%(",
+        "$",
+        "os.environ",
+        "process.env",
+        "getenv",
+        "env(",
+        "[REDACTED",
+    )
     return stripped.startswith(starts)
 
 
@@ -80,7 +113,12 @@ _RULES: list[tuple[str, re.Pattern[str], int, Callable[[str], bool] | None]] = [
     ),
     ("github-token", re.compile(r"(?<![\w-])(gh[pousr]_[A-Za-z0-9]{36,})"), 1, None),
     ("github-token", re.compile(r"(?<![\w-])(github_pat_[A-Za-z0-9_]{40,})"), 1, None),
-    ("aws-access-key", re.compile(r"(?<![A-Za-z0-9])((?:AKIA|ASIA)[0-9A-Z]{16})(?![A-Za-z0-9])"), 1, None),
+    (
+        "aws-access-key",
+        re.compile(r"(?<![A-Za-z0-9])((?:AKIA|ASIA)[0-9A-Z]{16})(?![A-Za-z0-9])"),
+        1,
+        None,
+    ),
     ("slack-token", re.compile(r"(?<![\w-])(xox[abposr]-[A-Za-z0-9-]{10,})"), 1, None),
     (
         "slack-webhook",

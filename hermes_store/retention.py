@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.sql import Select
+from sqlalchemy.sql import CompoundSelect, Select
 
 from hermes_store import maintenance
 from hermes_store.errors import InvalidInputError
@@ -75,7 +75,7 @@ def cutoff(policy: Policy, now: float | None = None) -> float:
     return (time.time() if now is None else now) - policy.older_than_days * 86400
 
 
-def _lineage_of(anchor: Select[Any]) -> Select[Any]:
+def _lineage_of(anchor: Select[Any]) -> CompoundSelect[Any]:
     """Ids of the anchors' ancestors and descendants (the anchors included)."""
     up = anchor.cte("lineage_up", recursive=True)
     step = S.alias("up_step")

@@ -736,6 +736,14 @@ class SessionDB:
 
         return self.uow.run(unit)
 
+    # -- operations -------------------------------------------------------------------------
+
+    def backup(self, destination: str | os.PathLike[str], **options: Any) -> Any:
+        """A consistent online snapshot of this SQLite database (see :func:`backup.backup`)."""
+        from hermes_store import backup
+
+        return backup.backup(self, destination, **options)
+
     # -- export -----------------------------------------------------------------------------
 
     def export_session(self, session_id: str) -> RowDict | None:

@@ -122,9 +122,10 @@ def test_a_backup_taken_while_8_writers_write_is_a_consistent_snapshot(
         assert restored.session_count() == 8
     raw = sqlite3.connect(copy)
     assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    assert raw.execute("SELECT count(*) FROM messages WHERE content = 'never committed'").fetchone()[
-        0
-    ] == 0
+    assert (
+        raw.execute("SELECT count(*) FROM messages WHERE content = 'never committed'").fetchone()[0]
+        == 0
+    )
     raw.close()
 
 
@@ -217,7 +218,9 @@ def test_the_wal_is_cut_back_to_the_limit_after_a_burst_of_100k_writes(
         assert store.message_count("burst") == 100_001
 
 
-def test_the_wal_limit_is_configurable_and_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_wal_limit_is_configurable_and_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv(JOURNAL_SIZE_LIMIT_ENV, "12345")
     with SessionDB(tmp_path / "a.db") as store, store.uow.connect(write=False) as conn:
         assert conn.exec_driver_sql("PRAGMA journal_size_limit").scalar() == 12345
@@ -381,12 +384,10 @@ def test_secure_delete_and_the_merge_leave_no_pruned_text_in_the_file(tmp_path: 
     word = "xylophonicsecret"
     with SessionDB(path) as store:
         store.create_session("gone", "cli")
-        store.append_message("gone", "user", f"the passphrase is {word} " * 50)
+        store.append_message("gone", "user", f"the passphrase is {word} " * 2000)
         store.end_session("gone", "done")
         _fill(store, 3, ended=False)
-        report = retention.run(
-            store, retention.Policy(-1), secure_delete=True, merge_index=True
-        )
+        report = retention.run(store, retention.Policy(-1), secure_delete=True, merge_index=True)
         assert report.sessions == 1 and report.index_merged
         assert store.search_messages(word) == []
     assert word.encode() not in path.read_bytes()
@@ -408,14 +409,18 @@ def test_markdown_export_of_the_tour_database_matches_the_golden_file(
     tour_db: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "tour.md"
-    result = CliRunner().invoke(cli, ["--db", str(tour_db), "export", "--format", "md", "-o", str(out)])
+    result = CliRunner().invoke(
+        cli, ["--db", str(tour_db), "export", "--format", "md", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     if os.environ.get("HERMES_STORE_UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(out.read_text(encoding="utf-8"), encoding="utf-8")
     assert out.read_text(encoding="utf-8") == GOLDEN.read_text(encoding="utf-8")
 
 
-def test_markdown_split_writes_one_owner_only_file_per_session(tour_db: Path, tmp_path: Path) -> None:
+def test_markdown_split_writes_one_owner_only_file_per_session(
+    tour_db: Path, tmp_path: Path
+) -> None:
     folder = tmp_path / "md"
     result = CliRunner().invoke(
         cli, ["--db", str(tour_db), "export", "--format", "md", "--split", "-o", str(folder)]
@@ -439,8 +444,16 @@ def test_redacted_exports_are_marked_masked_and_refused_by_import(tmp_path: Path
             "s",
             "assistant",
             None,
-            tool_calls=[{"id": "c", "type": "function", "function": {
-                "name": "terminal", "arguments": json.dumps({"command": f"export K={SECRET}"})}}],
+            tool_calls=[
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {
+                        "name": "terminal",
+                        "arguments": json.dumps({"command": f"export K={SECRET}"}),
+                    },
+                }
+            ],
         )
         store.append_message("s", "tool", f"OPENAI_API_KEY={SECRET}", tool_call_id="c")
     runner = CliRunner()

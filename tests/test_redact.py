@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the corpora keep each sample on one line, as it would appear)
 """Redaction masks every secret of a realistic corpus and nothing in a corpus of look-alikes."""
 
 from __future__ import annotations
@@ -10,15 +11,39 @@ from hermes_store.redact import redact_record, redact_text, redact_value
 
 # (text, the secret inside it). Fake values with the real shapes.
 SECRETS = [
-    ("export OPENAI_API_KEY=sk-proj-Xq3vT9aLm2Rk8sPz4YwB7nC1dE5fG6hJ0kL", "sk-proj-Xq3vT9aLm2Rk8sPz4YwB7nC1dE5fG6hJ0kL"),
-    ("key: sk-4fGh7Jk9Lm2Np5Qr8St1Uv3Wx6Yz0AbCdEfGhIj", "sk-4fGh7Jk9Lm2Np5Qr8St1Uv3Wx6Yz0AbCdEfGhIj"),
-    ("ANTHROPIC_API_KEY='sk-ant-api03-AbCdEf123456_ghIJkl-789MNopQRstu'", "sk-ant-api03-AbCdEf123456_ghIJkl-789MNopQRstu"),
-    ("git remote set-url origin https://ghp_16C7e42F292c6912E7710c838347Ae178B4a@github.com/o/r.git", "ghp_16C7e42F292c6912E7710c838347Ae178B4a"),
-    ("token github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV", "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"),
+    (
+        "export OPENAI_API_KEY=sk-proj-Xq3vT9aLm2Rk8sPz4YwB7nC1dE5fG6hJ0kL",
+        "sk-proj-Xq3vT9aLm2Rk8sPz4YwB7nC1dE5fG6hJ0kL",
+    ),
+    (
+        "key: sk-4fGh7Jk9Lm2Np5Qr8St1Uv3Wx6Yz0AbCdEfGhIj",
+        "sk-4fGh7Jk9Lm2Np5Qr8St1Uv3Wx6Yz0AbCdEfGhIj",
+    ),
+    (
+        "ANTHROPIC_API_KEY='sk-ant-api03-AbCdEf123456_ghIJkl-789MNopQRstu'",
+        "sk-ant-api03-AbCdEf123456_ghIJkl-789MNopQRstu",
+    ),
+    (
+        "git remote set-url origin https://ghp_16C7e42F292c6912E7710c838347Ae178B4a@github.com/o/r.git",
+        "ghp_16C7e42F292c6912E7710c838347Ae178B4a",
+    ),
+    (
+        "token github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV",
+        "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV",
+    ),
     ("[default]\naws_access_key_id = AKIAIOSFODNN7EXAMPLE\n", "AKIAIOSFODNN7EXAMPLE"),
-    ("aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
-    ("curl -H 'Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U' https://api.x.io", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"),
-    ('headers = {"Authorization": "Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0"}', "9f8e7d6c5b4a39281706f5e4d3c2b1a0"),
+    (
+        "aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+        "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    ),
+    (
+        "curl -H 'Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U' https://api.x.io",
+        "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    ),
+    (
+        'headers = {"Authorization": "Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0"}',
+        "9f8e7d6c5b4a39281706f5e4d3c2b1a0",
+    ),
     ("Authorization: Basic dXNlcjpodW50ZXIyMjI=", "dXNlcjpodW50ZXIyMjI="),
     ("DATABASE_URL=postgresql://hermes:S3cr3t-Pa55@db.internal:5432/hermes", "S3cr3t-Pa55"),
     ("mongodb+srv://admin:hunter2hunter2@cluster0.abcde.mongodb.net/test", "hunter2hunter2"),
@@ -26,13 +51,28 @@ SECRETS = [
     ('{"password": "correct horse"}', "correct horse"),
     ('db.connect(user="app", password="Tr0ub4dor&3")', "Tr0ub4dor&3"),
     ("PASSWORD=hunter22 ./run.sh", "hunter22"),
-    ("client_secret: 8Q~aBcD3fGhIjKlMnOpQrStUvWxYz0123456789", "8Q~aBcD3fGhIjKlMnOpQrStUvWxYz0123456789"),
-    ("SLACK_BOT_TOKEN=xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx", "xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx"),
-    ("post to https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX", "T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX"),
-    ("maps key AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY in the config", "AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY"),
+    (
+        "client_secret: 8Q~aBcD3fGhIjKlMnOpQrStUvWxYz0123456789",
+        "8Q~aBcD3fGhIjKlMnOpQrStUvWxYz0123456789",
+    ),
+    (
+        "SLACK_BOT_TOKEN=xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx",
+        "xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx",
+    ),
+    (
+        "post to https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX",
+        "T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX",
+    ),
+    (
+        "maps key AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY in the config",
+        "AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY",
+    ),
     ("stripe.api_key = 'sk_live_4eC39HqLyjWDarjtT1zdp7dc'", "sk_live_4eC39HqLyjWDarjtT1zdp7dc"),
     ("HF_TOKEN=hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789", "hf_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789"),
-    ("//registry.npmjs.org/:_authToken=npm_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789", "npm_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789"),
+    (
+        "//registry.npmjs.org/:_authToken=npm_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789",
+        "npm_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789",
+    ),
     (
         "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\nQyNTUxOQAAACD3x2Gm8kq\n-----END OPENSSH PRIVATE KEY-----",
         "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW",
@@ -41,7 +81,7 @@ SECRETS = [
         "here it is: -----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA7bq9Xw3x\nQyNTUxOQAAACD3",
         "MIIEowIBAAKCAQEA7bq9Xw3x",
     ),
-    ("api_key: \"a1b2c3d4e5f6a7b8c9d0\"", "a1b2c3d4e5f6a7b8c9d0"),
+    ('api_key: "a1b2c3d4e5f6a7b8c9d0"', "a1b2c3d4e5f6a7b8c9d0"),
     ("export GITLAB_TOKEN=glpat-AbCdEf1234567890XyZw", "glpat-AbCdEf1234567890XyZw"),
 ]
 
@@ -95,8 +135,12 @@ def test_the_words_around_a_secret_stay() -> None:
 
 
 def test_secrets_inside_json_strings_are_masked_and_the_json_stays_valid() -> None:
-    arguments = json.dumps({"command": "curl -H 'Authorization: Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0' x"})
-    calls = [{"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": arguments}}]
+    arguments = json.dumps(
+        {"command": "curl -H 'Authorization: Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0' x"}
+    )
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": arguments}}
+    ]
     cleaned = redact_value(calls)
     inner = json.loads(cleaned[0]["function"]["arguments"])
     assert "9f8e7d6c5b4a" not in inner["command"] and "[REDACTED:bearer-token]" in inner["command"]
