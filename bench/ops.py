@@ -117,8 +117,8 @@ def main() -> None:
     def report(name: str, seconds: float, latencies: list[float], extra: str = "") -> None:
         ms = [x * 1000 for x in latencies]
         print(
-            f"| {name} | {seconds:.2f} s | {len(ms)} | {percentile(ms, 50):.1f} ms | "
-            f"{percentile(ms, 99):.1f} ms | {max(ms):.1f} ms | {extra} |"
+            f"| {name} | {seconds:.2f} s | {len(ms)} | {percentile(ms, 0.5):.1f} ms | "
+            f"{percentile(ms, 0.99):.1f} ms | {max(ms):.1f} ms | {extra} |"
         )
 
     print("| operation | time | writes | p50 | p99 | max | notes |")
