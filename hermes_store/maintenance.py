@@ -133,13 +133,13 @@ def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: b
         report.merge_steps += 1
         return 1
     # Writers keep adding small segments, so "no work left" may never come under load: the
-    # budget is what merging the index as it stands would take, twice over.
+    # budget is what merging the index as it stands would take.
     with db.uow.connect(write=False) as conn:
         leaves = int(
             conn.exec_driver_sql(f"SELECT count(*) FROM {ddl.FTS_TABLE}_data").scalar() or 0
         )
     steps = 0
-    for _ in range(min(MAX_STEPS, 2 * (leaves // MERGE_PAGES) + 16)):
+    for _ in range(min(MAX_STEPS, leaves // MERGE_PAGES + 16)):
         steps += 1
         step = _timed(report, lambda conn: _merge_step(conn, secure_delete))
         if not db.uow.run(step):
