@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 #: Sessions per write unit: small enough that a chunk holds the write lock for milliseconds.
 DEFAULT_CHUNK = 200
+#: Pause after each chunk (SQLite): longer than a waiting writer's longest poll interval
+#: (SQLite's busy handler polls every 100 ms at most; the Unit of Work's jitter is <= 150 ms),
+#: so a writer queued behind a chunk gets the lock before the job's next chunk.
+YIELD_S = 0.16
 #: The largest chunk accepted: beyond it one unit would hold the write lock too long.
 MAX_CHUNK = 5000
 
@@ -151,6 +155,7 @@ def run(
     merge_index: bool = False,
     now: float | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
+    pause: float | None = None,
 ) -> Report:
     """Delete what ``policy`` selects, ``chunk`` sessions per write unit, until none is left.
 
@@ -158,10 +163,14 @@ def run(
     pages with zeros, so deleted text does not linger in the file's free pages; ``merge_index``
     then compacts the full-text index in bounded steps so the deleted words leave its segments
     too (see :func:`hermes_store.maintenance.merge_index`). ``on_chunk(sessions, messages)``
-    is called after each committed chunk (progress bars).
+    is called after each committed chunk (progress bars). ``pause`` (default
+    :data:`YIELD_S` on SQLite, 0 on PostgreSQL, whose row locks queue nobody behind the whole
+    table) is slept between chunks so writers waiting for SQLite's one write lock go first.
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
         raise InvalidInputError(f"chunk must be a whole number from 1 to {MAX_CHUNK}")
+    if pause is None:
+        pause = YIELD_S if db.is_sqlite else 0.0
     started = time.time() if now is None else now
     select_chunk = candidates(policy, started).limit(chunk)
     report = Report()
@@ -182,6 +191,8 @@ def run(
         report.largest_chunk = max(report.largest_chunk, sessions)
         if on_chunk is not None:
             on_chunk(sessions, messages)
+        if pause > 0:
+            time.sleep(pause)  # not synchronisation: leave the write lock to queued writers
     if merge_index and report.sessions:
         maintenance.merge_index(db, secure_delete=secure_delete)
         report.index_merged = True

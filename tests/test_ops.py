@@ -3,6 +3,7 @@ chunked retention racing itself, Markdown and redacted exports."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -375,8 +376,11 @@ def test_two_retention_jobs_racing_delete_each_session_once(db_url: URL) -> None
     with SessionDB(url) as store:
         assert store.session_count("old") == 1
         assert store.message_count("writer") == len(seen)
-    # The writer got the lock between chunks: it saw the jobs half done, never a whole prune.
+    # The writer got the lock between chunks: it saw the jobs half done, never a whole prune,
+    # and between two of its writes each job deleted one chunk at most.
     assert any(1 < left < total for left in seen), seen[:20]
+    steps = [before - after for before, after in itertools.pairwise(seen)]
+    assert max(steps) <= 2 * chunk, max(steps)
 
 
 def test_secure_delete_and_the_merge_leave_no_pruned_text_in_the_file(tmp_path: Path) -> None:
@@ -479,3 +483,37 @@ def test_redacted_exports_are_marked_masked_and_refused_by_import(tmp_path: Path
     assert forced.exit_code == 0, forced.output
     with SessionDB(target) as copy:
         assert SECRET not in json.dumps(copy.export_session("s"))
+
+
+def test_cli_backup_verify_optimize_and_restore(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        _fill(store, 10)
+    runner = CliRunner()
+    copy = tmp_path / "copy.db"
+    done = runner.invoke(cli, ["--db", str(path), "backup", str(copy), "--verify", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["verified"] is True
+    again = runner.invoke(cli, ["--db", str(path), "backup", str(copy)])
+    assert again.exit_code == 1 and "exists" in again.output
+    optimized = runner.invoke(cli, ["--db", str(path), "db", "optimize", "--json"])
+    assert optimized.exit_code == 0, optimized.output
+    assert json.loads(optimized.output)["bytes_before"] > 0
+    with SessionDB(path) as store:
+        store.delete_session("s00000")
+    restored = runner.invoke(cli, ["--db", str(path), "restore", str(copy), "--yes", "--json"])
+    assert restored.exit_code == 0, restored.output
+    assert json.loads(restored.output)["sessions"] == 10
+    with SessionDB(path) as store:
+        assert store.get_session("s00000") is not None
+    vacuumed = runner.invoke(cli, ["--db", str(path), "db", "optimize", "--vacuum", "--json"])
+    assert vacuumed.exit_code == 0, vacuumed.output
+
+
+def test_cli_optimize_on_postgresql_reports_sizes(pg_url: URL) -> None:
+    with SessionDB(url_string(pg_url)) as store:
+        _fill(store, 3)
+    result = CliRunner().invoke(cli, ["--db", url_string(pg_url), "db", "optimize", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["backend"] == "postgresql" and report["bytes_before"] > 0
