@@ -25,10 +25,11 @@ from typing import Any
 from bench.timing import percentile
 from hermes_store import SessionDB, backup, maintenance, retention
 
-WORDS = (
-    "server deploy migration rollback index token session gateway latency cache "
-    "query schema vacuum backup restore message agent tool result python sqlite"
-).split()
+WORDS = [
+    *("server", "deploy", "migration", "rollback", "index", "token", "session", "gateway"),
+    *("latency", "cache", "query", "schema", "vacuum", "backup", "restore", "message"),
+    *("agent", "tool", "result", "python", "sqlite"),
+]
 
 
 def build(path: Path, size_mb: int) -> int:
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--writers", type=int, default=8)
     parser.add_argument("--keep", type=Path, help="Build (or reuse) the database here.")
+    parser.add_argument(
+        "--ops", default="backup,optimize,prune", help="Which operations to time (comma list)."
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hermes-ops-bench-"))
     path = args.keep or folder / "state.db"
@@ -125,7 +129,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     seconds, lat, _ = phase(path, args.writers, lambda: None, 5.0)
     report("none (baseline, 5 s)", 5.0, lat)
-    for method in ("backup", "vacuum"):
+    wanted = set(args.ops.split(","))
+    for method in ("backup", "vacuum") if "backup" in wanted else ():
         target = folder / f"copy-{method}.db"
         seconds, lat, result = phase(
             path, args.writers, lambda m=method, t=target: backup.backup(store, t, method=m), 0
@@ -133,15 +138,18 @@ def main() -> None:
         size = target.stat().st_size / 2**20
         report(f"backup --method {method}", seconds, lat, f"{size:.0f} MiB copy")
         target.unlink()
-    seconds, lat, result = phase(path, args.writers, lambda: maintenance.optimize(store), 0)
-    assert isinstance(result, maintenance.Report)
-    report("db optimize", seconds, lat,
-           f"{result.merge_steps} merge steps, longest lock {result.longest_step_s * 1000:.1f} ms")  # fmt: skip
-    policy = retention.Policy(300)
-    seconds, lat, result = phase(path, args.writers, lambda: retention.run(store, policy), 0)
-    assert isinstance(result, retention.Report)
-    report("prune (older than 300 days)", seconds, lat,
-           f"{result.sessions} sessions in {result.chunks} chunks")  # fmt: skip
+    if "optimize" in wanted:
+        seconds, lat, result = phase(path, args.writers, lambda: maintenance.optimize(store), 0)
+        assert isinstance(result, maintenance.Report)
+        longest = result.longest_step_s * 1000
+        steps = f"{result.merge_steps} merge steps, longest lock {longest:.1f} ms"
+        report("db optimize", seconds, lat, steps)
+    if "prune" in wanted:
+        policy = retention.Policy(300)
+        seconds, lat, result = phase(path, args.writers, lambda: retention.run(store, policy), 0)
+        assert isinstance(result, retention.Report)
+        report("prune (older than 300 days)", seconds, lat,
+               f"{result.sessions} sessions in {result.chunks} chunks")  # fmt: skip
     store.close()
     wal = Path(f"{path}-wal")
     print(f"WAL after the run: {wal.stat().st_size if wal.exists() else 0:,} bytes")

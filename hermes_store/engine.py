@@ -207,9 +207,9 @@ def install_sqlite_hooks(
                     mode,
                 )
                 cursor.execute("PRAGMA journal_mode=DELETE")
-            # The seed relies on parent_session_id and session_id references being enforced.
             # A burst grows the WAL; once checkpointed, the next commit cuts it back to this.
             cursor.execute(f"PRAGMA journal_size_limit={wal_limit}")
+            # The seed relies on parent_session_id and session_id references being enforced.
             cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
             # Start as a reader; the begin hook switches when a writer takes this connection.
             cursor.execute(f"PRAGMA busy_timeout={reader_ms}")

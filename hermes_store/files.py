@@ -37,14 +37,12 @@ def sqlite_uri(path: Path, **params: str) -> URL:
     return URL.create("sqlite", database=f"file:{encoded}", query={**params, "uri": "true"})
 
 
-def connect_sqlite(path: Path, *, timeout: float = 5.0, **params: str) -> sqlite3.Connection:
+def connect_sqlite(path: Path, *, timeout: float = 5.0) -> sqlite3.Connection:
     """A plain ``sqlite3`` connection (autocommit: the caller issues BEGIN) through a
     percent-encoded ``file:`` URI: for the backup API and maintenance, which need the driver's
     own connection. A SQLite connection shares this process's locks; a file handle would not."""
-    uri = str(sqlite_uri(path, **params).database)
-    query = "&".join(f"{key}={value}" for key, value in params.items())
     return sqlite3.connect(
-        f"{uri}?{query}" if query else uri,
+        str(sqlite_uri(path).database),
         uri=True,
         isolation_level=None,
         timeout=timeout,

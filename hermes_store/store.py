@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import and_, delete, func, or_, select, update
@@ -35,6 +35,9 @@ from hermes_store.migrate import ensure_head
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.uow import RetryPolicy, UnitOfWork
+
+if TYPE_CHECKING:
+    from hermes_store.backup import BackupReport
 
 log = logging.getLogger(__name__)
 
@@ -738,7 +741,7 @@ class SessionDB:
 
     # -- operations -------------------------------------------------------------------------
 
-    def backup(self, destination: str | os.PathLike[str], **options: Any) -> Any:
+    def backup(self, destination: str | os.PathLike[str], **options: Any) -> BackupReport:
         """A consistent online snapshot of this SQLite database (see :func:`backup.backup`)."""
         from hermes_store import backup
 
