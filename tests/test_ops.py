@@ -175,6 +175,60 @@ def test_restore_writes_into_the_live_file_that_other_instances_keep_open(
         assert store.check_search_index()
 
 
+def _steady_writer(path: str, restored: object, stop: object, pipe: Connection) -> None:
+    """Appends to session ``s`` throughout a restore; reports the ids acknowledged after it."""
+    store = SessionDB(path)
+    after: list[int] = []
+    count = 0
+    while not stop.is_set():  # type: ignore[attr-defined]
+        done = restored.is_set()  # type: ignore[attr-defined]
+        message_id = store.append_message("s", "user", f"steady {count}")
+        count += 1
+        if done:
+            after.append(message_id)
+            if len(after) == 5:
+                pipe.send("written after")
+        if count == 20:
+            pipe.send("warm")
+    store.close()
+    pipe.send(after)
+
+
+@pytest.mark.slow
+def test_a_restore_while_another_process_writes_is_atomic_and_loses_no_later_write(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+        _fill(store, 200, messages=5)
+        backup.backup(store, tmp_path / "snap.db")
+    restored, stop = CTX.Event(), CTX.Event()
+    ours, theirs = CTX.Pipe()
+    writer = CTX.Process(target=_steady_writer, args=(str(path), restored, stop, theirs))
+    writer.start()
+    try:
+        assert ours.poll(DEADLINE) and ours.recv() == "warm"
+        with SessionDB(path) as store:
+            backup.restore(store, tmp_path / "snap.db", pages_per_step=8)
+        restored.set()
+        assert ours.poll(DEADLINE) and ours.recv() == "written after"
+    finally:
+        stop.set()
+        after = ours.recv() if ours.poll(DEADLINE) else None
+        writer.join(DEADLINE)
+    assert after
+    assert set(after) <= _ids(path)
+    with SessionDB(path) as store:
+        assert store.session_count() == 201
+        session = store.get_session("s")
+        assert session is not None and session["message_count"] == store.message_count("s")
+        assert store.check_search_index()
+    raw = sqlite3.connect(path)
+    assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    raw.close()
+
+
 def test_restore_refuses_a_damaged_or_older_snapshot_before_writing(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     with SessionDB(path) as store:
