@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -48,7 +47,9 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.pool import NullPool
 
-from hermes_store import analytics, ddl, files, migrate
+from hermes_store import analytics, ddl, files, maintenance, markdown, migrate, retention
+from hermes_store import backup as backups
+from hermes_store import redact as redact_mod
 from hermes_store import search as search_index
 from hermes_store.engine import create_engine, sqlite_file, to_url, url_from_environment
 from hermes_store.errors import (
@@ -603,22 +604,74 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     metavar="DAYS",
     help="Delete ended sessions started more than DAYS days ago.",
 )
-@click.option("--source", help="Only sessions of this source.")
+@click.option(
+    "--source", "sources", multiple=True, help="Only sessions of this source (repeatable)."
+)
+@click.option("--keep-titled", is_flag=True, help="Keep sessions that have a title.")
+@click.option(
+    "--keep-lineage",
+    is_flag=True,
+    help="Keep every session of a parent/child chain holding a session that is kept.",
+)
+@click.option(
+    "--chunk",
+    default=retention.DEFAULT_CHUNK,
+    show_default=True,
+    type=click.IntRange(1, retention.MAX_CHUNK),
+    help="Sessions per transaction (writers wait for one chunk at most).",
+)
+@click.option(
+    "--secure-delete", is_flag=True, help="Overwrite the freed pages with zeros (SQLite)."
+)
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
+@json_option
 @pass_app
-def sessions_prune(app: App, days: float, source: str | None, dry_run: bool) -> None:
-    """Delete ended sessions older than DAYS (active sessions are never pruned)."""
+def sessions_prune(
+    app: App,
+    days: float,
+    sources: tuple[str, ...],
+    keep_titled: bool,
+    keep_lineage: bool,
+    chunk: int,
+    secure_delete: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Delete ended sessions older than DAYS, a chunk at a time (active ones never).
+
+    Safe as a periodic job: two runs at once delete each session once. The full-text index is
+    merged afterwards, so deleted words leave it too.
+    """
     store = app.store()
+    policy = retention.Policy(days, sources, keep_titled=keep_titled, keep_lineage=keep_lineage)
     if not dry_run:
-        count = store.prune_sessions(older_than_days=days, source=source)
-        app.out.print(f"Deleted {count} session(s) started more than {days:g} days ago.")
+        with _progress(app.err) as progress:
+            task = progress.add_task("pruning", total=None)
+            report = retention.run(
+                store,
+                policy,
+                chunk=chunk,
+                secure_delete=secure_delete,
+                merge_index=True,
+                on_chunk=lambda sessions, _messages: progress.advance(task, sessions),
+            )
+        if as_json:
+            _echo_json(asdict(report))
+            return
+        app.out.print(
+            f"Deleted {report.sessions} session(s) and {report.messages} message(s) started "
+            f"more than {days:g} days ago, in {report.chunks} chunk(s)."
+        )
         return
-    criteria = [S.c.started_at < time.time() - days * 86400, S.c.ended_at.is_not(None)]
-    if source is not None:
-        criteria.append(S.c.source == source)
     columns = (S.c.id, S.c.title, S.c.source, S.c.started_at, S.c.ended_at, S.c.message_count)
+    doomed = retention.candidates(policy).subquery()
     with store.uow.connect(write=False) as conn:
-        rows = conn.execute(select(*columns).where(*criteria).order_by(S.c.started_at)).all()
+        rows = conn.execute(
+            select(*columns).where(S.c.id.in_(select(doomed.c.id))).order_by(S.c.started_at)
+        ).all()
+    if as_json:
+        _echo_json([dict(row._mapping) for row in rows])
+        return
     table = Table("id", "title", "source", "started", "ended", "messages", box=None)
     for row in rows[:50]:
         table.add_row(
@@ -732,18 +785,42 @@ def _output(path: str, database: URL) -> Iterator[IO[str]]:
 @click.option("--session", "session_ref", metavar="ID|PREFIX|TITLE", help="Only this session.")
 @click.option("--source", help="Only sessions of this source.")
 @click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "md"]),
+    default="jsonl",
+    show_default=True,
+    help="JSON Lines (for import) or Markdown (for reading).",
+)
+@click.option("--redact", is_flag=True, help="Mask API keys, tokens, passwords and private keys.")
+@click.option(
+    "--split", is_flag=True, help="Markdown: one file per session into the folder -o names."
+)
+@click.option(
     "-o",
     "--output",
     required=True,
-    metavar="FILE.jsonl",
-    type=click.Path(dir_okay=False, allow_dash=True),
-    help="Where to write ('-': stdout).",
+    metavar="FILE|DIR",
+    type=click.Path(allow_dash=True),
+    help="Where to write ('-': stdout; a folder with --split).",
 )
 @pass_app
-def export(app: App, session_ref: str | None, source: str | None, output: str) -> None:
-    """Stream sessions to JSON Lines: one session (row and messages) per line, newest first."""
+def export(
+    app: App,
+    session_ref: str | None,
+    source: str | None,
+    fmt: str,
+    redact: bool,
+    split: bool,
+    output: str,
+) -> None:
+    """Write sessions as JSON Lines (one session per line, newest first) or Markdown."""
     if session_ref and source:
         raise click.UsageError("--session and --source cannot be combined")
+    if split and fmt != "md":
+        raise click.UsageError("--split needs --format md")
+    if split and output == "-":
+        raise click.UsageError("--split writes files into a folder: -o DIR")
     store = app.store()
     if session_ref:
         session_id = resolve_session(store, session_ref)
@@ -751,15 +828,37 @@ def export(app: App, session_ref: str | None, source: str | None, output: str) -
         total = 1
     else:
         records, total = store.iter_export(source), store.session_count(source)
+    if redact:
+        records = map(redact_mod.redact_record, records)
     count = messages = 0
-    with _output(output, app.url) as handle, _progress(app.err) as progress:
-        task = progress.add_task("exporting", total=total)
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def counted(items: Iterable[RowDict]) -> Iterator[RowDict]:
+        nonlocal count, messages
+        for record in items:
             count += 1
             messages += len(record["messages"])
             progress.advance(task)
-    app.err.print(f"Exported {count} session(s), {messages} message(s) to {output}.")
+            yield record
+
+    with _progress(app.err) as progress:
+        task = progress.add_task("exporting", total=total)
+        if split:
+            folder = Path(output)
+            folder.mkdir(parents=True, exist_ok=True)
+            for record in counted(records):
+                target = folder / markdown.file_name(record)
+                with _output(str(target), app.url) as handle:
+                    handle.write(markdown.render_session(record))
+        else:
+            with _output(output, app.url) as handle:
+                if fmt == "md":
+                    for chunk in markdown.render_document(counted(records), redacted=redact):
+                        handle.write(chunk)
+                else:
+                    for record in counted(records):
+                        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    note = " (redacted)" if redact else ""
+    app.err.print(f"Exported {count} session(s), {messages} message(s) to {output}{note}.")
 
 
 @dataclass
@@ -835,9 +934,17 @@ def _checked(
     return row
 
 
-def _prepare(record: Any, line: int, nul_ok: bool) -> _Prepared:
+def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False) -> _Prepared:
     """Validate one exported session (as :meth:`SessionDB.export_session` writes it)."""
     where = f"line {line}"
+    if isinstance(record, dict) and redact_mod.MARKER_KEY in record:
+        if record[redact_mod.MARKER_KEY] is not False and not allow_redacted:
+            raise InvalidInputError(
+                f"{where}: this is a redacted export (secrets were replaced by markers); "
+                "importing it would store the markers as if they were the text: refused "
+                "(--force imports it anyway)"
+            )
+        record = {k: v for k, v in record.items() if k != redact_mod.MARKER_KEY}
     session = _checked(
         record, S.c, where, _REQUIRED_SESSION, extra=frozenset({"messages"}), nul_ok=nul_ok
     )
@@ -979,6 +1086,7 @@ def import_sessions(
     *,
     batch_size: int = 100,
     max_batch_messages: int = 5000,
+    allow_redacted: bool = False,
 ) -> ImportReport:
     """Restore exported sessions into ``db``: ids, timestamps and counters exactly as exported.
 
@@ -1005,7 +1113,7 @@ def import_sessions(
         batch, batch_messages = [], 0
 
     for line, record in records:
-        prepared = _prepare(record, line, nul_ok=db.is_sqlite)
+        prepared = _prepare(record, line, nul_ok=db.is_sqlite, allow_redacted=allow_redacted)
         batch.append(prepared)
         batch_messages += len(prepared.messages)
         if len(batch) >= batch_size or batch_messages >= max_batch_messages:
@@ -1026,9 +1134,10 @@ def import_sessions(
     type=click.IntRange(1, 1000),
     help="Sessions per transaction.",
 )
+@click.option("--force", is_flag=True, help="Import a redacted export (markers and all).")
 @json_option
 @pass_app
-def import_(app: App, file: str, batch_size: int, as_json: bool) -> None:
+def import_(app: App, file: str, batch_size: int, force: bool, as_json: bool) -> None:
     """Restore an ``export`` file (the database is created if missing; known ids are skipped)."""
     store = app.store(create=True)
     handle: IO[bytes]
@@ -1043,6 +1152,7 @@ def import_(app: App, file: str, batch_size: int, as_json: bool) -> None:
                 store,
                 _read_records(handle, lambda n: progress.advance(task, n)),
                 batch_size=batch_size,
+                allow_redacted=force,
             )
     finally:
         if file != "-":
@@ -1063,6 +1173,117 @@ def import_(app: App, file: str, batch_size: int, as_json: bool) -> None:
     for name, text in notes.items():
         if getattr(report, name):
             app.out.print(f"  {getattr(report, name)} {text}")
+
+
+# -- backup, restore, optimize -----------------------------------------------------------------
+
+
+def _sqlite_only(app: App, what: str) -> None:
+    if sqlite_file(app.url) is None:
+        raise Problem(f"{what} works on SQLite files only. {backups.PG_BACKUP_HINT}")
+
+
+@cli.command("backup")
+@click.argument("dest", metavar="DEST", type=click.Path(dir_okay=False))
+@click.option("--verify", is_flag=True, help="Open the copy and run the integrity checks.")
+@click.option(
+    "--method",
+    type=click.Choice(["backup", "vacuum"]),
+    default="backup",
+    show_default=True,
+    help="SQLite's backup API (page copy, with progress) or VACUUM INTO (compacted copy).",
+)
+@click.option("--force", is_flag=True, help="Replace DEST if it exists.")
+@json_option
+@pass_app
+def backup_cmd(app: App, dest: str, verify: bool, method: str, force: bool, as_json: bool) -> None:
+    """Copy a consistent snapshot of the live database to DEST (0600) while writers write."""
+    _sqlite_only(app, "backup")
+    store = app.store()
+    with _progress(app.err) as progress:
+        task = progress.add_task("backing up (pages)", total=None)
+        report = backups.backup(
+            store,
+            dest,
+            method="vacuum" if method == "vacuum" else "backup",
+            overwrite=force,
+            verify=verify,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if as_json:
+        _echo_json(asdict(report))
+        return
+    checked = " and verified" if report.verified else ""
+    app.out.print(
+        f"Backed up {app.where} to {report.destination}{checked}: {report.bytes:,} bytes "
+        f"in {report.seconds:.2f} s ({report.method})."
+    )
+
+
+@cli.command("restore")
+@click.argument("snapshot", metavar="SNAPSHOT", type=click.Path(exists=True, dir_okay=False))
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+@pass_app
+def restore_cmd(app: App, snapshot: str, yes: bool, as_json: bool) -> None:
+    """Write SNAPSHOT into the live database (in place, under its write lock).
+
+    Everything written after the snapshot was taken is replaced. Processes that have the
+    database open keep working and see the restored content.
+    """
+    _sqlite_only(app, "restore")
+    store = app.store()
+    if not yes:
+        click.confirm(f"Replace the content of {app.where} with {snapshot}?", abort=True, err=True)
+    with _progress(app.err) as progress:
+        task = progress.add_task("restoring (pages)", total=None)
+        report = backups.restore(
+            store,
+            snapshot,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if as_json:
+        _echo_json(asdict(report))
+        return
+    app.out.print(
+        f"Restored {snapshot} into {app.where}: {report.sessions} session(s), "
+        f"{report.messages} message(s)."
+    )
+
+
+@db.command("optimize")
+@click.option(
+    "--vacuum",
+    is_flag=True,
+    help="Offline: a full VACUUM (refused while any other process has the file open).",
+)
+@json_option
+@pass_app
+def db_optimize(app: App, vacuum: bool, as_json: bool) -> None:
+    """Merge the full-text index, refresh statistics, free pages; online, in short steps."""
+    if vacuum:
+        path = sqlite_file(app.url)
+        if path is None:
+            raise Problem("--vacuum is for SQLite files; on PostgreSQL use VACUUM FULL offline")
+        app.store()  # brings the schema to head and refuses what is not a database
+        app.close()
+        before, after = maintenance.vacuum_offline(path)
+        if as_json:
+            _echo_json({"vacuum": True, "bytes_before": before, "bytes_after": after})
+            return
+        app.out.print(f"{app.where}: rewritten (full vacuum), {before:,} -> {after:,} bytes.")
+        return
+    report = maintenance.optimize(app.store())
+    if as_json:
+        _echo_json(asdict(report))
+        return
+    app.out.print(
+        f"{app.where}: {report.bytes_before:,} -> {report.bytes_after:,} bytes; "
+        f"{report.merge_steps} index merge step(s), {report.pages_freed:,} page(s) freed; "
+        f"longest step held the write lock {report.longest_step_s * 1000:.1f} ms."
+    )
+    for note in report.notes:
+        app.out.print(f"  {note}")
 
 
 # -- stats -------------------------------------------------------------------------------------

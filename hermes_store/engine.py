@@ -36,6 +36,11 @@ READER_BUSY_TIMEOUT_S = 5.0
 #: Pool-record key holding ``(writer_ms, reader_ms)``, for code that begins on a raw connection.
 BUSY_TIMEOUTS_KEY = "hermes_busy_timeouts"
 
+#: After a burst, a checkpointed WAL is cut back to this size (the next writer truncates it).
+DEFAULT_JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
+#: Environment variable overriding :data:`DEFAULT_JOURNAL_SIZE_LIMIT` (bytes; -1: no limit).
+JOURNAL_SIZE_LIMIT_ENV = "HERMES_STORE_JOURNAL_SIZE_LIMIT"
+
 #: SQLite's Unix VFS handles names of up to 512 bytes, its sidecars' suffixes included.
 MAX_PATH_BYTES = 512 - len("-journal")
 
@@ -128,12 +133,29 @@ def unreadable_in_wal(path: Path) -> bool:
     )
 
 
+def journal_size_limit() -> int:
+    """The WAL size limit in bytes: ``$HERMES_STORE_JOURNAL_SIZE_LIMIT``, else 64 MiB."""
+    raw = os.environ.get(JOURNAL_SIZE_LIMIT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_JOURNAL_SIZE_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidInputError(
+            f"{JOURNAL_SIZE_LIMIT_ENV}={raw!r} is not a whole number of bytes"
+        ) from None
+    if value < -1:
+        raise InvalidInputError(f"{JOURNAL_SIZE_LIMIT_ENV} must be -1 (no limit) or >= 0")
+    return value
+
+
 def create_engine(
     target: Target,
     *,
     writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
     reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
     foreign_keys: bool = True,
+    wal_size_limit: int | None = None,
     **engine_kwargs: Any,
 ) -> Engine:
     """An Engine for ``target`` with this package's hooks (an Engine passes through as is).
@@ -159,6 +181,7 @@ def create_engine(
             writer_busy_timeout=writer_busy_timeout,
             reader_busy_timeout=reader_busy_timeout,
             foreign_keys=foreign_keys,
+            wal_size_limit=wal_size_limit,
         )
         return engine
     url, engine_kwargs = _prepared_statement_option(url, engine_kwargs)
@@ -234,10 +257,12 @@ def install_sqlite_hooks(
     writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
     reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
     foreign_keys: bool = True,
+    wal_size_limit: int | None = None,
 ) -> None:
     """Attach the connect and begin hooks that the store's concurrency model relies on."""
     writer_ms = int(writer_busy_timeout * 1000)
     reader_ms = int(reader_busy_timeout * 1000)
+    wal_limit = int(journal_size_limit() if wal_size_limit is None else wal_size_limit)
     # A read-only URL (``mode=ro``/``immutable=1``) cannot change the journal mode: leave it be.
     read_only = engine.url.query.get("mode") == "ro" or engine.url.query.get("immutable") == "1"
 
@@ -259,6 +284,8 @@ def install_sqlite_hooks(
                     mode,
                 )
                 cursor.execute("PRAGMA journal_mode=DELETE")
+            # A burst grows the WAL; once checkpointed, the next commit cuts it back to this.
+            cursor.execute(f"PRAGMA journal_size_limit={wal_limit}")
             # The seed relies on parent_session_id and session_id references being enforced.
             cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
             # Start as a reader; the begin hook switches when a writer takes this connection.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -34,6 +35,19 @@ def sqlite_uri(path: Path, **params: str) -> URL:
     """
     encoded = quote(os.fspath(path), safe="/")
     return URL.create("sqlite", database=f"file:{encoded}", query={**params, "uri": "true"})
+
+
+def connect_sqlite(path: Path, *, timeout: float = 5.0) -> sqlite3.Connection:
+    """A plain ``sqlite3`` connection (autocommit: the caller issues BEGIN) through a
+    percent-encoded ``file:`` URI: for the backup API and maintenance, which need the driver's
+    own connection. A SQLite connection shares this process's locks; a file handle would not."""
+    return sqlite3.connect(
+        str(sqlite_uri(path).database),
+        uri=True,
+        isolation_level=None,
+        timeout=timeout,
+        check_same_thread=False,
+    )
 
 
 def path_from_uri(database: str) -> Path:

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import and_, delete, func, or_, select, update
@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import fastpath, listing, search, titles, validate
+from hermes_store import fastpath, listing, retention, search, titles, validate
 from hermes_store.engine import Target, create_engine, default_db_path
 from hermes_store.errors import (
     InvalidInputError,
@@ -35,6 +35,9 @@ from hermes_store.migrate import ensure_head
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.uow import RetryPolicy, UnitOfWork
+
+if TYPE_CHECKING:
+    from hermes_store.backup import BackupReport
 
 log = logging.getLogger(__name__)
 
@@ -289,14 +292,11 @@ class SessionDB:
         """Delete ended sessions started before the cutoff; active sessions are never pruned."""
         validate.real("older_than_days", older_than_days, scale=86400.0)
         validate.text("source", source, optional=True)
-        _check_number("older_than_days", older_than_days, float)
-        cutoff = time.time() - older_than_days * 86400
-        criteria = [S.c.started_at < cutoff, S.c.ended_at.is_not(None)]
-        if source is not None:
-            criteria.append(S.c.source == source)
+        self._text("source", source)
+        doomed_query = retention.candidates(retention.Policy.of(older_than_days, source))
 
         def unit(conn: Connection) -> int:
-            doomed = list(conn.scalars(select(S.c.id).where(*criteria)))
+            doomed = list(conn.scalars(doomed_query))
             for chunk in _chunks(doomed, 500):
                 conn.execute(
                     update(S).where(S.c.parent_session_id.in_(chunk)).values(parent_session_id=None)
@@ -789,6 +789,14 @@ class SessionDB:
             return ok
 
         return self.uow.run(unit)
+
+    # -- operations -------------------------------------------------------------------------
+
+    def backup(self, destination: str | os.PathLike[str], **options: Any) -> BackupReport:
+        """A consistent online snapshot of this SQLite database (see :func:`backup.backup`)."""
+        from hermes_store import backup
+
+        return backup.backup(self, destination, **options)
 
     # -- export -----------------------------------------------------------------------------
 

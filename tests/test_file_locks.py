@@ -269,6 +269,10 @@ FILE_ACCESS_ALLOWED = {
     "that exists (no descriptor either)",
     ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file",
     ("files.py", "read_bytes"): "/proc/<pid>/cmdline of a process holding a deleted WAL",
+    ("backup.py", "os.link"): "links its own finished 0600 temp copy to the backup's name "
+    "(checked not to be the database or a sidecar); fails rather than replace a file",
+    ("backup.py", "os.replace"): "backup --force: renames its own finished temp copy onto a "
+    "destination checked not to be the database, a sidecar, or a file with -wal/-shm beside it",
 }
 _FILE_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text"}
 _OS_CALLS = {"open", "replace", "rename", "link", "unlink", "remove", "truncate"}

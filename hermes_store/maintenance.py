@@ -1,0 +1,228 @@
+"""Bounded growth of a long-lived store: index merges, planner statistics, freed pages.
+
+Every online step is a short write unit, so writers wait for at most one step, never for the
+whole job: the full-text index is merged ``MERGE_PAGES`` pages of work at a time (FTS5
+``'merge'``), freed pages are returned ``VACUUM_PAGES`` at a time (``incremental_vacuum``), and
+the WAL is checkpointed PASSIVE only. A TRUNCATE checkpoint is never issued while other
+processes may write (the original project damaged B-trees that way); the WAL is kept bounded
+by ``journal_size_limit`` instead (see :mod:`hermes_store.engine`).
+
+A full ``VACUUM`` rewrites the whole file under an exclusive lock: :func:`vacuum_offline` runs it
+only when no other connection has the database open, and refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from hermes_store import ddl, files, search
+from hermes_store.engine import sqlite_file
+from hermes_store.errors import DatabaseLockedError, InvalidInputError, mapped_errors
+
+if TYPE_CHECKING:
+    from hermes_store.store import SessionDB
+
+T = TypeVar("T")
+
+#: FTS5 'merge' work per unit (leaf pages written); a few ms of lock each on a 2-core machine.
+MERGE_PAGES = 64
+#: Freed pages handed back to the file system per unit (``PRAGMA incremental_vacuum``).
+VACUUM_PAGES = 2048
+#: ``PRAGMA secure_delete`` values by number (0 off, 1 on, 2 fast).
+SECURE_DELETE_VALUES = {0: "0", 1: "1", 2: "2"}
+#: A guard against an index that never reports "done": plenty for a multi-GB index.
+MAX_STEPS = 100_000
+
+
+@dataclass
+class Report:
+    """What :func:`optimize` did and how long any one step held the write lock."""
+
+    backend: str
+    bytes_before: int
+    bytes_after: int = 0
+    merge_steps: int = 0
+    vacuum_steps: int = 0
+    pages_freed: int = 0
+    longest_step_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def database_bytes(db: SessionDB) -> int:
+    """What the database occupies: the SQLite file and its WAL (``stat`` only), or PostgreSQL's
+    size of the two tables with their indexes and TOAST."""
+    path = sqlite_file(db.engine.url)
+    if path is not None:
+        wal = Path(f"{path}-wal")
+        return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+    if not db.is_sqlite:
+        with db.uow.connect(write=False) as conn:
+            return int(
+                conn.scalar(
+                    sa.text(
+                        "SELECT pg_total_relation_size('sessions') "
+                        "+ pg_total_relation_size('messages')"
+                    )
+                )
+                or 0
+            )
+    return 0
+
+
+def _timed(report: Report, fn: Callable[[Connection], T]) -> Callable[[Connection], T]:
+    """``fn`` recording how long it ran inside its unit (the lock is held that long)."""
+
+    def unit(conn: Connection) -> T:
+        started = time.monotonic()
+        try:
+            return fn(conn)
+        finally:
+            report.longest_step_s = max(report.longest_step_s, time.monotonic() - started)
+
+    return unit
+
+
+def _merge_step(conn: Connection, secure_delete: bool = False) -> bool:
+    """One bounded FTS5 merge; True while it still found work (FTS5 says "done" by changing
+    fewer than two rows)."""
+    driver: Any = conn.connection.driver_connection
+    before = driver.total_changes
+    with secure_deletes(conn, secure_delete):
+        conn.execute(
+            sa.text(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('merge', :pages)"),
+            {"pages": -MERGE_PAGES},  # negative: merge every segment, as 'optimize' does
+        )
+    return bool(driver.total_changes - before >= 2)
+
+
+@contextmanager
+def secure_deletes(conn: Connection, on: bool = True) -> Iterator[None]:
+    """SQLite's ``secure_delete`` for this unit: freed pages are zeroed, so deleted text does
+    not linger in the file (the setting belongs to the pooled connection: reset after)."""
+    if not on or conn.dialect.name != "sqlite":
+        yield
+        return
+    previous = int(conn.exec_driver_sql("PRAGMA secure_delete").scalar() or 0)
+    conn.exec_driver_sql("PRAGMA secure_delete=1")
+    try:
+        yield
+    finally:
+        if previous != 1:  # some builds (Debian's) default to ON: put back what was there
+            conn.exec_driver_sql(f"PRAGMA secure_delete={SECURE_DELETE_VALUES[previous]}")
+
+
+def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: bool = False) -> int:
+    """Merge the full-text index's segments in bounded steps until it is compact.
+
+    Deleted rows only leave an FTS5 index when the segments holding them are merged, so this
+    is also what makes pruned text disappear from the index. Returns the number of steps.
+    PostgreSQL: one unit that flushes the GIN pending lists and refreshes statistics.
+    """
+    report = report or Report(db.engine.dialect.name, 0)
+    if not db.is_sqlite:
+        db.uow.run(_timed(report, search.optimize_index))
+        report.merge_steps += 1
+        return 1
+    # Writers keep adding small segments, so "no work left" may never come under load: the
+    # budget is what merging the index as it stands would take.
+    with db.uow.connect(write=False) as conn:
+        leaves = int(
+            conn.exec_driver_sql(f"SELECT count(*) FROM {ddl.FTS_TABLE}_data").scalar() or 0
+        )
+    steps = 0
+    for _ in range(min(MAX_STEPS, leaves // MERGE_PAGES + 16)):
+        steps += 1
+        step = _timed(report, lambda conn: _merge_step(conn, secure_delete))
+        if not db.uow.run(step):
+            break
+    report.merge_steps += steps
+    return steps
+
+
+def _vacuum_step(conn: Connection) -> int:
+    before = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
+    conn.exec_driver_sql(f"PRAGMA incremental_vacuum({VACUUM_PAGES})")
+    after = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
+    return before - after
+
+
+def optimize(db: SessionDB) -> Report:
+    """Compact what can be compacted online, one short write unit at a time.
+
+    SQLite: merge the full-text index, ``PRAGMA optimize`` (statistics for the planner), give
+    freed pages back with ``incremental_vacuum`` when the file allows it (``auto_vacuum`` is
+    INCREMENTAL: :func:`vacuum_offline` turns it on), then a PASSIVE checkpoint. PostgreSQL:
+    the GIN pending lists and ``ANALYZE``; autovacuum returns the space.
+    """
+    report = Report(db.engine.dialect.name, database_bytes(db))
+    merge_index(db, report)
+    if db.is_sqlite:
+        db.uow.run(_timed(report, lambda conn: conn.exec_driver_sql("PRAGMA optimize")))
+        with db.uow.connect(write=False) as conn:
+            auto_vacuum = int(conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() or 0)
+        if auto_vacuum == 2:
+            for _ in range(MAX_STEPS):
+                freed = db.uow.run(_timed(report, _vacuum_step))
+                report.vacuum_steps += 1
+                report.pages_freed += freed
+                if freed <= 0:
+                    break
+        else:
+            report.notes.append(
+                "auto_vacuum is not INCREMENTAL, so freed pages stay in the file for reuse; "
+                "`hermes-store db optimize --vacuum` (with every other process stopped) "
+                "rewrites the file and turns it on"
+            )
+        if not db.uow.checkpoint():
+            report.notes.append("the WAL checkpoint did not run; it is retried by later writes")
+    else:
+        report.notes.append("PostgreSQL: autovacuum returns freed space (VACUUM FULL offline)")
+    report.bytes_after = database_bytes(db)
+    return report
+
+
+def vacuum_offline(path: Path) -> tuple[int, int]:
+    """A full ``VACUUM`` of a SQLite file nobody else has open; turns on incremental vacuum.
+
+    Refuses with :class:`DatabaseLockedError` when any other connection (any process) has the
+    file open: the exclusive locking mode cannot take the file then. Returns bytes before and
+    after (the WAL included).
+    """
+    if not path.exists():
+        raise InvalidInputError(f"there is no database at {path}")
+
+    def size() -> int:
+        wal = Path(f"{path}-wal")
+        return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+    before = size()
+    connection = files.connect_sqlite(path, timeout=0)
+    try:
+        with mapped_errors():
+            connection.execute("PRAGMA locking_mode=EXCLUSIVE")
+            try:
+                connection.execute("BEGIN EXCLUSIVE")
+            except sqlite3.OperationalError as error:
+                raise DatabaseLockedError(
+                    f"{path} is open in another process or connection: stop every agent, "
+                    "gateway and job using it before a full vacuum (or run `hermes-store db "
+                    "optimize` without --vacuum, which works online)"
+                ) from error
+            connection.execute("COMMIT")
+            connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            connection.execute("VACUUM")
+            connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            connection.execute("PRAGMA locking_mode=NORMAL")
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    finally:
+        connection.close()
+    return before, size()

@@ -1,0 +1,187 @@
+"""Conversations as Markdown, for reading and sharing (``hermes-store export --format md``).
+
+Input is what :meth:`SessionDB.export_session` / ``iter_export`` yield (a session row with its
+``messages``). Each session gets a title, a metadata table and its turns in order; reasoning,
+tool calls and tool results are folded into ``<details>`` blocks, which GitHub, GitLab and most
+editors render collapsed. Times are UTC, so the same database renders the same bytes anywhere.
+No file access here: the CLI writes the text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+RowDict = dict[str, Any]
+
+REDACTED_NOTE = (
+    "> **Redacted export.** Secrets of known shapes (API keys, tokens, passwords, private keys) "
+    "were replaced by `[REDACTED:kind]`; `hermes-store import` refuses redacted exports."
+)
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "—"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _cell(value: object) -> str:
+    """A table cell: one line, pipes escaped."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _fence(text: str, language: str = "") -> str:
+    """``text`` in a code fence longer than any backtick run inside it."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    ticks = "`" * max(3, longest + 1)
+    return f"{ticks}{language}\n{text}\n{ticks}"
+
+
+def _details(summary: str, body: str) -> str:
+    return f"<details><summary>{_escape_html(summary)}</summary>\n\n{body}\n\n</details>"
+
+
+def _escape_html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _pretty_json(raw: Any) -> str:
+    """Tool arguments are a JSON string in the OpenAI format: shown indented when they parse."""
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return raw
+        return json.dumps(parsed, ensure_ascii=False, indent=2)
+    return json.dumps(raw, ensure_ascii=False, indent=2)
+
+
+def _tool_calls(message: RowDict) -> list[str]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return []
+    parts = []
+    for call in calls if isinstance(calls, list) else [calls]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            name = str(function.get("name", "?"))
+            call_id = call.get("id") if isinstance(call, dict) else None
+            summary = f"Tool call: {name}" + (f" ({call_id})" if call_id else "")
+            parts.append(_details(summary, _fence(_pretty_json(function.get("arguments")), "json")))
+        else:
+            parts.append(_details("Tool call", _fence(_pretty_json(call), "json")))
+    return parts
+
+
+def _heading(number: int, message: RowDict) -> str:
+    role = str(message.get("role") or "?")
+    label = {"user": "User", "assistant": "Assistant", "tool": "Tool result", "system": "System"}
+    title = label.get(role, role.capitalize())
+    if message.get("tool_name"):
+        title += f" · {message['tool_name']}"
+    return f"{number}. {title} · {_when(message.get('timestamp'))}"
+
+
+def render_message(number: int, message: RowDict, level: int = 3) -> str:
+    """One turn: a heading, folded reasoning and tool calls, then the content."""
+    parts = [f"{'#' * level} {_heading(number, message)}"]
+    reasoning = message.get("reasoning")
+    if reasoning:
+        parts.append(_details(f"Reasoning ({len(reasoning):,} chars)", reasoning))
+    for key, label in (("reasoning_details", "Reasoning details"),
+                       ("codex_reasoning_items", "Codex reasoning items")):  # fmt: skip
+        if message.get(key):
+            parts.append(_details(label, _fence(_pretty_json(message[key]), "json")))
+    parts.extend(_tool_calls(message))
+    content = message.get("content")
+    if content:
+        if message.get("role") == "tool":
+            lines = content.count("\n") + 1
+            tool = message.get("tool_name") or "the tool"
+            summary = f"Output of {tool} ({lines:,} line{'' if lines == 1 else 's'})"
+            parts.append(_details(summary, _fence(content)))
+        else:
+            parts.append(content.strip("\n"))
+    elif not message.get("tool_calls"):
+        parts.append("*(empty)*")
+    return "\n\n".join(parts)
+
+
+def _metadata(session: RowDict) -> str:
+    rows: list[tuple[str, str]] = [("id", f"`{session['id']}`"), ("source", session["source"])]
+    if session.get("model"):
+        rows.append(("model", session["model"]))
+    if session.get("parent_session_id"):
+        rows.append(("continues", f"`{session['parent_session_id']}`"))
+    rows.append(("started", _when(session.get("started_at"))))
+    ended = _when(session.get("ended_at"))
+    if session.get("end_reason"):
+        ended += f" ({session['end_reason']})"
+    rows.append(("ended", ended if session.get("ended_at") is not None else "still active"))
+    rows.append(
+        (
+            "messages",
+            f"{session.get('message_count') or 0:,} ({session.get('tool_call_count') or 0:,} "
+            "tool calls)",
+        )
+    )
+    tokens = f"{session.get('input_tokens') or 0:,} in / {session.get('output_tokens') or 0:,} out"
+    extra = [
+        f"{session.get(key) or 0:,} {label}"
+        for key, label in (
+            ("cache_read_tokens", "cache read"),
+            ("cache_write_tokens", "cache write"),
+            ("reasoning_tokens", "reasoning"),
+        )
+        if session.get(key)
+    ]
+    rows.append(("tokens", tokens + (f" ({', '.join(extra)})" if extra else "")))
+    if session.get("actual_cost_usd") is not None:
+        rows.append(("cost", f"${session['actual_cost_usd']:.4f}"))
+    elif session.get("estimated_cost_usd"):
+        rows.append(("cost", f"~${session['estimated_cost_usd']:.4f} (estimated)"))
+    table = ["| | |", "| --- | --- |"]
+    table += [f"| {name} | {_cell(value)} |" for name, value in rows]
+    return "\n".join(table)
+
+
+def render_session(record: RowDict, *, level: int = 1) -> str:
+    """One session as Markdown: ``#`` title, metadata, system prompt (folded), the turns."""
+    title = record.get("title") or f"Session {record['id']}"
+    parts = [f"{'#' * level} {title}"]
+    if record.get("redacted") and level == 1:
+        parts.append(REDACTED_NOTE)
+    parts.append(_metadata(record))
+    if record.get("system_prompt"):
+        parts.append(_details("System prompt", _fence(record["system_prompt"])))
+    messages = record.get("messages") or []
+    for number, message in enumerate(messages, 1):
+        parts.append(render_message(number, message, level + 2))
+    if not messages:
+        parts.append("*No messages.*")
+    return "\n\n".join(parts) + "\n"
+
+
+def render_document(records: Iterable[RowDict], *, redacted: bool = False) -> Iterable[str]:
+    """Many sessions as one document, streamed a session at a time."""
+    yield "# Hermes conversations\n\n"
+    if redacted:
+        yield REDACTED_NOTE + "\n\n"
+    first = True
+    for record in records:
+        if not first:
+            yield "\n---\n\n"
+        first = False
+        yield render_session(record, level=2)
+
+
+def file_name(record: RowDict) -> str:
+    """A stable, portable file name for one session: date, title slug, id prefix."""
+    day = datetime.fromtimestamp(record.get("started_at") or 0, UTC).strftime("%Y-%m-%d")
+    slug = re.sub(r"[^\w]+", "-", str(record.get("title") or ""), flags=re.UNICODE).strip("-")
+    safe_id = re.sub(r"[^A-Za-z0-9_-]+", "-", str(record["id"]))[:12]
+    return "-".join(part for part in (day, slug[:60].lower(), safe_id) if part) + ".md"
