@@ -1,8 +1,10 @@
-"""Session listing: the one-query rich list and the compression chain (seed 7.10)."""
+"""Session listing: the one-query rich list, the compression chain, children and what a prune
+would delete (the one definition both the prune and its dry run use)."""
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -195,3 +197,39 @@ def _project_tips(conn: Connection, rows: list[dict[str, Any]]) -> None:
         root_id = row["id"]
         row.update({field: tip[field] for field in TIP_FIELDS})
         row["_lineage_root_id"] = root_id
+
+
+def prune_criteria(
+    older_than_days: float, source: str | None = None, *, now: float | None = None
+) -> list[ColumnElement[bool]]:
+    """Which sessions a prune deletes: ended ones started more than ``older_than_days`` ago
+    (active sessions never), of ``source`` when given."""
+    cutoff = (time.time() if now is None else now) - older_than_days * 86400
+    criteria = [S.c.started_at < cutoff, S.c.ended_at.is_not(None)]
+    if source is not None:
+        criteria.append(S.c.source == source)
+    return criteria
+
+
+def prune_candidates(
+    conn: Connection, older_than_days: float, source: str | None = None
+) -> list[dict[str, Any]]:
+    """The sessions :func:`prune_criteria` selects, oldest first (id, title, source, started_at,
+    ended_at, message_count)."""
+    columns = (S.c.id, S.c.title, S.c.source, S.c.started_at, S.c.ended_at, S.c.message_count)
+    statement = (
+        select(*columns)
+        .where(*prune_criteria(older_than_days, source))
+        .order_by(S.c.started_at, S.c.id)
+    )
+    return [dict(row._mapping) for row in conn.execute(statement)]
+
+
+def children_of(conn: Connection, session_id: str) -> list[dict[str, Any]]:
+    """The sessions whose parent is ``session_id``, oldest first (id, title, source, started_at)."""
+    statement = (
+        select(S.c.id, S.c.title, S.c.source, S.c.started_at)
+        .where(S.c.parent_session_id == session_id)
+        .order_by(S.c.started_at, S.c.id)
+    )
+    return [dict(row._mapping) for row in conn.execute(statement)]

@@ -275,10 +275,7 @@ class SessionDB:
     def prune_sessions(self, older_than_days: float = 90, source: str | None = None) -> int:
         """Delete ended sessions started before the cutoff; active sessions are never pruned."""
         _check_number("older_than_days", older_than_days, float)
-        cutoff = time.time() - older_than_days * 86400
-        criteria = [S.c.started_at < cutoff, S.c.ended_at.is_not(None)]
-        if source is not None:
-            criteria.append(S.c.source == source)
+        criteria = listing.prune_criteria(older_than_days, source)
 
         def unit(conn: Connection) -> int:
             doomed = list(conn.scalars(select(S.c.id).where(*criteria)))
