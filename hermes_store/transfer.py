@@ -9,6 +9,7 @@ even opening them with a plain handle would drop this process's SQLite locks (se
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -72,12 +73,12 @@ def export_writer(path: str, database: URL) -> Iterator[IO[str]]:
             yield stdout
             return
         stdout.flush()
-        handle = io_wrapper(buffer)
+        handle = io.TextIOWrapper(buffer, encoding="utf-8", newline="\n", write_through=True)
         try:
             yield handle
         finally:
             handle.flush()
-            handle.detach()
+            handle.detach()  # stdout stays open for whoever prints next
         return
     final = Path(path)
     if is_database_file(final, database):
@@ -85,9 +86,7 @@ def export_writer(path: str, database: URL) -> Iterator[IO[str]]:
     try:
         fd, partial_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
     except OSError as error:
-        raise OutputFileError(
-            f"Could not open file {path!r}: {error.strerror or error}"
-        ) from error
+        raise OutputFileError(f"Could not open file {path!r}: {error.strerror or error}") from error
     partial = Path(partial_name)
     try:
         with open(fd, "w", encoding="utf-8", newline="\n") as handle:
@@ -95,13 +94,6 @@ def export_writer(path: str, database: URL) -> Iterator[IO[str]]:
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)
-
-
-def io_wrapper(buffer: IO[bytes]) -> IO[str]:
-    """A UTF-8 text layer over ``buffer`` (detached, not closed, when done)."""
-    import io
-
-    return io.TextIOWrapper(buffer, encoding="utf-8", newline="\n", write_through=True)  # type: ignore[arg-type]
 
 
 def write_export(handle: IO[str], records: Iterable[RowDict]) -> Iterator[RowDict]:
@@ -393,4 +385,3 @@ def import_sessions(
     flush()
     total.parents_missing = len(pending)
     return total
-

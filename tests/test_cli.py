@@ -317,9 +317,8 @@ def test_sessions_delete_needs_yes_without_a_terminal(runner: CliRunner, populat
 
 
 def test_sessions_prune_dry_run_then_real(runner: CliRunner, populated: URL) -> None:
-    dry = run(
-        runner, populated, "sessions", "prune", "--older-than", "90", "--dry-run", "--format", "table"
-    )
+    prune = ("sessions", "prune", "--older-than", "90")
+    dry = run(runner, populated, *prune, "--dry-run", "--format", "table")
     assert dry.exit_code == 0, dry.output
     assert OLD_ENDED in dry.stdout and OLD_ACTIVE not in dry.stdout
     assert "would delete 1 session" in dry.stdout

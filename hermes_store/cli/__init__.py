@@ -20,6 +20,7 @@ imported up front: every command imports what it needs when it runs.
 
 from __future__ import annotations
 
+from hermes_store.cli import db, doctor, search, sessions, stats, transfer
 from hermes_store.cli.app import (
     EXIT_DATABASE,
     EXIT_OK,
@@ -29,7 +30,6 @@ from hermes_store.cli.app import (
     cli,
     main,
 )
-from hermes_store.cli import db, doctor, search, sessions, stats, transfer
 
 for _command in (
     db.db,

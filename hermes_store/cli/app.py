@@ -188,7 +188,9 @@ def resolve_session(db: SessionDB, ref: str) -> str:
     return found
 
 
-def sources_option(help_text: str = "Only sessions of this source (repeatable).") -> Any:
+def sources_option(
+    help_text: str = "Only sessions of this source (repeatable).",
+) -> Callable[[F], F]:
     """``--source``, repeatable everywhere: each value adds a source."""
     return click.option("--source", "sources", multiple=True, metavar="SOURCE", help=help_text)
 

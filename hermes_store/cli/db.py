@@ -13,7 +13,14 @@ from hermes_store.cli.app import (
     pass_app,
     yes_option,
 )
-from hermes_store.cli.output import Column, chosen_format, echo, format_option, print_record, print_rows
+from hermes_store.cli.output import (
+    Column,
+    chosen_format,
+    echo,
+    format_option,
+    print_record,
+    print_rows,
+)
 
 
 @click.group()

@@ -7,7 +7,14 @@ from dataclasses import asdict
 import click
 
 from hermes_store.cli.app import EXIT_PROBLEM, App, DatabaseProblem, pass_app
-from hermes_store.cli.output import Column, chosen_format, echo, echo_json, format_option, print_rows
+from hermes_store.cli.output import (
+    Column,
+    chosen_format,
+    echo,
+    echo_json,
+    format_option,
+    print_rows,
+)
 
 MARKS = {
     "ok": ("✔", "green"),

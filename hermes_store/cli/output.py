@@ -14,7 +14,6 @@ import csv
 import io
 import json
 import os
-import shutil
 import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -79,7 +78,13 @@ def echo_json(value: Any) -> None:
 
 def width() -> int:
     """The terminal's width (``COLUMNS`` first), 80 when there is none."""
-    return shutil.get_terminal_size((80, 24)).columns
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        return 80
 
 
 # -- values --------------------------------------------------------------------------------------
@@ -223,9 +228,7 @@ def escape_tsv(value: Any) -> str:
     if value is None:
         return ""
     text = value if isinstance(value, str) else str(value)
-    return (
-        text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
-    )
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def render_tsv(columns: Sequence[Column], rows: Iterable[RowDict]) -> str:
@@ -289,20 +292,18 @@ def render_table(
             sizes[i] = max(min(wanted[i], share), min(MIN_TEXT_WIDTH, wanted[i]))
             budget -= sizes[i]
     out = [
-        (" " * GAP).join(
-            _pad(columns[i].title, sizes[i], columns[i].right) for i in keep
-        ).rstrip()
+        (" " * GAP).join(_pad(columns[i].title, sizes[i], columns[i].right) for i in keep).rstrip()
     ]
     for line in cells:
-        parts = {
-            i: (wrap(line[i], sizes[i]) if columns[i].wraps else [line[i]]) for i in keep
-        }
+        parts = {i: (wrap(line[i], sizes[i]) if columns[i].wraps else [line[i]]) for i in keep}
         height = max(len(p) for p in parts.values())
         for depth in range(height):
             out.append(
                 (" " * GAP)
                 .join(
-                    _pad(parts[i][depth] if depth < len(parts[i]) else "", sizes[i], columns[i].right)
+                    _pad(
+                        parts[i][depth] if depth < len(parts[i]) else "", sizes[i], columns[i].right
+                    )
                     for i in keep
                 )
                 .rstrip()

@@ -61,7 +61,7 @@ def _list_rows(
 ) -> list[RowDict]:
     """``list_sessions_rich`` for any number of sources (the library takes one per call):
     each source's newest ``limit``, merged newest first, cut to ``limit``."""
-    wanted = list(dict.fromkeys(sources)) or [None]
+    wanted: list[str | None] = [*dict.fromkeys(sources)] or [None]
     rows: list[RowDict] = []
     for source in wanted:
         rows += store.list_sessions_rich(
@@ -116,9 +116,7 @@ def sessions_list(
             Column("title", "title", lambda r: r.get("title"), wraps=True),
             Column("source", "source", lambda r: r["source"]),
             Column("model", "model", lambda r: r.get("model"), wraps=True, optional=True),
-            Column(
-                "messages", "messages", lambda r: num(r.get("message_count")), right=True
-            ),
+            Column("messages", "messages", lambda r: num(r.get("message_count")), right=True),
             Column(
                 "tokens",
                 "tokens in/out",
@@ -236,9 +234,9 @@ def sessions_show(
             Column(
                 "tool_calls",
                 "tool calls",
-                lambda m: json.dumps(m["tool_calls"], ensure_ascii=False)
-                if m.get("tool_calls")
-                else None,
+                lambda m: (
+                    json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None
+                ),
             ),
             Column("reasoning", "reasoning", lambda m: m.get("reasoning")),
         ]

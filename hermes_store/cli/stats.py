@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -39,16 +40,25 @@ HEADINGS = {
 
 
 def _table_columns(key: str) -> list[Column]:
-    columns = [Column(key, key, lambda r: r[key])]
+    columns = [Column(key, key, _raw(key))]
+    columns += [Column(name, title, _count(name), right=True) for name, title in HEADINGS.items()]
     columns += [
-        Column(name, title, lambda r, name=name: num(r[name]), right=True)
-        for name, title in HEADINGS.items()
-    ]
-    columns += [
-        Column("estimated_cost_usd", "est. cost", lambda r: f"${r['estimated_cost_usd']:.4f}", right=True),
-        Column("actual_cost_usd", "actual cost", lambda r: f"${r['actual_cost_usd']:.4f}", right=True),
+        Column("estimated_cost_usd", "est. cost", _dollars("estimated_cost_usd"), right=True),
+        Column("actual_cost_usd", "actual cost", _dollars("actual_cost_usd"), right=True),
     ]
     return columns
+
+
+def _count(name: str) -> Callable[[RowDict], str]:
+    return lambda row: num(row[name])
+
+
+def _dollars(name: str) -> Callable[[RowDict], str]:
+    return lambda row: f"${row[name]:.4f}"
+
+
+def _raw(name: str) -> Callable[[RowDict], Any]:
+    return lambda row: row[name]
 
 
 @click.command()
@@ -62,9 +72,7 @@ def _table_columns(key: str) -> list[Column]:
 @sources_option()
 @format_option
 @pass_app
-def stats(
-    app: App, days: int, sources: tuple[str, ...], fmt: str | None, as_json: bool
-) -> None:
+def stats(app: App, days: int, sources: tuple[str, ...], fmt: str | None, as_json: bool) -> None:
     """Sessions, messages, tokens and cost: in total, by model, by source and by day.
 
     Piped (or --format tsv/csv): one row per figure group, the first column saying which
@@ -103,7 +111,7 @@ def stats(
             rows += [{"group": key, "key": row[key], **row} for row in report[group]]
         columns = [Column("group", "group", lambda r: r["group"])]
         columns.append(Column("key", "key", lambda r: r["key"]))
-        columns += [Column(name, name, lambda r, name=name: r[name]) for name in FIGURES]
+        columns += [Column(name, name, _raw(name)) for name in FIGURES]
         print_rows(chosen, columns, rows)
         return
     totals = report["totals"]

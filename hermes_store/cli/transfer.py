@@ -72,11 +72,13 @@ def import_(app: App, file: str, batch_size: int, fmt: str | None, as_json: bool
     from hermes_store import transfer
 
     store = app.store(create=True)
-    with transfer.import_reader(file, app.url) as (handle, size):
-        with progress(size, "importing", bytes_=True) as bar:
-            report = transfer.import_sessions(
-                store, transfer.read_records(handle, bar.advance), batch_size=batch_size
-            )
+    with (
+        transfer.import_reader(file, app.url) as (handle, size),
+        progress(size, "importing", bytes_=True) as bar,
+    ):
+        report = transfer.import_sessions(
+            store, transfer.read_records(handle, bar.advance), batch_size=batch_size
+        )
 
     def human() -> None:
         echo(
