@@ -57,7 +57,7 @@ def db_upgrade(app: App, revision: str) -> None:
 def db_downgrade(app: App, revision: str, yes: bool) -> None:
     """Downgrade to REVISION; asks first unless --yes.
 
-    ``base`` removes every table and every row; columns a step drops lose their data.
+    'base' removes every table and every row; columns a step drops lose their data.
 
     \b
     Examples:
@@ -144,8 +144,8 @@ def db_history(app: App, fmt: str | None, as_json: bool) -> None:
         Column("current_mark", "", lambda r: "", shown=lambda r: "→" if r["current"] else ""),
         Column("revision", "revision", lambda r: r["revision"], shown=marked),
         Column("down_revision", "down revision", lambda r: r["down_revision"]),
-        Column("current", "current", lambda r: str(r["current"]).lower(), optional=True),
-        Column("head", "head", lambda r: str(r["head"]).lower(), optional=True),
+        Column("current", "current", lambda r: str(r["current"]).lower()),
+        Column("head", "head", lambda r: str(r["head"]).lower()),
         Column("description", "description", lambda r: r["description"], wraps=True),
     ]
     chosen = chosen_format(fmt, as_json)

@@ -213,7 +213,7 @@ class Column:
     shown: Callable[[RowDict], str] | None = None  # how the terminal shows it (default: str)
     wraps: bool = False  # text that wraps at words on the terminal
     right: bool = False  # numbers align right
-    optional: bool = False  # left out first on a narrow terminal
+    optional: int = 0  # > 0: may be left out on a narrow terminal, highest first
 
     def cell(self, row: RowDict) -> str:
         if self.shown is not None:
@@ -275,12 +275,11 @@ def render_table(
             natural[i] for i in wrapping
         )
 
-    for index in reversed(range(len(columns))):
-        if not squeezed(keep):
+    for index in sorted(keep, key=lambda i: -columns[i].optional):
+        if not squeezed(keep) or not columns[index].optional:
             break
-        if columns[index].optional:
-            keep.remove(index)
-            hidden.append(columns[index].title)
+        keep.remove(index)
+        hidden.append(columns[index].title)
     sizes = dict(enumerate(natural))
     wrapping = [i for i in keep if columns[i].wraps]
     if wrapping:
@@ -308,7 +307,7 @@ def render_table(
                 )
                 .rstrip()
             )
-    return "\n".join(out), list(reversed(hidden))
+    return "\n".join(out), hidden
 
 
 def print_rows(

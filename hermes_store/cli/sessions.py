@@ -97,8 +97,9 @@ def sessions_list(
 ) -> None:
     """List sessions, newest first.
 
-    On a terminal: a table whose titles wrap at words and whose numbers are never cut.
-    Piped: tab-separated rows with a header and full values (see --format).
+    On a terminal: a table whose titles wrap at words and whose numbers are never cut (on a
+    narrow one the preview, model and last-active columns are left out first). Piped:
+    tab-separated rows with a header and full values (see --format).
 
     \b
     Examples:
@@ -115,7 +116,7 @@ def sessions_list(
             Column("id", "id", lambda r: r["id"], shown=lambda r: shown[r["id"]]),
             Column("title", "title", lambda r: r.get("title"), wraps=True),
             Column("source", "source", lambda r: r["source"]),
-            Column("model", "model", lambda r: r.get("model"), wraps=True, optional=True),
+            Column("model", "model", lambda r: r.get("model"), wraps=True, optional=2),
             Column("messages", "messages", lambda r: num(r.get("message_count")), right=True),
             Column(
                 "tokens",
@@ -124,8 +125,8 @@ def sessions_list(
                 right=True,
             ),
             Column("cost", "cost", lambda r: cost(r), right=True),
-            Column("last_active", "last active", lambda r: when(r.get("last_active"))),
-            Column("preview", "preview", lambda r: r.get("preview"), wraps=True, optional=True),
+            Column("last_active", "last active", lambda r: when(r.get("last_active")), optional=1),
+            Column("preview", "preview", lambda r: r.get("preview"), wraps=True, optional=3),
         ]
         print_rows(chosen, columns, rows, title=f"{len(rows)} session(s) in {app.where}")
         return

@@ -62,7 +62,7 @@ def export(app: App, session_ref: str | None, sources: tuple[str, ...], output: 
 @format_option
 @pass_app
 def import_(app: App, file: str, batch_size: int, fmt: str | None, as_json: bool) -> None:
-    """Restore an ``export`` file (the database is created if missing; known ids are skipped).
+    """Restore a file written by export (the database is created if missing; known ids are skipped).
 
     \b
     Examples:
