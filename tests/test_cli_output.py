@@ -96,6 +96,7 @@ def cli_process(
     prelude = (code or "") + "\nimport sys\nfrom hermes_store.cli import main\n"
     argv = [sys.executable, "-c", prelude + "sys.argv[0] = 'hermes-store'\nmain()", *args]
     kwargs.setdefault("env", env())
+    kwargs.setdefault("errors", "replace")  # a latin-1 child writes bytes UTF-8 cannot read
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL, **kwargs
     )
