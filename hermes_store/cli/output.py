@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import os
+import re
 import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +29,8 @@ RowDict = dict[str, Any]
 F = TypeVar("F", bound=Callable[..., Any])
 
 GAP = 2
+#: Colour and style codes (click.style): they take no cell on the terminal.
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MIN_TEXT_WIDTH = 12
 
 
@@ -156,7 +159,7 @@ def highlight(snippet: str) -> str:
 def cell_width(text: str) -> int:
     """Terminal cells ``text`` takes: wide (CJK, emoji) characters count two, marks zero."""
     total = 0
-    for char in text:
+    for char in ANSI.sub("", text):
         if unicodedata.combining(char) or char in "\u200b\u200d\ufe0f":
             continue
         total += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
