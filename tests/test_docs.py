@@ -5,8 +5,8 @@ whose default ``state.db`` is a file the original store left at schema_version 3
 user upgrading the agent would have it: ``python`` blocks run in one namespace per page,
 and ``hermes-store`` / ``python -m hermes_store`` lines of ``bash`` blocks run through
 click's CliRunner (``alembic`` lines as a subprocess; of a pipeline, the CLI part runs).
-``export NAME=value`` lines apply to the rest of their block. The placeholder PostgreSQL URL is replaced by the test server's
-database, and what needs it is skipped when there is none.
+``export NAME=value`` lines apply to the rest of their block. The placeholder PostgreSQL URL
+is replaced by the test server's database, and what needs it is skipped when there is none.
 """
 
 from __future__ import annotations
