@@ -4,8 +4,9 @@ The original store answered any FTS5 syntax error with ``[]``, so ``TODO: fix`` 
 ``src/app/main.py`` found nothing. Here every query goes through the original store's
 sanitizer, is parsed once into terms and AND/OR/NOT operators, and is rendered for each
 engine from that parse: an FTS5 query of quoted phrases, a PostgreSQL tsquery of quoted
-operands, or a substring (LIKE/ILIKE) predicate. The user's text only ever travels as a bound parameter. The substring predicate is the fallback for CJK
-text (which neither tokenizer splits into words) and for punctuation-heavy terms.
+operands, or a substring (LIKE/ILIKE) predicate. The user's text only ever travels as a bound
+parameter. The substring predicate is the fallback for CJK text (which neither tokenizer
+splits into words) and for punctuation-heavy terms.
 """
 
 from __future__ import annotations
