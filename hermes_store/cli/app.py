@@ -127,17 +127,16 @@ class App:
         if self._url is None:
             from hermes_store.engine import to_url, url_from_environment
 
+            origin = "--db" if self._db else "HERMES_STORE_URL"
             try:
                 url = to_url(self._db) if self._db else url_from_environment()
                 backend = url.get_backend_name()
             except ValueError as error:  # a non-numeric port, a malformed URL
-                if self._db is None:
-                    raise BadArgument(f"HERMES_STORE_URL: {one_line(error)}") from error
-                raise BadArgument(f"--db: {one_line(error)}") from error
+                raise BadArgument(f"{origin}: {one_line(error)}") from error
             if backend not in SUPPORTED_BACKENDS:
                 shown = url.render_as_string(hide_password=True)
                 raise BadArgument(
-                    f"--db: unsupported database {shown!r}: use a SQLite path or "
+                    f"{origin}: unsupported database {shown!r}: use a SQLite path or "
                     "sqlite:/// URL, or a postgresql:// URL"
                 )
             self._url = url
