@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
+from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
 from hermes_store.cli import cli
 from hermes_store.models import sessions_table as S
+from tests.conftest import url_string
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "Discord moderation policy for the weekend raid team"
@@ -35,7 +37,7 @@ DAY = 86400.0
 TIMEOUT = 120  # a hang guard only
 
 
-def populate(path: Path) -> None:
+def populate(path: Path | str) -> None:
     """14 sessions in three sources, one with a long title and seven-digit counters, a parent
     with a child and a system prompt, and CJK titles; all ended, started 10 days ago."""
     with SessionDB(path) as db:
@@ -70,6 +72,14 @@ def path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def any_db(db_url: URL) -> str:
+    """The same sessions on a SQLite file and on PostgreSQL (as a URL string)."""
+    target = url_string(db_url)
+    populate(target)
+    return target
+
+
+@pytest.fixture
 def runner() -> CliRunner:
     return CliRunner(env={"COLUMNS": "80", "NO_COLOR": "1", "HERMES_STORE_URL": None})
 
@@ -78,7 +88,7 @@ def run(runner: CliRunner, path: Path | str, *args: str, **kwargs: Any) -> Resul
     return runner.invoke(cli, ["--db", str(path), *args], catch_exceptions=False, **kwargs)
 
 
-def session_count(path: Path) -> int:
+def session_count(path: Path | str) -> int:
     with SessionDB(path) as db:
         return db.session_count()
 
@@ -306,7 +316,8 @@ def test_import_refuses_the_database_itself(runner: CliRunner, path: Path) -> No
 # -- repeated options accumulate -----------------------------------------------------------------
 
 
-def test_source_given_twice_means_both(runner: CliRunner, path: Path, tmp_path: Path) -> None:
+def test_source_given_twice_means_both(runner: CliRunner, any_db: str, tmp_path: Path) -> None:
+    path = any_db
     two = ("--source", "telegram", "--source", "cli")
     stats = json.loads(run(runner, path, "stats", *two, "--json").stdout)
     assert stats["totals"]["sessions"] == 13
@@ -325,6 +336,24 @@ def test_source_given_twice_means_both(runner: CliRunner, path: Path, tmp_path: 
     done = run(runner, path, "sessions", "prune", "--older-than", "1", *two, "--yes")
     assert "Deleted 13 session(s)" in done.stdout
     assert session_count(path) == 1
+
+
+def test_the_dry_run_lists_exactly_what_the_prune_deletes(runner: CliRunner, path: Path) -> None:
+    with SessionDB(path) as db:  # one recent ended session and one old active one stay
+        db.reopen_session("tg-0")
+        db.uow.run(
+            lambda conn: conn.execute(
+                sa.update(S).where(S.c.id == "tg-1").values(started_at=time.time())
+            )
+        )
+    dry = run(runner, path, "sessions", "prune", "--older-than", "5", "--dry-run")
+    listed = {line.split("\t")[0] for line in dry.stdout.splitlines()[1:]}
+    with SessionDB(path) as db:
+        before = {row["id"] for row in db.search_sessions(limit=100)}
+    assert run(runner, path, "sessions", "prune", "--older-than", "5", "--yes").exit_code == 0
+    with SessionDB(path) as db:
+        after = {row["id"] for row in db.search_sessions(limit=100)}
+    assert before - after == listed and after == {"tg-0", "tg-1"}
 
 
 # -- sessions show -------------------------------------------------------------------------------
