@@ -1,37 +1,102 @@
 """hermes_store: the persistence layer of the Hermes agent.
 
-``SessionDB`` is a drop-in for the seed's store; :mod:`hermes_store.models` holds the ORM
+``SessionDB`` is a drop-in for the original store's; :mod:`hermes_store.models` holds the ORM
 models, :mod:`hermes_store.uow` the Unit of Work, :mod:`hermes_store.migrate` the migrations.
+
+The names below load on first use (PEP 562), so ``import hermes_store.cli`` (and so
+``hermes-store --help``) does not pay for SQLAlchemy and Alembic; ``from hermes_store import
+SessionDB`` works as before.
 """
 
-from hermes_store.engine import create_engine, default_db_path
-from hermes_store.errors import (
-    AccessDeniedError,
-    DatabaseLockedError,
-    DatabaseUnavailableError,
-    HermesStoreError,
-    InvalidInputError,
-    NotADatabaseError,
-    ReadOnlyDatabaseError,
-    SchemaError,
-    SchemaTooNewError,
-    StorageFullError,
-    StorageIOError,
-    TitleInUseError,
-    TitleTooLongError,
-    UnknownSessionError,
-    UnrecognizedSchemaError,
-)
-from hermes_store.migrate import current, downgrade, upgrade
-from hermes_store.models import Base, ChatSession, Message, SchemaVersion
-from hermes_store.store import SessionDB, open_store
-from hermes_store.titles import MAX_TITLE_LENGTH
-from hermes_store.trajectory import (
-    convert_scratchpad_to_think,
-    has_incomplete_scratchpad,
-    save_trajectory,
-)
-from hermes_store.uow import RetryPolicy, UnitOfWork
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hermes_store.engine import create_engine, default_db_path
+    from hermes_store.errors import (
+        AccessDeniedError,
+        DatabaseLockedError,
+        DatabaseUnavailableError,
+        HermesStoreError,
+        InvalidInputError,
+        NotADatabaseError,
+        ReadOnlyDatabaseError,
+        SchemaError,
+        SchemaTooNewError,
+        StorageFullError,
+        StorageIOError,
+        TitleInUseError,
+        TitleTooLongError,
+        UnknownSessionError,
+        UnrecognizedSchemaError,
+    )
+    from hermes_store.migrate import current, downgrade, upgrade
+    from hermes_store.models import Base, ChatSession, Message, SchemaVersion
+    from hermes_store.store import SessionDB, open_store
+    from hermes_store.titles import MAX_TITLE_LENGTH
+    from hermes_store.trajectory import (
+        convert_scratchpad_to_think,
+        has_incomplete_scratchpad,
+        save_trajectory,
+    )
+    from hermes_store.uow import RetryPolicy, UnitOfWork
+
+#: Public name -> the module that defines it.
+_LAZY = {
+    "create_engine": "engine",
+    "default_db_path": "engine",
+    **dict.fromkeys(
+        (
+            "AccessDeniedError",
+            "DatabaseLockedError",
+            "DatabaseUnavailableError",
+            "HermesStoreError",
+            "InvalidInputError",
+            "NotADatabaseError",
+            "ReadOnlyDatabaseError",
+            "SchemaError",
+            "SchemaTooNewError",
+            "StorageFullError",
+            "StorageIOError",
+            "TitleInUseError",
+            "TitleTooLongError",
+            "UnknownSessionError",
+            "UnrecognizedSchemaError",
+        ),
+        "errors",
+    ),
+    "current": "migrate",
+    "downgrade": "migrate",
+    "upgrade": "migrate",
+    "Base": "models",
+    "ChatSession": "models",
+    "Message": "models",
+    "SchemaVersion": "models",
+    "SessionDB": "store",
+    "open_store": "store",
+    "MAX_TITLE_LENGTH": "titles",
+    "convert_scratchpad_to_think": "trajectory",
+    "has_incomplete_scratchpad": "trajectory",
+    "save_trajectory": "trajectory",
+    "RetryPolicy": "uow",
+    "UnitOfWork": "uow",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hermes_store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hermes_store.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "MAX_TITLE_LENGTH",

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 Dimension = Literal["day", "model", "source"]
 #: A ``select()`` with any columns.
 Query: TypeAlias = Select[*tuple[Any, ...]]
+#: One source (``"cli"``), several (``["cli", "telegram"]``) or None for all.
+Sources: TypeAlias = str | Sequence[str] | None
 TOKEN_COLUMNS = (
     "input_tokens",
     "output_tokens",
@@ -72,15 +74,24 @@ def _dimension(name: Dimension) -> ColumnElement[Any]:
     raise ValueError(f"unknown dimension {name!r}; use 'day', 'model' or 'source'")
 
 
+def _source_filter(source: Sources) -> ColumnElement[bool] | None:
+    if source is None:
+        return None
+    if isinstance(source, str):
+        return ChatSession.source == source
+    return ChatSession.source.in_(list(source))
+
+
 def _session_filters(
-    statement: Query, since: float | None, until: float | None, source: str | None
+    statement: Query, since: float | None, until: float | None, source: Sources
 ) -> Query:
     if since is not None:
         statement = statement.where(ChatSession.started_at >= since)
     if until is not None:
         statement = statement.where(ChatSession.started_at < until)
-    if source is not None:
-        statement = statement.where(ChatSession.source == source)
+    by_source = _source_filter(source)
+    if by_source is not None:
+        statement = statement.where(by_source)
     return statement
 
 
@@ -106,12 +117,13 @@ def usage(
     *,
     since: float | None = None,
     until: float | None = None,
-    source: str | None = None,
+    source: Sources = None,
 ) -> Query:
     """Sessions, messages, tool calls, the five token counters and both costs, grouped ``by``.
 
     ``by`` is ``"day"``, ``"model"``, ``"source"`` or a sequence of them (``("day", "model")``).
-    ``since``/``until`` bound ``started_at`` (epoch seconds); ``source`` keeps one source.
+    ``since``/``until`` bound ``started_at`` (epoch seconds); ``source`` keeps one source or
+    a list of them.
     Rows are ordered by the dimensions (days oldest first).
     """
     names: list[Dimension] = [by] if isinstance(by, str) else list(by)
@@ -124,38 +136,39 @@ def usage(
 
 
 def usage_per_day(
-    *, since: float | None = None, until: float | None = None, source: str | None = None
+    *, since: float | None = None, until: float | None = None, source: Sources = None
 ) -> Query:
     """:func:`usage` by UTC day of ``started_at``, oldest day first."""
     return usage("day", since=since, until=until, source=source)
 
 
 def usage_per_model(
-    *, since: float | None = None, until: float | None = None, source: str | None = None
+    *, since: float | None = None, until: float | None = None, source: Sources = None
 ) -> Query:
     """:func:`usage` by model (sessions without a model form one ``None`` row)."""
     return usage("model", since=since, until=until, source=source)
 
 
 def usage_per_source(
-    *, since: float | None = None, until: float | None = None, source: str | None = None
+    *, since: float | None = None, until: float | None = None, source: Sources = None
 ) -> Query:
     """:func:`usage` by source (``cli``, ``telegram``, ...)."""
     return usage("source", since=since, until=until, source=source)
 
 
 def totals(
-    *, since: float | None = None, until: float | None = None, source: str | None = None
+    *, since: float | None = None, until: float | None = None, source: Sources = None
 ) -> Query:
     """One row: the :func:`usage` figures over every (matching) session."""
     return _session_filters(select(*_usage_columns()), since, until, source)
 
 
-def tool_usage(*, since: float | None = None, source: str | None = None) -> Query:
+def tool_usage(*, since: float | None = None, source: Sources = None) -> Query:
     """Per ``messages.tool_name``: calls, sessions using it, first and last use; busiest first.
 
     The agent records a tool's name on the ``role="tool"`` reply, so each row counts results.
-    ``since`` bounds the message timestamp; ``source`` keeps the sessions of one source.
+    ``since`` bounds the message timestamp; ``source`` keeps the sessions of one source (or of
+    a list).
     """
     calls = func.count(Message.id)
     statement = (
@@ -172,14 +185,15 @@ def tool_usage(*, since: float | None = None, source: str | None = None) -> Quer
     )
     if since is not None:
         statement = statement.where(Message.timestamp >= since)
-    if source is not None:
+    by_source = _source_filter(source)
+    if by_source is not None:
         statement = statement.join(ChatSession, ChatSession.id == Message.session_id).where(
-            ChatSession.source == source
+            by_source
         )
     return statement
 
 
-def session_durations(*, source: str | None = None) -> Query:
+def session_durations(*, source: Sources = None) -> Query:
     """Ended sessions with ``duration_s = ended_at - started_at``, oldest first."""
     statement = (
         select(

@@ -119,6 +119,8 @@ def backup(
         raise InvalidInputError(f"method must be 'backup' or 'vacuum', not {method!r}")
     if isinstance(pages_per_step, bool) or not isinstance(pages_per_step, int):
         raise InvalidInputError("pages_per_step must be a whole number")
+    if not isinstance(destination, str | os.PathLike) or isinstance(destination, bytes):
+        raise InvalidInputError(f"destination must be a path, not {type(destination).__name__}")
     target = Path(os.fspath(destination)).expanduser()
     if _is_database_or_sidecar(target, source):
         raise InvalidInputError(f"refusing to back up onto the database itself ({target})")

@@ -1,8 +1,8 @@
 """Frozen facts about the schema history and the raw DDL that SQLAlchemy cannot express.
 
-The names here (``messages_fts`` and its triggers, the seed's indexes) are what the original
-store looks for, so they never change. The Alembic revisions and the adoption of legacy files
-both read these constants; the ORM models describe the same v6 tables declaratively.
+The names here (``messages_fts`` and its triggers, the original store's indexes) are what
+the original store looks for, so they never change. The Alembic revisions and the adoption
+of legacy files both read these constants; the ORM models describe the same v6 tables declaratively.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ V1_COLUMNS: Mapping[str, tuple[str, ...]] = {
     ),
 }
 
-#: (table, column, SQL type, default) added by each version, in the seed's order.
+#: (table, column, SQL type, default) added by each version, in the original store's order.
 VERSION_COLUMNS: Mapping[int, tuple[tuple[str, str, str, str | None], ...]] = {
     2: (("messages", "finish_reason", "TEXT", None),),
     3: (("sessions", "title", "TEXT", None),),
@@ -80,7 +80,7 @@ def columns_at(version: int) -> dict[str, set[str]]:
     return shape
 
 
-# --- SQLite: the seed's external-content FTS5 table and its three sync triggers (7.4) ---
+# --- SQLite: the original store's external-content FTS5 table and its three sync triggers ---
 
 SQLITE_FTS_TABLE = (
     "CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(\n"

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 #: Execution option read by the ``begin`` hook: True takes the write lock up front.
 WRITE_OPTION = "hermes_write"
-#: Short for writers: past it, the Unit of Work's jittered retry takes over (seed 7.5.2).
+#: Short for writers: past it, the Unit of Work's jittered retry takes over.
 WRITER_BUSY_TIMEOUT_S = 1.0
 #: Longer for readers: a deferred BEGIN only waits when a checkpoint or recovery runs.
 READER_BUSY_TIMEOUT_S = 5.0
@@ -286,7 +286,8 @@ def install_sqlite_hooks(
                 cursor.execute("PRAGMA journal_mode=DELETE")
             # A burst grows the WAL; once checkpointed, the next commit cuts it back to this.
             cursor.execute(f"PRAGMA journal_size_limit={wal_limit}")
-            # The seed relies on parent_session_id and session_id references being enforced.
+            # The original store relies on parent_session_id and session_id references being
+            # enforced.
             cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
             # Start as a reader; the begin hook switches when a writer takes this connection.
             cursor.execute(f"PRAGMA busy_timeout={reader_ms}")

@@ -1,6 +1,6 @@
 """One error root for the package, and the one place where driver errors are mapped onto it.
 
-Callers catch :class:`HermesStoreError`; where the seed's contract promised ``ValueError``
+Callers catch :class:`HermesStoreError`; where the original store promised ``ValueError``
 the subclass is also a ``ValueError`` so existing ``except ValueError`` code keeps working.
 """
 

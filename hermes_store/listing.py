@@ -1,4 +1,5 @@
-"""Session listing: the one-query rich list and the compression chain (seed 7.10)."""
+"""Session listing: the one-query rich list, the compression chain, children and what a prune
+would delete (the one definition both the prune and its dry run use)."""
 
 from __future__ import annotations
 
@@ -195,3 +196,13 @@ def _project_tips(conn: Connection, rows: list[dict[str, Any]]) -> None:
         root_id = row["id"]
         row.update({field: tip[field] for field in TIP_FIELDS})
         row["_lineage_root_id"] = root_id
+
+
+def children_of(conn: Connection, session_id: str) -> list[dict[str, Any]]:
+    """The sessions whose parent is ``session_id``, oldest first (id, title, source, started_at)."""
+    statement = (
+        select(S.c.id, S.c.title, S.c.source, S.c.started_at)
+        .where(S.c.parent_session_id == session_id)
+        .order_by(S.c.started_at, S.c.id)
+    )
+    return [dict(row._mapping) for row in conn.execute(statement)]

@@ -82,7 +82,7 @@ def _scripts() -> ScriptDirectory:
 
 
 def revision_for_version(version: int) -> str:
-    """The Alembic revision id of the seed's schema version (``v3_session_title`` for 3)."""
+    """The Alembic revision of the original store's schema version (``v3_session_title`` for 3)."""
     for script in _scripts().walk_revisions():
         if script.revision.startswith(f"v{version}_"):
             return script.revision
@@ -120,7 +120,8 @@ class DatabaseState:
 
 
 def read_state(conn: Connection) -> DatabaseState:
-    """Tables, Alembic revision and the seed's schema_version of the connected database."""
+    """Tables, Alembic revision and the original store's schema_version of the connected
+    database."""
     inspector = sa.inspect(conn)
     triggers: set[str] = set()
     indexes: set[str] = set()
@@ -272,7 +273,8 @@ def adopt(conn: Connection) -> DatabaseState:
             "adopting a legacy database at schema_version %s as %s", state.schema_version, revision
         )
         MigrationContext.configure(conn).stamp(_scripts(), revision)
-        # The seed always created the FTS objects and title index; put back any that are gone.
+        # The original store always created the FTS objects and title index; put back any that
+        # are gone.
         if conn.dialect.name == "sqlite":
             had_fts = ddl.FTS_TABLE in state.tables
             conn.exec_driver_sql(ddl.SQLITE_FTS_TABLE)

@@ -1,6 +1,6 @@
 """Declarative ORM models of the v6 schema: the query surface for applications and notebooks.
 
-The column list, types, NOT NULL flags and defaults are the seed's v6 schema (section 7.3):
+The column list, types, NOT NULL flags and defaults are the original store's v6 schema:
 ``REAL`` timestamps and costs on SQLite (``double precision`` on PostgreSQL) and JSON carried as
 ``TEXT`` exactly as the original store writes it, so a file stays readable by that store.
 The FTS objects are raw DDL in the migrations (see :mod:`hermes_store.ddl`), not models.
@@ -48,13 +48,14 @@ class Base(DeclarativeBase):
 
 
 class SchemaVersion(Base):
-    """The seed's version marker (one row), kept in step so the original store can open the file."""
+    """The original store's version marker (one row), kept in step so that store can still open
+    the file."""
 
     __tablename__ = "schema_version"
 
     version: Mapped[int] = mapped_column(Integer, nullable=False)
 
-    # The seed's table has no primary key; the mapper identifies the row by its value.
+    # The original store's table has no primary key; the mapper identifies the row by its value.
     __mapper_args__ = {"primary_key": [version]}  # noqa: RUF012
 
 
@@ -63,7 +64,8 @@ class ChatSession(Base):
 
     __tablename__ = "sessions"
 
-    # nullable=True mirrors the seed's `id TEXT PRIMARY KEY` (SQLite lets such a key be NULL).
+    # nullable=True mirrors the original store's `id TEXT PRIMARY KEY` (SQLite lets such a key
+    # be NULL).
     id: Mapped[str] = mapped_column(Text, primary_key=True, nullable=True)
     source: Mapped[str] = mapped_column(Text, nullable=False)
     user_id: Mapped[str | None] = mapped_column(Text)
@@ -128,8 +130,8 @@ class Message(Base):
         {"sqlite_autoincrement": True},
     )
 
-    # The seed's DDL leaves NOT NULL off this rowid alias (SQLite never stores NULL in it);
-    # the model says NOT NULL so bulk inserts can use it as their ordering sentinel.
+    # The original store's DDL leaves NOT NULL off this rowid alias (SQLite never stores NULL in
+    # it); the model says NOT NULL so bulk inserts can use it as their ordering sentinel.
     id: Mapped[int] = mapped_column(MessageId, primary_key=True)
     session_id: Mapped[str] = mapped_column(Text, ForeignKey("sessions.id"), nullable=False)
     role: Mapped[str] = mapped_column(Text, nullable=False)

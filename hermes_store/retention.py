@@ -121,6 +121,17 @@ def candidates(policy: Policy, now: float | None = None) -> Select[Any]:
     return select(S.c.id).where(*criteria).order_by(S.c.started_at, S.c.id)
 
 
+def preview(conn: Connection, policy: Policy, now: float | None = None) -> list[dict[str, Any]]:
+    """What :func:`candidates` selects, oldest first, with what a person checks before a prune
+    (id, title, source, started_at, ended_at, message_count)."""
+    doomed = candidates(policy, now).subquery()
+    columns = (S.c.id, S.c.title, S.c.source, S.c.started_at, S.c.ended_at, S.c.message_count)
+    statement = (
+        select(*columns).where(S.c.id.in_(select(doomed.c.id))).order_by(S.c.started_at, S.c.id)
+    )
+    return [dict(row._mapping) for row in conn.execute(statement)]
+
+
 def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
     """Delete these sessions and their messages on ``conn``; their children are orphaned.
 

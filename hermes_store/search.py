@@ -1,11 +1,12 @@
-"""Full-text search over ``messages.content`` (seed 7.4) on SQLite FTS5 and PostgreSQL.
+"""Full-text search over ``messages.content`` on SQLite FTS5 and PostgreSQL.
 
-The seed answered any FTS5 syntax error with ``[]``, so ``TODO: fix`` or ``src/app/main.py``
-found nothing. Here every query goes through the seed's sanitizer, is parsed once into terms and
-AND/OR/NOT operators, and is rendered for each engine from that parse: an FTS5 query of quoted
-phrases, a PostgreSQL tsquery of quoted operands, or a substring (LIKE/ILIKE) predicate. The user's
-text only ever travels as a bound parameter. The substring predicate is the fallback for CJK
-text (which neither tokenizer splits into words) and for punctuation-heavy terms.
+The original store answered any FTS5 syntax error with ``[]``, so ``TODO: fix`` or
+``src/app/main.py`` found nothing. Here every query goes through the original store's
+sanitizer, is parsed once into terms and AND/OR/NOT operators, and is rendered for each
+engine from that parse: an FTS5 query of quoted phrases, a PostgreSQL tsquery of quoted
+operands, or a substring (LIKE/ILIKE) predicate. The user's text only ever travels as a bound
+parameter. The substring predicate is the fallback for CJK text (which neither tokenizer
+splits into words) and for punctuation-heavy terms.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SUBSTRING_SNIPPET_CHARS = 120
 OPERATORS = frozenset({"AND", "OR", "NOT"})
 SQLITE_CORRUPT = 11  # also the low byte of SQLITE_CORRUPT_VTAB
 
-# -- the seed's sanitizer (7.4.3) -----------------------------------------------------------------
+# -- the original store's sanitizer ----------------------------------------------------------
 
 _QUOTED_PHRASE = re.compile(r'"[^"]*"')
 _UNMATCHED_SPECIAL = re.compile(r'[+{}()"^]')
@@ -63,7 +64,7 @@ _CJK_RANGES = (
 
 
 def sanitize_fts5_query(query: str) -> str:
-    """The seed's six steps, so user text cannot break FTS5's grammar in the common cases.
+    """The original store's six steps, so user text cannot break FTS5's grammar in the common cases.
 
     (1) protect balanced ``"..."`` phrases; (2) unmatched ``+ { } ( ) " ^`` become spaces;
     (3) collapse ``*`` runs and drop a ``*`` that starts a term; (4) drop dangling AND/OR/NOT at
@@ -409,7 +410,7 @@ def _sqlite_full_text(
     page = {"fts_limit": limit, "fts_offset": offset}
     quoted = fts5_query(terms)
     if quoted != sanitized and _FTS5_PLAIN.fullmatch(_QUOTED_PHRASE.sub(" ", sanitized)):
-        try:  # the seed's query, when FTS5 can read it
+        try:  # the original store's query, when FTS5 can read it
             return run({"fts_query": sanitized, **page})
         except sa.exc.OperationalError as error:
             if not str(error.orig).startswith(_FTS_QUERY_ERRORS):

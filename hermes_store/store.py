@@ -1,4 +1,4 @@
-"""``SessionDB``: the seed's store (chapter 7) as a repository over the Unit of Work.
+"""``SessionDB``: the original store's ``SessionDB`` as a repository over the Unit of Work.
 
 Same method names, keywords, defaults, return shapes and ``ValueError`` messages as the
 contract; every write is one unit (``BEGIN IMMEDIATE`` + jittered retry), every read a deferred
@@ -83,7 +83,8 @@ def _check_number(name: str, value: object, kind: type) -> None:
 
 
 def _to_json(name: str, value: Any) -> str | None:
-    """JSON text when truthy, NULL when falsy, as the seed stores it; fails before writing."""
+    """JSON text when truthy, NULL when falsy, as the original store writes it; fails before
+    writing."""
     if not value:
         return None
     try:
@@ -105,7 +106,7 @@ def _row_dict(row: Row[Any]) -> RowDict:
 
 
 class SessionDB:
-    """Drop-in for the seed's ``SessionDB``, on a SQLite file or any SQLAlchemy URL.
+    """Drop-in for the original store's ``SessionDB``, on a SQLite file or any SQLAlchemy URL.
 
     ``db_path`` is a file path (``None``: ``$HERMES_HOME/state.db``), a URL such as
     ``postgresql+psycopg://host/db``, or an Engine. Opening brings the schema to head,
@@ -966,7 +967,8 @@ def _messages_statement(after: bool, limited: bool) -> Select[Any]:
 
 
 def _tool_call_increment(role: str, tool_calls: Any) -> int:
-    """The seed's counting: a list counts its length, another value 1; tool replies count 0."""
+    """The original store's counting: a list counts its length, another value 1; tool replies
+    count 0."""
     if role == "tool" or tool_calls is None:
         return 0
     return len(tool_calls) if isinstance(tool_calls, list) else 1

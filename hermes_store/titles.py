@@ -1,4 +1,4 @@
-"""Session titles: sanitising, and the "title #N" lineage rules of the seed (7.7.2-7.7.3)."""
+"""Session titles: sanitising, and the "title #N" lineage rules of the original store."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Trajectory files (the seed's ``agent/trajectory.py``): JSONL samples for training and review.
+"""Trajectory files (the original store's ``agent/trajectory.py``): JSONL samples for training
+and review.
 
 Independent of the database: :func:`save_trajectory` appends one JSON object per line to a
 file, and two helpers turn the agent's ``<REASONING_SCRATCHPAD>`` tags into ShareGPT-style
@@ -33,7 +34,7 @@ def save_trajectory(
     """Append ``{"conversations", "timestamp", "model", "completed"}`` as one UTF-8 JSON line.
 
     ``filename`` defaults to ``trajectory_samples.jsonl`` (completed) or
-    ``failed_trajectories.jsonl``; any error is logged and swallowed, as in the seed.
+    ``failed_trajectories.jsonl``; any error is logged and swallowed, as in the original store.
     """
     if filename is None:
         filename = COMPLETED_FILE if completed else FAILED_FILE

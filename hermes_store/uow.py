@@ -2,8 +2,8 @@
 
 Write units take the lock up front (``BEGIN IMMEDIATE`` on SQLite, via the engine's begin hook)
 and are re-run from scratch, on a fresh connection, when the database is busy or locked: up to
-15 attempts with ``random.uniform(0.020, 0.150)`` s between them, the seed's policy that keeps
-competing processes from retrying in lockstep (7.5.2). Every other error propagates at once.
+15 attempts with ``random.uniform(0.020, 0.150)`` s between them, the original store's policy that
+keeps competing processes from retrying in lockstep. Every other error propagates at once.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class UnitOfWork:
 
         The same in-process lock, ``BEGIN IMMEDIATE``, retry policy, error mapping and
         checkpoint cadence as :meth:`run`, but on one writer connection kept for the purpose
-        (writes are serialised by the lock anyway, as in the seed) and without a SQLAlchemy
-        Connection around each statement: ``fn`` gets a DB-API cursor and runs statements
+        (writes are serialised by the lock anyway, as in the original store) and without a
+        SQLAlchemy Connection around each statement: ``fn`` gets a DB-API cursor and runs statements
         compiled once from Core. SQLite only; other backends use :meth:`run`.
         """
         if self._write_lock is None:

@@ -215,7 +215,7 @@ def test_python_dash_m_runs_the_quickstart(tmp_path: Path) -> None:
 
 
 def test_sessions_list_table_and_json(runner: CliRunner, populated: URL) -> None:
-    result = run(runner, populated, "sessions", "list")
+    result = run(runner, populated, "sessions", "list", "--format", "table")
     assert result.exit_code == 0, result.output
     for text in (
         CHILD,
@@ -300,13 +300,14 @@ def test_sessions_rename(runner: CliRunner, populated: URL) -> None:
     one_line_error(run(runner, populated, "sessions", "rename", "nope", "x"), 1)
 
 
-def test_sessions_delete_asks_first(runner: CliRunner, populated: URL) -> None:
-    declined = run(runner, populated, "sessions", "delete", ROOT, input="n\n")
-    assert declined.exit_code == 1
+def test_sessions_delete_needs_yes_without_a_terminal(runner: CliRunner, populated: URL) -> None:
+    """A pipe's "y" is not a confirmation (the terminal prompt is in test_cli_output.py)."""
+    refused = run(runner, populated, "sessions", "delete", ROOT, input="y\n")
+    assert "--yes" in one_line_error(refused, 1)
     with open_db(populated) as db:
         assert db.get_session(ROOT) is not None
-    assert run(runner, populated, "sessions", "delete", ROOT, input="y\n").exit_code == 0
-    assert run(runner, populated, "sessions", "delete", TG, "--yes").exit_code == 0
+    assert run(runner, populated, "sessions", "delete", ROOT, "--yes").exit_code == 0
+    assert run(runner, populated, "sessions", "delete", TG, "-y").exit_code == 0
     with open_db(populated) as db:
         assert db.get_session(ROOT) is None and db.get_session(TG) is None
         assert db.message_count(ROOT) == 0
@@ -316,15 +317,18 @@ def test_sessions_delete_asks_first(runner: CliRunner, populated: URL) -> None:
 
 
 def test_sessions_prune_dry_run_then_real(runner: CliRunner, populated: URL) -> None:
-    dry = run(runner, populated, "sessions", "prune", "--older-than", "90", "--dry-run")
+    prune = ("sessions", "prune", "--older-than", "90")
+    dry = run(runner, populated, *prune, "--dry-run", "--format", "table")
     assert dry.exit_code == 0, dry.output
     assert OLD_ENDED in dry.stdout and OLD_ACTIVE not in dry.stdout
     assert "would delete 1 session" in dry.stdout
     with open_db(populated) as db:
         assert db.session_count() == 5
-    other = run(runner, populated, "sessions", "prune", "--older-than", "90", "--source", "cli")
+    other = run(
+        runner, populated, "sessions", "prune", "--older-than", "90", "--source", "cli", "--yes"
+    )
     assert "Deleted 0 session" in other.stdout
-    real = run(runner, populated, "sessions", "prune", "--older-than", "90")
+    real = run(runner, populated, "sessions", "prune", "--older-than", "90", "--yes")
     assert real.exit_code == 0 and "Deleted 1 session" in real.stdout
     with open_db(populated) as db:
         assert db.get_session(OLD_ENDED) is None and db.get_session(OLD_ACTIVE) is not None
@@ -336,7 +340,7 @@ def test_sessions_prune_dry_run_then_real(runner: CliRunner, populated: URL) -> 
 
 
 def test_search_highlights_and_json(runner: CliRunner, populated: URL) -> None:
-    result = run(runner, populated, "search", "zebracorn")
+    result = run(runner, populated, "search", "zebracorn", "--format", "table")
     assert result.exit_code == 0, result.output
     assert ROOT in result.stdout and "zebracorn" in result.stdout
     assert ">>>" not in result.stdout  # the markers are rendered, not shown
@@ -366,7 +370,7 @@ def test_search_filters_and_cjk(runner: CliRunner, populated: URL) -> None:
     roles = {h["role"] for h in run_json(runner, populated, "search", "迁移", "--role", "user")}
     assert roles == {"user"}
     assert len(run_json(runner, populated, "search", "conversation", "--limit", "1")) == 1
-    none = run(runner, populated, "search", "xylophone")
+    none = run(runner, populated, "search", "xylophone", "--format", "table")
     assert none.exit_code == 0 and "No results" in none.stdout
     # Syntax that FTS5 would reject is still a search, never an error.
     assert run(runner, populated, "search", 'chat-send AND (" OR').exit_code == 0
@@ -539,7 +543,7 @@ def test_stats_by_model_source_and_day(runner: CliRunner, populated: URL) -> Non
     assert sum(r["sessions"] for r in report["by_day"]) == 3
     only_tg = run_json(runner, populated, "stats", "--source", "telegram")
     assert only_tg["totals"]["sessions"] == 1
-    text = run(runner, populated, "stats").stdout
+    text = run(runner, populated, "stats", "--format", "table").stdout
     assert "By model" in text and "openai/gpt-4.1-mini" in text and "By day" in text
 
 
@@ -645,7 +649,7 @@ def test_db_commands_adopt_a_legacy_file(runner: CliRunner, tmp_path: Path) -> N
     assert info["schema_version"] == 3 and info["at_head"] is False
     assert "not adopted" in run(runner, path, "db", "current").stdout
     assert "db upgrade" in one_line_error(run(runner, path, "db", "check"), 1)
-    history = run(runner, path, "db", "history").stdout
+    history = run(runner, path, "db", "history", "--format", "table").stdout
     assert "v3_session_title (current)" in history and "(head)" in history
 
     result = run(runner, path, "db", "upgrade")
@@ -661,7 +665,7 @@ def test_db_commands_adopt_a_legacy_file(runner: CliRunner, tmp_path: Path) -> N
         r["title"] for r in legacy.expected_rows(3)["sessions"]
     ]
 
-    down = run(runner, path, "db", "downgrade", "v5_billing_columns")
+    down = run(runner, path, "db", "downgrade", "v5_billing_columns", "--yes")
     assert down.exit_code == 0 and "-> v5_billing_columns" in down.stdout
     assert run_json(runner, path, "db", "current")["schema_version"] == 5
     assert run(runner, path, "db", "check").exit_code == 1  # behind head

@@ -4,9 +4,9 @@ Each page runs in document order in a fresh home (``HOME`` and ``HERMES_HOME`` i
 whose default ``state.db`` is a file the original store left at schema_version 3, as a new
 user upgrading the agent would have it: ``python`` blocks run in one namespace per page,
 and ``hermes-store`` / ``python -m hermes_store`` lines of ``bash`` blocks run through
-click's CliRunner (``alembic`` lines as a subprocess). ``export NAME=value`` lines apply to
-the rest of their block. The placeholder PostgreSQL URL is replaced by the test server's
-database, and what needs it is skipped when there is none.
+click's CliRunner (``alembic`` lines as a subprocess; of a pipeline, the CLI part runs).
+``export NAME=value`` lines apply to the rest of their block. The placeholder PostgreSQL URL
+is replaced by the test server's database, and what needs it is skipped when there is none.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def run_shell_block(body: str, pg_url: str | None, home: Path) -> int:
             name, _, value = words[1].partition("=")
             env[name] = value
             continue
+        if "|" in words:  # a pipeline: the CLI part runs; grep and cut are the reader's
+            words = words[: words.index("|")]
         args = cli_args(words)
         if args is not None:
             result = CliRunner(env=env).invoke(cli, args, catch_exceptions=False)

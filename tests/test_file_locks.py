@@ -258,9 +258,10 @@ def test_export_is_owner_only_and_leaves_no_temp_file(tmp_path: Path) -> None:
 #: Every place in the package that opens, reads, writes or replaces a file by name, with why it
 #: can never be the database, its -wal or its -shm. A new one must be added here, consciously.
 FILE_ACCESS_ALLOWED = {
-    ("cli.py", "open"): "export: the descriptor of its own mkstemp file (never the database)",
-    ("cli.py", "os.replace"): "export: renames its temp file onto a target checked not to be "
-    "the database or a sidecar",
+    ("transfer.py", "open"): "export: the descriptor of its own mkstemp file; import: the "
+    "file to import, refused when it is the database or a sidecar",
+    ("transfer.py", "os.replace"): "export: renames its temp file onto a target checked not to "
+    "be the database or a sidecar",
     ("engine.py", "os.open"): "create_private_file: O_CREAT|O_EXCL, fails rather than open an "
     "existing file",
     ("migrate.py", "os.unlink"): "removes stale temporary databases (.NAME.PID.HEX.new) whose "

@@ -357,10 +357,10 @@ def test_cli_prune_preview_lists_exactly_what_prune_deletes(tmp_path: Path) -> N
     args = ["--db", str(path), "sessions", "prune", "--older-than", "0", "--keep-titled"]
     preview = runner.invoke(cli, [*args, "--dry-run", "--json"])
     assert preview.exit_code == 0, preview.output
-    listed = {row["id"] for row in json.loads(preview.output)}
-    done = runner.invoke(cli, [*args, "--json", "--chunk", "2"])
+    listed = {row["id"] for row in json.loads(preview.stdout)}
+    done = runner.invoke(cli, [*args, "--json", "--chunk", "2", "--yes"])
     assert done.exit_code == 0, done.output
-    assert json.loads(done.output)["sessions"] == len(listed) == 4
+    assert json.loads(done.stdout)["sessions"] == len(listed) == 4
     with SessionDB(path) as store:
         assert {s["id"] for s in store.search_sessions()} == {"s00002", "open"}
 

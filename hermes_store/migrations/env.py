@@ -50,8 +50,9 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
 
 
 def drop_primary_key_nullability(ctx: Any, revision: Any, directives: list[Any]) -> None:
-    """Primary-key nullability is not drift: PostgreSQL makes every key NOT NULL while the seed's
-    SQLite DDL (``id TEXT PRIMARY KEY``, an INTEGER rowid alias) leaves the flag off."""
+    """Primary-key nullability is not drift: PostgreSQL makes every key NOT NULL while the
+    original store's SQLite DDL (``id TEXT PRIMARY KEY``, an INTEGER rowid alias) leaves the flag
+    off."""
     if not directives:
         return
     for upgrade_ops in directives[0].upgrade_ops_list:

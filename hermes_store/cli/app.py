@@ -1,0 +1,264 @@
+"""The ``hermes-store`` group: the database option, exit codes, confirmations and the one error
+boundary that turns every error into one line on stderr and a documented exit code.
+
+Only click is imported here: SQLAlchemy, Alembic and rich load when a command needs them, so
+``--help`` starts fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
+
+    from hermes_store.store import SessionDB
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+EXIT_DATABASE = 3
+
+#: Backends the store runs on; any other URL is refused as a usage error before connecting.
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+DRIVER_HINTS = {
+    "psycopg": "the PostgreSQL driver is not installed: pip install 'hermes-store[postgresql]'",
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Problem(click.ClickException):
+    """Exit 1: not found, refused, declined, or a check that failed."""
+
+    exit_code = EXIT_PROBLEM
+
+
+class DatabaseProblem(click.ClickException):
+    """Exit 3: the database could not be used."""
+
+    exit_code = EXIT_DATABASE
+
+
+class BadArgument(click.ClickException):
+    """Exit 2 without click's usage banner (an unknown revision, a bad URL)."""
+
+    exit_code = EXIT_USAGE
+
+
+def one_line(error: object) -> str:
+    """The first line of an error's message (at most 500 characters)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if len(first) <= 500 else first[:497] + "..."
+
+
+def boundary_error(error: Exception) -> click.ClickException | None:
+    """The one-line CLI error for an exception a command let escape, or None to re-raise.
+
+    The package's own errors keep their message: ``ValueError`` subclasses (unknown session,
+    title in use, bad input) exit 1, the rest (locked, not a database, too new) exit 3. Driver
+    errors are first mapped onto the package's errors by :func:`hermes_store.errors.translate`.
+    """
+    if isinstance(error, click.ClickException | click.exceptions.Exit | click.Abort):
+        return None
+    if isinstance(error, BrokenPipeError):
+        return None
+    from hermes_store.errors import HermesStoreError  # imports SQLAlchemy: only on errors
+
+    if isinstance(error, HermesStoreError):
+        if isinstance(error, ValueError):
+            return Problem(one_line(error))
+        return DatabaseProblem(one_line(error))
+    if isinstance(error, ImportError):  # a database driver that is not installed
+        name = (error.name or "").split(".")[0]
+        hint = DRIVER_HINTS.get(name, f"a database driver is not installed ({one_line(error)})")
+        return DatabaseProblem(hint)
+    from alembic.util import CommandError
+    from sqlalchemy import exc as sa_exc
+
+    from hermes_store.errors import translate
+
+    if isinstance(error, sa_exc.ArgumentError):
+        return BadArgument(f"--db: {one_line(error)}")
+    if isinstance(error, sa_exc.DBAPIError):
+        mapped = translate(error)
+        if mapped is not None:
+            return boundary_error(mapped)
+        return DatabaseProblem(f"database error: {one_line(error.orig)}")
+    if isinstance(error, CommandError):
+        return BadArgument(one_line(error))
+    if isinstance(error, OSError):  # the database's folder cannot be made, read or written
+        where = f": {error.filename}" if error.filename else ""
+        return DatabaseProblem(f"{error.strerror or error}{where}")
+    return None
+
+
+class HermesGroup(click.Group):
+    """The error boundary: every error of a subcommand becomes one line and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as error:
+            mapped = boundary_error(error)
+            if mapped is None:
+                raise
+            raise mapped from error
+
+
+class App:
+    """What every command shares: the target (resolved on first use), the output streams, the
+    terminal facts, and a lazily opened store."""
+
+    def __init__(self, db: str | None) -> None:
+        self._db = db
+        self._url: URL | None = None
+        self._store: SessionDB | None = None
+
+    @property
+    def url(self) -> URL:
+        """``--db``, else ``HERMES_STORE_URL``, else the default file; refused (exit 2) when the
+        URL is malformed or names a backend the store does not run on."""
+        if self._url is None:
+            from hermes_store.engine import to_url, url_from_environment
+
+            origin = "--db" if self._db else "HERMES_STORE_URL"
+            try:
+                url = to_url(self._db) if self._db else url_from_environment()
+                backend = url.get_backend_name()
+            except ValueError as error:  # a non-numeric port, a malformed URL
+                raise BadArgument(f"{origin}: {one_line(error)}") from error
+            if backend not in SUPPORTED_BACKENDS:
+                shown = url.render_as_string(hide_password=True)
+                raise BadArgument(
+                    f"{origin}: unsupported database {shown!r}: use a SQLite path or "
+                    "sqlite:/// URL, or a postgresql:// URL"
+                )
+            self._url = url
+        return self._url
+
+    @property
+    def where(self) -> str:
+        from hermes_store.engine import sqlite_file
+
+        path = sqlite_file(self.url)
+        return str(path) if path is not None else self.url.render_as_string(hide_password=True)
+
+    def store(self, *, create: bool = False) -> SessionDB:
+        """The store (opening brings the schema to head); a missing file is an error unless
+        ``create``, so a typo in ``--db`` never leaves an empty database behind."""
+        if self._store is None:
+            from hermes_store.engine import sqlite_file
+            from hermes_store.errors import NotADatabaseError
+            from hermes_store.store import SessionDB
+
+            path = sqlite_file(self.url)
+            if path is not None and not create and not path.exists():
+                raise NotADatabaseError(
+                    f"there is no database at {path} (`hermes-store db upgrade` creates one)"
+                )
+            self._store = SessionDB(self.url)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+pass_app = click.make_pass_decorator(App)
+
+
+def resolve_session(db: SessionDB, ref: str) -> str:
+    """A session id from an exact id, an exact title, a unique id prefix or a title lineage."""
+    if db.get_session(ref) is not None:
+        return ref
+    row = db.get_session_by_title(ref)
+    if row is not None:
+        return str(row["id"])
+    found = db.resolve_session_id(ref) or db.resolve_session_by_title(ref)
+    if found is None:
+        raise Problem(f"no single session matches {ref!r} (by id, id prefix or title)")
+    return found
+
+
+def sources_option(
+    help_text: str = "Only sessions of this source (repeatable).",
+) -> Callable[[F], F]:
+    """``--source``, repeatable everywhere: each value adds a source."""
+    return click.option("--source", "sources", multiple=True, metavar="SOURCE", help=help_text)
+
+
+def stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except ValueError:  # closed
+        return False
+
+
+def confirm(question: str, *, yes: bool, what: str) -> None:
+    """Ask ``question`` on the terminal unless ``--yes``; without a terminal, refuse (exit 1):
+    a cron job or a pipe must say ``--yes`` rather than delete on a stray ``y`` in its input."""
+    if yes:
+        return
+    if not stdin_is_terminal():
+        raise Problem(f"refusing to {what} without confirmation: pass --yes (no terminal to ask)")
+    if not click.confirm(question, default=False, err=True):
+        raise Problem("declined: nothing was changed")
+
+
+yes_option = click.option(
+    "--yes", "-y", is_flag=True, help="Do not ask for confirmation (needed without a terminal)."
+)
+
+
+@click.group(
+    cls=HermesGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "--db",
+    "db",
+    metavar="PATH|URL",
+    help="SQLite file or SQLAlchemy URL. Default: $HERMES_STORE_URL, else $HERMES_HOME/state.db.",
+)
+@click.version_option(package_name="hermes-store", prog_name="hermes-store")
+@click.pass_context
+def cli(ctx: click.Context, db: str | None) -> None:
+    """Manage a Hermes session database: migrations, sessions, search, export and health.
+
+    \b
+    Examples:
+      hermes-store db upgrade
+      hermes-store sessions list | grep -i deploy
+      hermes-store --db postgresql://hermes@localhost/hermes stats
+      hermes-store sessions prune --older-than 90 --yes    # from cron
+
+    \b
+    Exit codes: 0 done; 1 the answer is no (a problem found, not found,
+    refused, declined); 2 usage error; 3 the database could not be used.
+    """
+    app = App(db)
+    ctx.obj = app
+    ctx.call_on_close(app.close)
+
+
+def _tolerant_streams() -> None:
+    """A terminal or pipe whose encoding cannot show a character gets a replacement, never a
+    traceback (a CJK title on a latin-1 terminal)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        encoding = (getattr(stream, "encoding", "") or "").lower().replace("-", "")
+        if reconfigure is not None and encoding != "utf8":
+            reconfigure(errors="replace")
+
+
+def main() -> None:
+    """Console-script entry point (``hermes-store`` and ``python -m hermes_store``)."""
+    _tolerant_streams()
+    cli(prog_name="hermes-store")

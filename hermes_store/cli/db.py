@@ -1,0 +1,248 @@
+"""``hermes-store db``: schema migrations (upgrade, downgrade, current, history, check)."""
+
+from __future__ import annotations
+
+import click
+
+from hermes_store.cli.app import (
+    App,
+    DatabaseProblem,
+    Problem,
+    confirm,
+    one_line,
+    pass_app,
+    yes_option,
+)
+from hermes_store.cli.output import (
+    Column,
+    chosen_format,
+    echo,
+    echo_json,
+    format_option,
+    print_record,
+    print_rows,
+)
+
+
+@click.group()
+def db() -> None:
+    """Schema migrations (Alembic); a state.db written by the original store is adopted first.
+
+    \b
+    Examples:
+      hermes-store db current
+      hermes-store db upgrade
+      hermes-store db downgrade v5_billing_columns --yes
+    """
+
+
+@db.command("upgrade")
+@click.argument("revision", default="head")
+@pass_app
+def db_upgrade(app: App, revision: str) -> None:
+    """Upgrade to REVISION (default: head), creating or adopting the database."""
+    from hermes_store import health, migrate
+
+    before = health.read_state(app.url)
+    after = migrate.upgrade(app.url, revision)
+    if before is not None and before.is_legacy:
+        echo(f"Adopted {app.where} (schema_version {before.schema_version} of the original store).")
+    start = health.revision_of(before) or "empty"
+    echo(f"{app.where}: {start} -> {after}")
+
+
+@db.command("downgrade")
+@click.argument("revision")
+@yes_option
+@pass_app
+def db_downgrade(app: App, revision: str, yes: bool) -> None:
+    """Downgrade to REVISION; asks first unless --yes.
+
+    'base' removes every table and every row; columns a step drops lose their data.
+
+    \b
+    Examples:
+      hermes-store db downgrade v5_billing_columns
+      hermes-store db downgrade base --yes
+    """
+    from hermes_store import health, migrate
+
+    before = health.revision_of(health.read_state(app.url))
+    what = "every table and every row" if revision == "base" else "the columns it drops"
+    confirm(
+        f"Downgrade {app.where} from {before or 'empty'} to {revision}? This deletes {what}.",
+        yes=yes,
+        what=f"downgrade {app.where}",
+    )
+    after = migrate.downgrade(app.url, revision)
+    echo(f"{app.where}: {before or 'empty'} -> {after or 'base'}")
+
+
+@db.command("current")
+@format_option
+@pass_app
+def db_current(app: App, fmt: str | None, as_json: bool) -> None:
+    """Show the database's revision and schema_version."""
+    from hermes_store import health, migrate
+
+    state = health.read_state(app.url)
+    revision = health.revision_of(state)
+    head = migrate.head_revision()
+    info = {
+        "database": app.where,
+        "exists": state is not None and not state.is_empty,
+        "revision": revision,
+        "schema_version": state.schema_version if state else None,
+        "head": head,
+        "at_head": revision == head and state is not None and not state.is_legacy,
+        "legacy": bool(state and state.is_legacy),
+    }
+
+    def human() -> None:
+        if not info["exists"]:
+            echo(f"{app.where}: no schema yet (`hermes-store db upgrade` creates it)")
+            return
+        note = "(head)" if info["at_head"] else f"(head is {head})"
+        if info["legacy"]:
+            note = "(legacy file, not adopted yet: `hermes-store db upgrade` adopts it)"
+        echo(f"{app.where}: {revision} {note}, schema_version {info['schema_version']}")
+
+    print_record(chosen_format(fmt, as_json, piped="table"), info, human)
+
+
+@db.command("history")
+@format_option
+@pass_app
+def db_history(app: App, fmt: str | None, as_json: bool) -> None:
+    """List the revisions, oldest first, marking the database's current one."""
+    from alembic.script import ScriptDirectory
+
+    from hermes_store import health, migrate
+    from hermes_store.errors import HermesStoreError
+
+    try:
+        current = health.revision_of(health.read_state(app.url))
+    except HermesStoreError:
+        current = None
+    scripts = ScriptDirectory(migrate.script_location())
+    head = scripts.get_current_head()
+    rows = [
+        {
+            "revision": script.revision,
+            "down_revision": script.down_revision,
+            "current": script.revision == current,
+            "head": script.revision == head,
+            "description": (script.doc or "").strip().splitlines()[0] if script.doc else "",
+        }
+        for script in reversed(list(scripts.walk_revisions()))
+    ]
+
+    def marked(row: dict[str, object]) -> str:
+        marks = [name for name in ("current", "head") if row[name]]
+        return f"{row['revision']}" + (f" ({', '.join(marks)})" if marks else "")
+
+    columns = [
+        Column("current_mark", "", lambda r: "", shown=lambda r: "→" if r["current"] else ""),
+        Column("revision", "revision", lambda r: r["revision"], shown=marked),
+        Column("down_revision", "down revision", lambda r: r["down_revision"]),
+        Column("current", "current", lambda r: str(r["current"]).lower()),
+        Column("head", "head", lambda r: str(r["head"]).lower()),
+        Column("description", "description", lambda r: r["description"], wraps=True),
+    ]
+    chosen = chosen_format(fmt, as_json)
+    if chosen == "table":
+        columns = [c for c in columns if c.key not in ("current", "head")]
+    else:
+        columns = columns[1:]
+    print_rows(chosen, columns, rows)
+
+
+@db.command("check")
+@pass_app
+def db_check(app: App) -> None:
+    """Compare the database with the models (alembic check); exit 1 on drift.
+
+    A legacy file is adopted inside a transaction that is rolled back: the file is not changed.
+    """
+    import io
+
+    from alembic import command
+    from alembic.util import CommandError
+    from sqlalchemy.pool import NullPool
+
+    from hermes_store import health, migrate
+    from hermes_store.engine import create_engine
+    from hermes_store.errors import mapped_errors
+
+    state = health.read_state(app.url)
+    if state is None or state.is_empty:
+        raise DatabaseProblem(f"there is no schema at {app.where} (`hermes-store db upgrade`)")
+    head = migrate.head_revision()
+    revision = health.revision_of(state)
+    if revision != head:
+        raise Problem(
+            f"{app.where} is at {revision}, head is {head}: run `hermes-store db upgrade`"
+        )
+    engine = create_engine(app.url, foreign_keys=False, poolclass=NullPool)
+    try:
+        with mapped_errors(), engine.connect() as conn:
+            transaction = conn.begin()
+            try:
+                migrate.adopt(conn)
+                config = migrate.alembic_config(conn)
+                config.stdout = io.StringIO()
+                command.check(config)
+            finally:
+                transaction.rollback()
+    except CommandError as error:  # AutogenerateDiffsDetected is a CommandError
+        raise Problem(f"{app.where} drifted from the models: {one_line(error)}") from error
+    finally:
+        engine.dispose()
+    echo(f"{app.where}: no drift (at {head})")
+
+
+@db.command("optimize")
+@click.option(
+    "--vacuum",
+    is_flag=True,
+    help="Offline: a full VACUUM (refused while any other process has the file open).",
+)
+@format_option
+@pass_app
+def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
+    """Merge the full-text index, refresh statistics, free pages; online, in short steps.
+
+    \b
+    Examples:
+      hermes-store db optimize
+      hermes-store db optimize --vacuum    # offline: no other process may have the file open
+    """
+    from dataclasses import asdict
+
+    from hermes_store import maintenance
+    from hermes_store.engine import sqlite_file
+
+    as_json = chosen_format(fmt, as_json, piped="table") == "json"
+    if vacuum:
+        path = sqlite_file(app.url)
+        if path is None:
+            raise Problem("--vacuum is for SQLite files; on PostgreSQL use VACUUM FULL offline")
+        app.store()  # brings the schema to head and refuses what is not a database
+        app.close()
+        before, after = maintenance.vacuum_offline(path)
+        if as_json:
+            echo_json({"vacuum": True, "bytes_before": before, "bytes_after": after})
+            return
+        echo(f"{app.where}: rewritten (full vacuum), {before:,} -> {after:,} bytes.")
+        return
+    report = maintenance.optimize(app.store())
+    if as_json:
+        echo_json(asdict(report))
+        return
+    echo(
+        f"{app.where}: {report.bytes_before:,} -> {report.bytes_after:,} bytes; "
+        f"{report.merge_steps} index merge step(s), {report.pages_freed:,} page(s) freed; "
+        f"longest step held the write lock {report.longest_step_s * 1000:.1f} ms."
+    )
+    for note in report.notes:
+        echo(f"  {note}")

@@ -1,0 +1,79 @@
+"""``hermes-store doctor``: health checks (the checks are in :mod:`hermes_store.health`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import click
+
+from hermes_store.cli.app import EXIT_PROBLEM, App, DatabaseProblem, pass_app
+from hermes_store.cli.output import (
+    Column,
+    chosen_format,
+    echo,
+    echo_json,
+    format_option,
+    print_rows,
+)
+
+MARKS = {
+    "ok": ("✔", "green"),
+    "info": ("·", "blue"),
+    "warn": ("!", "yellow"),
+    "error": ("✘", "red"),
+}
+
+
+@click.command()
+@click.option(
+    "--rebuild-index", is_flag=True, help="Rebuild the full-text index first (then check)."
+)
+@format_option
+@pass_app
+def doctor(app: App, rebuild_index: bool, fmt: str | None, as_json: bool) -> None:
+    """Check schema, journal, integrity, full-text index and orphan rows; exit 1 on a problem.
+
+    Reads only (nothing is migrated or written) unless --rebuild-index.
+
+    \b
+    Examples:
+      hermes-store doctor
+      hermes-store doctor --json
+      hermes-store doctor --format tsv | grep -v "	ok	"
+    """
+    from hermes_store import health
+
+    chosen = chosen_format(fmt, as_json, piped="table")
+    if rebuild_index:
+        state = health.read_state(app.url)
+        if state is None or state.is_empty:
+            raise DatabaseProblem(f"there is no schema at {app.where} (`hermes-store db upgrade`)")
+        health.rebuild_index(app.url)
+        echo("Rebuilt the full-text index.", err=True)
+    checks = health.run_doctor(app.url)
+    healthy = all(c.status != "error" for c in checks)
+    rows = [asdict(c) for c in checks]
+    if chosen == "json":
+        echo_json({"database": app.where, "ok": healthy, "checks": rows})
+    elif chosen in ("tsv", "csv"):
+        columns = [
+            Column("check", "check", lambda r: r["name"]),
+            Column("status", "status", lambda r: r["status"]),
+            Column("detail", "detail", lambda r: r["detail"]),
+        ]
+        print_rows(chosen, columns, rows)
+    else:
+        columns = [
+            Column(
+                "mark",
+                "",
+                lambda r: r["status"],
+                shown=lambda r: click.style(MARKS[r["status"]][0], fg=MARKS[r["status"]][1]),
+            ),
+            Column("check", "check", lambda r: r["name"]),
+            Column("detail", "result", lambda r: r["detail"], wraps=True),
+        ]
+        print_rows("table", columns, rows, title=app.where)
+        echo("Healthy." if healthy else "Problems found.")
+    if not healthy:
+        raise click.exceptions.Exit(EXIT_PROBLEM)

@@ -1,0 +1,426 @@
+"""Output for every command: the ``--format`` option, tab/comma-separated rows, JSON, and
+terminal tables that never cut a value.
+
+On a terminal, lists are tables: numbers and ids are never shortened (a column too wide for the
+screen makes the line longer, the terminal wraps it), text columns (titles, previews) wrap at
+word boundaries, and optional columns are left out, with a note, before a text column would
+drop under a readable width. Anywhere else (a pipe, a file) lists are tab-separated rows with
+a header and full values, so ``grep`` and ``cut -f`` see whole titles and numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import sys
+import unicodedata
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import click
+
+FORMATS = ("table", "tsv", "csv", "json")
+RowDict = dict[str, Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+GAP = 2
+#: Colour and style codes (click.style): they take no cell on the terminal.
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MIN_TEXT_WIDTH = 12
+
+
+def format_option(func: F) -> F:
+    """``--format table|tsv|csv|json`` and ``--json`` (an alias of ``--format json``)."""
+    func = click.option(
+        "--json", "as_json", is_flag=True, help="Print JSON (same as --format json)."
+    )(func)
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(FORMATS),
+        default=None,
+        help="table, tsv, csv or json. Default: table on a terminal, tsv otherwise.",
+    )(func)
+
+
+def stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except ValueError:
+        return False
+
+
+def chosen_format(fmt: str | None, as_json: bool, *, piped: str = "tsv") -> str:
+    """The format asked for; otherwise a table on a terminal and ``piped`` elsewhere."""
+    if as_json:
+        if fmt not in (None, "json"):
+            raise click.UsageError(f"--json and --format {fmt} contradict each other")
+        return "json"
+    if fmt is not None:
+        return fmt
+    return "table" if stdout_is_terminal() else piped
+
+
+def color() -> bool | None:
+    """False when ``NO_COLOR`` is set; otherwise click decides (colour on a terminal only)."""
+    return False if os.environ.get("NO_COLOR") else None
+
+
+def echo(text: str = "", *, err: bool = False) -> None:
+    click.echo(text, err=err, color=color())
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, ensure_ascii=False, indent=2, default=str))
+
+
+def width() -> int:
+    """The terminal's width (``COLUMNS`` first), 80 when there is none."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        return 80
+
+
+# -- values --------------------------------------------------------------------------------------
+
+
+def when(ts: float | None, fmt: str = "%Y-%m-%d %H:%M") -> str:
+    return datetime.fromtimestamp(ts).strftime(fmt) if ts is not None else "—"
+
+
+def iso(ts: float | None) -> str:
+    """A timestamp for machines: local ISO 8601 to the second, empty when missing."""
+    return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts is not None else ""
+
+
+def num(value: int | None) -> str:
+    return f"{value or 0:,}"
+
+
+def cost(row: RowDict) -> str:
+    """The actual cost when known, else the estimate marked with ``~``."""
+    if row.get("actual_cost_usd") is not None:
+        return f"${row['actual_cost_usd']:.4f}"
+    if row.get("estimated_cost_usd"):
+        return f"~${row['estimated_cost_usd']:.4f}"
+    return "—"
+
+
+def fold(text: str, limit: int = 100) -> str:
+    """One line of at most ``limit`` characters (used for previews of long content only)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def short_ids(ids: list[str], minimum: int = 8) -> dict[str, str]:
+    """Each id cut to the shortest prefix (at least ``minimum``) no other listed id shares;
+    every command that takes a session accepts such a prefix."""
+    ordered = sorted(set(ids))
+    short = {}
+    for index, session_id in enumerate(ordered):
+        neighbours = ordered[max(index - 1, 0) : index] + ordered[index + 1 : index + 2]
+        shared = max((len(os.path.commonprefix([session_id, n])) for n in neighbours), default=0)  # noqa: RUF071
+        short[session_id] = session_id[: max(minimum, shared + 1)]
+    return short
+
+
+def unmark(snippet: str) -> str:
+    """A search snippet without its ``>>>match<<<`` markers, on one line."""
+    return " ".join(snippet.replace(">>>", "").replace("<<<", "").split())
+
+
+def highlight(snippet: str) -> str:
+    """A search snippet with its ``>>>match<<<`` markers rendered bold."""
+    parts: list[str] = []
+    rest = " ".join(snippet.split())
+    while ">>>" in rest:
+        before, _, after = rest.partition(">>>")
+        match, closed, tail = after.partition("<<<")
+        if not closed:
+            break
+        parts += [before, click.style(match, bold=True)]
+        rest = tail
+    parts.append(rest)
+    return "".join(parts)
+
+
+# -- cells and wrapping --------------------------------------------------------------------------
+
+
+def cell_width(text: str) -> int:
+    """Terminal cells ``text`` takes: wide (CJK, emoji) characters count two, marks zero."""
+    total = 0
+    for char in ANSI.sub("", text):
+        if unicodedata.combining(char) or char in "\u200b\u200d\ufe0f":
+            continue
+        total += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+    return total
+
+
+def _pad(text: str, size: int, right: bool) -> str:
+    space = " " * max(0, size - cell_width(text))
+    return space + text if right else text + space
+
+
+def _split_long(word: str, size: int) -> list[str]:
+    pieces, current = [], ""
+    for char in word:
+        if current and cell_width(current + char) > size:
+            pieces.append(current)
+            current = ""
+        current += char
+    return [*pieces, current] if current else pieces
+
+
+def wrap(text: str, size: int) -> list[str]:
+    """``text`` in lines of at most ``size`` cells, broken between words; a word longer than
+    a line (a URL, CJK text without spaces) is broken between characters."""
+    lines: list[str] = []
+    current = ""
+    for word in text.split():
+        candidate = f"{current} {word}" if current else word
+        if cell_width(candidate) <= size:
+            current = candidate
+            continue
+        if current:
+            lines.append(current)
+        if cell_width(word) <= size:
+            current = word
+        else:
+            *full, current = _split_long(word, size)
+            lines += full
+    if current or not lines:
+        lines.append(current)
+    return lines
+
+
+# -- tables and rows -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a listing: ``key`` in machine formats, ``title`` on the terminal."""
+
+    key: str
+    title: str
+    value: Callable[[RowDict], Any]  # the full value for tsv/csv
+    shown: Callable[[RowDict], str] | None = None  # how the terminal shows it (default: str)
+    wraps: bool = False  # text that wraps at words on the terminal
+    right: bool = False  # numbers align right
+    optional: int = 0  # > 0: may be left out on a narrow terminal, highest first
+
+    def cell(self, row: RowDict) -> str:
+        if self.shown is not None:
+            return self.shown(row)
+        value = self.value(row)
+        return "—" if value is None or value == "" else str(value)
+
+
+def escape_tsv(value: Any) -> str:
+    """One field of a tab-separated row: tabs, newlines and backslashes escaped (``\\t``,
+    ``\\n``, ``\\\\``), as PostgreSQL's COPY text format does, so each row is one line."""
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else str(value)
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def render_tsv(columns: Sequence[Column], rows: Iterable[RowDict]) -> str:
+    lines = ["\t".join(c.key for c in columns)]
+    lines += ["\t".join(escape_tsv(c.value(row)) for c in columns) for row in rows]
+    return "\n".join(lines)
+
+
+def render_csv(columns: Sequence[Column], rows: Iterable[RowDict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([c.key for c in columns])
+    for row in rows:
+        writer.writerow(["" if (v := c.value(row)) is None else v for c in columns])
+    return buffer.getvalue().rstrip("\n")
+
+
+def render_table(
+    columns: Sequence[Column], rows: Sequence[RowDict], total_width: int | None = None
+) -> tuple[str, list[str]]:
+    """A terminal table and the titles of optional columns left out for lack of room.
+
+    Fixed columns (ids, numbers, dates) take their widest value whole; wrapping columns share
+    what remains, each at least ``MIN_TEXT_WIDTH`` cells (optional columns are dropped first).
+    """
+    available = width() if total_width is None else total_width
+    cells = [[c.cell(row) for c in columns] for row in rows]
+    natural = [
+        max([cell_width(c.title)] + [cell_width(line[i]) for line in cells])
+        for i, c in enumerate(columns)
+    ]
+    keep = list(range(len(columns)))
+    hidden: list[str] = []
+
+    def room(indexes: list[int]) -> int:
+        fixed = sum(natural[i] for i in indexes if not columns[i].wraps)
+        return available - fixed - GAP * (len(indexes) - 1)
+
+    def squeezed(indexes: list[int]) -> bool:
+        wrapping = [i for i in indexes if columns[i].wraps]
+        if not wrapping:
+            return room(indexes) < 0
+        return room(indexes) < MIN_TEXT_WIDTH * len(wrapping) and room(indexes) < sum(
+            natural[i] for i in wrapping
+        )
+
+    for index in sorted(keep, key=lambda i: -columns[i].optional):
+        if not squeezed(keep) or not columns[index].optional:
+            break
+        keep.remove(index)
+        hidden.append(columns[index].title)
+    sizes = dict(enumerate(natural))
+    wrapping = [i for i in keep if columns[i].wraps]
+    if wrapping:
+        budget = max(room(keep), MIN_TEXT_WIDTH * len(wrapping))
+        wanted = {i: natural[i] for i in wrapping}
+        # Give each wrapping column what it needs, narrowest first, sharing the rest evenly.
+        for count, i in enumerate(sorted(wrapping, key=lambda i: wanted[i])):
+            share = budget // (len(wrapping) - count)
+            sizes[i] = max(min(wanted[i], share), min(MIN_TEXT_WIDTH, wanted[i]))
+            budget -= sizes[i]
+    out = [
+        (" " * GAP).join(_pad(columns[i].title, sizes[i], columns[i].right) for i in keep).rstrip()
+    ]
+    for line in cells:
+        parts = {i: (wrap(line[i], sizes[i]) if columns[i].wraps else [line[i]]) for i in keep}
+        height = max(len(p) for p in parts.values())
+        for depth in range(height):
+            out.append(
+                (" " * GAP)
+                .join(
+                    _pad(
+                        parts[i][depth] if depth < len(parts[i]) else "", sizes[i], columns[i].right
+                    )
+                    for i in keep
+                )
+                .rstrip()
+            )
+    return "\n".join(out), hidden
+
+
+def print_rows(
+    fmt: str,
+    columns: Sequence[Column],
+    rows: Sequence[RowDict],
+    *,
+    json_value: Any = None,
+    title: str | None = None,
+) -> None:
+    """Print a listing in ``fmt``; ``json_value`` replaces the rows in JSON (default: rows)."""
+    if fmt == "json":
+        echo_json(rows if json_value is None else json_value)
+    elif fmt == "tsv":
+        click.echo(render_tsv(columns, rows))
+    elif fmt == "csv":
+        click.echo(render_csv(columns, rows))
+    else:
+        if title:
+            echo(click.style(title, bold=True))
+        table, hidden = render_table(columns, rows)
+        echo(table)
+        if hidden:
+            echo(
+                click.style(
+                    f"({', '.join(hidden)} left out for width: widen the terminal or use "
+                    "--format tsv)",
+                    dim=True,
+                )
+            )
+
+
+def print_record(fmt: str, record: RowDict, human: Callable[[], None]) -> None:
+    """One record: ``human()`` in table format, ``field<TAB>value`` rows, CSV or JSON."""
+    if fmt == "json":
+        echo_json(record)
+        return
+    if fmt == "table":
+        human()
+        return
+    columns = [
+        Column("field", "field", lambda r: r["field"]),
+        Column("value", "value", lambda r: _plain(r["value"])),
+    ]
+    rows = [{"field": key, "value": value} for key, value in record.items()]
+    click.echo(render_tsv(columns, rows) if fmt == "tsv" else render_csv(columns, rows))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    return value
+
+
+def progress(total: int | None, description: str, *, bytes_: bool = False) -> Any:
+    """A progress bar on stderr when it is a terminal (rich, imported only then); elsewhere a
+    do-nothing stand-in, so pipes and logs stay clean."""
+    if not sys.stderr.isatty():
+        return _NoProgress()
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    counter = DownloadColumn() if bytes_ else MofNCompleteColumn()
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        counter,
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    return _RichProgress(bar, bar.add_task(description, total=total))
+
+
+class _NoProgress:
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def advance(self, amount: int = 1) -> None:
+        return None
+
+    def update(self, done: int, total: int | None) -> None:
+        return None
+
+
+class _RichProgress:
+    def __init__(self, bar: Any, task: Any) -> None:
+        self.bar, self.task = bar, task
+
+    def __enter__(self) -> _RichProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def advance(self, amount: int = 1) -> None:
+        self.bar.advance(self.task, amount)
+
+    def update(self, done: int, total: int | None) -> None:
+        self.bar.update(self.task, completed=done, total=total)

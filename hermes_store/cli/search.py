@@ -1,0 +1,75 @@
+"""``hermes-store search``: full-text search over every message."""
+
+from __future__ import annotations
+
+import click
+
+from hermes_store.cli.app import App, pass_app, sources_option
+from hermes_store.cli.output import (
+    Column,
+    chosen_format,
+    echo,
+    format_option,
+    highlight,
+    iso,
+    print_rows,
+    unmark,
+    when,
+)
+
+
+@click.command()
+@click.argument("query")
+@sources_option("Only messages of sessions of this source (repeatable).")
+@click.option(
+    "--exclude-source", "excluded", multiple=True, help="Leave out a source (repeatable)."
+)
+@click.option("--role", "roles", multiple=True, help="Only messages of this role (repeatable).")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@format_option
+@pass_app
+def search(
+    app: App,
+    query: str,
+    sources: tuple[str, ...],
+    excluded: tuple[str, ...],
+    roles: tuple[str, ...],
+    limit: int,
+    fmt: str | None,
+    as_json: bool,
+) -> None:
+    """Full-text search over every message, best match first (CJK: substring search).
+
+    \b
+    Examples:
+      hermes-store search "deploy script" --role user
+      hermes-store search migration --source cli --source telegram --limit 5
+      hermes-store search 迁移 --format tsv | cut -f2
+    """
+    chosen = chosen_format(fmt, as_json)
+    hits = app.store().search_messages(
+        query,
+        source_filter=list(sources) or None,
+        exclude_sources=list(excluded) or None,
+        role_filter=list(roles) or None,
+        limit=limit,
+    )
+    if chosen != "table":
+        columns = [
+            Column("id", "id", lambda h: h["id"]),
+            Column("session_id", "session", lambda h: h["session_id"]),
+            Column("source", "source", lambda h: h["source"]),
+            Column("role", "role", lambda h: h["role"]),
+            Column("timestamp", "timestamp", lambda h: iso(h["timestamp"])),
+            Column("snippet", "snippet", lambda h: unmark(h["snippet"] or "")),
+        ]
+        print_rows(chosen, columns, hits)
+        return
+    for number, hit in enumerate(hits, 1):
+        header = click.style(f"{number}. ", bold=True) + click.style(hit["session_id"], fg="cyan")
+        header += click.style(
+            f" · {hit['source']} · {hit['role']} · {when(hit['timestamp'])}", dim=True
+        )
+        echo(header)
+        echo("   " + highlight(hit["snippet"] or ""))
+    echo(f"{len(hits)} result(s) for {query!r}" if hits else f"No results for {query!r}.")

@@ -1,0 +1,448 @@
+"""``hermes-store sessions``: list, show, rename, delete and prune sessions."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from hermes_store.cli.app import (
+    App,
+    Problem,
+    confirm,
+    pass_app,
+    resolve_session,
+    sources_option,
+    yes_option,
+)
+from hermes_store.cli.output import (
+    Column,
+    RowDict,
+    chosen_format,
+    cost,
+    echo,
+    echo_json,
+    fold,
+    format_option,
+    iso,
+    num,
+    print_rows,
+    progress,
+    short_ids,
+    when,
+    width,
+)
+
+if TYPE_CHECKING:
+    from hermes_store.store import SessionDB
+
+#: At this terminal width and wider, session ids are shown whole; narrower, as unique prefixes.
+FULL_ID_WIDTH = 160
+
+
+@click.group()
+def sessions() -> None:
+    """List, show, rename, delete and prune sessions.
+
+    \b
+    Examples:
+      hermes-store sessions list --source cli --source telegram
+      hermes-store sessions list | grep "Discord moderation" | cut -f1
+      hermes-store sessions show 7f3c9a2e --system-prompt
+      hermes-store sessions prune --older-than 90 --dry-run
+    """
+
+
+def _list_rows(
+    store: SessionDB,
+    sources: tuple[str, ...],
+    excluded: tuple[str, ...],
+    children: bool,
+    limit: int,
+) -> list[RowDict]:
+    """``list_sessions_rich`` for any number of sources (the library takes one per call):
+    each source's newest ``limit``, merged newest first, cut to ``limit``."""
+    wanted: list[str | None] = [*dict.fromkeys(sources)] or [None]
+    rows: list[RowDict] = []
+    for source in wanted:
+        rows += store.list_sessions_rich(
+            source=source,
+            exclude_sources=list(excluded) or None,
+            limit=limit,
+            include_children=children,
+        )
+    if len(wanted) > 1:
+        rows.sort(
+            key=lambda r: (r["started_at"], r.get("_lineage_root_id") or r["id"]), reverse=True
+        )
+    return rows[:limit]
+
+
+@sessions.command("list")
+@sources_option("Only sessions of this source: cli, telegram, ... (repeatable).")
+@click.option(
+    "--exclude-source", "excluded", multiple=True, help="Leave out a source (repeatable)."
+)
+@click.option("--children", is_flag=True, help="Include child sessions (subagents, continuations).")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@format_option
+@pass_app
+def sessions_list(
+    app: App,
+    sources: tuple[str, ...],
+    excluded: tuple[str, ...],
+    children: bool,
+    limit: int,
+    fmt: str | None,
+    as_json: bool,
+) -> None:
+    """List sessions, newest first.
+
+    On a terminal: a table whose titles wrap at words and whose numbers are never cut (on a
+    narrow one the preview, model and last-active columns are left out first). Piped:
+    tab-separated rows with a header and full values (see --format).
+
+    \b
+    Examples:
+      hermes-store sessions list --limit 50
+      hermes-store sessions list --source telegram --source discord --format csv
+      hermes-store sessions list | cut -f1,2
+    """
+    chosen = chosen_format(fmt, as_json)
+    rows = _list_rows(app.store(), sources, excluded, children, limit)
+    if chosen == "table":
+        ids = [row["id"] for row in rows]
+        shown = {i: i for i in ids} if width() >= FULL_ID_WIDTH else short_ids(ids)
+        columns = [
+            Column("id", "id", lambda r: r["id"], shown=lambda r: shown[r["id"]]),
+            Column("title", "title", lambda r: r.get("title"), wraps=True),
+            Column("source", "source", lambda r: r["source"]),
+            Column("model", "model", lambda r: r.get("model"), wraps=True, optional=2),
+            Column("messages", "messages", lambda r: num(r.get("message_count")), right=True),
+            Column(
+                "tokens",
+                "tokens in/out",
+                lambda r: f"{num(r.get('input_tokens'))}/{num(r.get('output_tokens'))}",
+                right=True,
+            ),
+            Column("cost", "cost", lambda r: cost(r), right=True),
+            Column("last_active", "last active", lambda r: when(r.get("last_active")), optional=1),
+            Column("preview", "preview", lambda r: r.get("preview"), wraps=True, optional=3),
+        ]
+        print_rows(chosen, columns, rows, title=f"{len(rows)} session(s) in {app.where}")
+        return
+    columns = [
+        Column("id", "id", lambda r: r["id"]),
+        Column("title", "title", lambda r: r.get("title")),
+        Column("source", "source", lambda r: r["source"]),
+        Column("model", "model", lambda r: r.get("model")),
+        Column("message_count", "messages", lambda r: r.get("message_count") or 0),
+        Column("input_tokens", "input", lambda r: r.get("input_tokens") or 0),
+        Column("output_tokens", "output", lambda r: r.get("output_tokens") or 0),
+        Column("estimated_cost_usd", "est. cost", lambda r: r.get("estimated_cost_usd")),
+        Column("actual_cost_usd", "actual cost", lambda r: r.get("actual_cost_usd")),
+        Column("started_at", "started", lambda r: iso(r.get("started_at"))),
+        Column("last_active", "last active", lambda r: iso(r.get("last_active"))),
+        Column("preview", "preview", lambda r: r.get("preview")),
+    ]
+    print_rows(chosen, columns, rows)
+
+
+def _tool_call_line(call: Any, full: bool) -> str:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict):
+        name, arguments = function.get("name", "?"), function.get("arguments", "")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        body = f"{name}({arguments})"
+    else:
+        body = json.dumps(call, ensure_ascii=False)
+    return body if full else fold(body)
+
+
+def _print_message(message: RowDict, full: bool) -> None:
+    role = message["role"]
+    colours = {"user": "cyan", "assistant": "green", "tool": "magenta"}
+    header = click.style(role, fg=colours.get(role, "yellow"), bold=True)
+    if message.get("tool_name"):
+        header += click.style(f" · {message['tool_name']}", fg="magenta")
+    header += click.style(f" · {when(message['timestamp'], '%Y-%m-%d %H:%M:%S')}", dim=True)
+    echo(header)
+    reasoning = message.get("reasoning")
+    if reasoning:
+        body = reasoning if full else fold(reasoning, 90)
+        echo(click.style(f"  ▸ reasoning ({len(reasoning)} chars): {body}", dim=True, italic=True))
+    for key in ("reasoning_details", "codex_reasoning_items"):
+        if message.get(key):
+            detail = f": {message[key]}" if full else ""
+            label = key.replace("_", " ")
+            echo(click.style(f"  ▸ {label} ({len(message[key])} chars){detail}", dim=True))
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ([calls] if calls else []):
+        echo(click.style(f"  ▸ tool call {_tool_call_line(call, full)}", fg="yellow"))
+    content = message.get("content")
+    if content:
+        if role == "tool" and not full:
+            lines = content.count("\n") + 1
+            echo(f"  ◂ {fold(content)}  ({lines} lines, {len(content)} chars)")
+        else:
+            echo(content)
+    echo()
+
+
+def _label(row: RowDict | None, session_id: str) -> str:
+    if row is None:
+        return f"{session_id} (deleted)"
+    return f"{session_id} ({row.get('title') or 'untitled'}, {row['source']})"
+
+
+@sessions.command("show")
+@click.argument("ref", metavar="ID|PREFIX|TITLE")
+@click.option("--full", is_flag=True, help="Unfold reasoning, tool arguments and tool results.")
+@click.option("--system-prompt", is_flag=True, help="Print the session's system prompt too.")
+@format_option
+@pass_app
+def sessions_show(
+    app: App, ref: str, full: bool, system_prompt: bool, fmt: str | None, as_json: bool
+) -> None:
+    """Show one conversation: its parent and children, then each message (tool calls and
+    reasoning folded to one line each unless --full).
+
+    With --format tsv or csv: one row per message, every value whole.
+
+    \b
+    Examples:
+      hermes-store sessions show "Database migration plan" --full
+      hermes-store sessions show 7f3c9a2e --system-prompt
+      hermes-store sessions show 7f3c9a2e --format tsv | cut -f2,5
+    """
+    from hermes_store import listing
+
+    chosen = chosen_format(fmt, as_json, piped="table")
+    store = app.store()
+    session_id = resolve_session(store, ref)
+    if chosen == "json":
+        from hermes_store.cli.output import echo_json
+
+        echo_json(store.export_session(session_id))
+        return
+    if chosen in ("tsv", "csv"):
+        columns = [
+            Column("id", "id", lambda m: m["id"]),
+            Column("role", "role", lambda m: m["role"]),
+            Column("timestamp", "timestamp", lambda m: iso(m["timestamp"])),
+            Column("tool_name", "tool", lambda m: m.get("tool_name")),
+            Column("content", "content", lambda m: m.get("content")),
+            Column(
+                "tool_calls",
+                "tool calls",
+                lambda m: (
+                    json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None
+                ),
+            ),
+            Column("reasoning", "reasoning", lambda m: m.get("reasoning")),
+        ]
+        print_rows(chosen, columns, list(store.iter_messages(session_id)))
+        return
+    session = store.get_session(session_id)
+    if session is None:
+        raise Problem(f"session {session_id} was deleted meanwhile")
+    with store.uow.connect(write=False) as conn:
+        children = listing.children_of(conn, session_id)
+    parent_id = session.get("parent_session_id")
+    parent = store.get_session(parent_id) if parent_id else None
+    echo(click.style(session.get("title") or session["id"], bold=True))
+    fields: list[tuple[str, str]] = [
+        ("id", session["id"]),
+        ("source / model", f"{session['source']} / {session.get('model') or '—'}"),
+    ]
+    if parent_id:
+        fields.append(("parent", _label(parent, parent_id)))
+    for number, child in enumerate(children):
+        fields.append(("children" if number == 0 else "", _label(child, child["id"])))
+    ended = when(session.get("ended_at"))
+    if session.get("end_reason"):
+        ended += f" ({session['end_reason']})"
+    fields += [
+        ("started / ended", f"{when(session['started_at'])} / {ended}"),
+        (
+            "messages / tool calls",
+            f"{num(session.get('message_count'))} / {num(session.get('tool_call_count'))}",
+        ),
+        (
+            "tokens in / out",
+            f"{num(session.get('input_tokens'))} / {num(session.get('output_tokens'))}"
+            f" (cache {num(session.get('cache_read_tokens'))} read,"
+            f" {num(session.get('cache_write_tokens'))} write;"
+            f" reasoning {num(session.get('reasoning_tokens'))})",
+        ),
+        ("cost", cost(session)),
+    ]
+    prompt = session.get("system_prompt")
+    if prompt and not system_prompt:
+        fields.append(("system prompt", f"{len(prompt)} chars (--system-prompt shows it)"))
+    elif not prompt:
+        fields.append(("system prompt", "—"))
+    label_width = max(len(name) for name, _ in fields)
+    for name, value in fields:
+        echo(f"  {name:<{label_width}}  {value}")
+    if prompt and system_prompt:
+        echo()
+        echo(click.style("system prompt", bold=True))
+        echo(prompt)
+    echo()
+    for message in store.iter_messages(session_id):
+        _print_message(message, full)
+
+
+@sessions.command("rename")
+@click.argument("ref", metavar="ID|PREFIX|TITLE")
+@click.argument("title")
+@pass_app
+def sessions_rename(app: App, ref: str, title: str) -> None:
+    """Set a session's title (an empty TITLE clears it); exit 1 when another session holds it.
+
+    \b
+    Examples:
+      hermes-store sessions rename 7f3c9a2e "Migration follow-up"
+      hermes-store sessions rename 7f3c9a2e ""
+    """
+    store = app.store()
+    session_id = resolve_session(store, ref)
+    if not store.set_session_title(session_id, title):
+        raise Problem(f"session {session_id} was deleted meanwhile")
+    new = store.get_session_title(session_id)
+    echo(f"{session_id}: " + (f"title is now {new!r}" if new else "title cleared"))
+
+
+@sessions.command("delete")
+@click.argument("ref", metavar="ID|PREFIX|TITLE")
+@yes_option
+@pass_app
+def sessions_delete(app: App, ref: str, yes: bool) -> None:
+    """Delete a session and its messages (its children are kept, unparented); asks first
+    unless --yes, and refuses without a terminal unless --yes."""
+    store = app.store()
+    session_id = resolve_session(store, ref)
+    session = store.get_session(session_id) or {}
+    label = f"{session_id} ({session.get('title') or 'untitled'}, "
+    label += f"{num(session.get('message_count'))} messages)"
+    confirm(f"Delete session {label}?", yes=yes, what=f"delete session {session_id}")
+    if not store.delete_session(session_id):
+        raise Problem(f"session {session_id} was deleted meanwhile")
+    echo(f"Deleted session {label}.")
+
+
+@sessions.command("prune")
+@click.option(
+    "--older-than",
+    "days",
+    required=True,
+    type=click.FloatRange(min=0),
+    metavar="DAYS",
+    help="Delete ended sessions started more than DAYS days ago.",
+)
+@sources_option()
+@click.option("--keep-titled", is_flag=True, help="Keep sessions that have a title.")
+@click.option(
+    "--keep-lineage",
+    is_flag=True,
+    help="Keep every session of a parent/child chain holding a session that is kept.",
+)
+@click.option(
+    "--chunk",
+    default=200,
+    show_default=True,
+    type=click.IntRange(1, 5000),
+    help="Sessions per transaction (writers wait for one chunk at most).",
+)
+@click.option(
+    "--secure-delete", is_flag=True, help="Overwrite the freed pages with zeros (SQLite)."
+)
+@click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
+@yes_option
+@format_option
+@pass_app
+def sessions_prune(
+    app: App,
+    days: float,
+    sources: tuple[str, ...],
+    keep_titled: bool,
+    keep_lineage: bool,
+    chunk: int,
+    secure_delete: bool,
+    dry_run: bool,
+    yes: bool,
+    fmt: str | None,
+    as_json: bool,
+) -> None:
+    """Delete ended sessions started more than DAYS ago, a chunk at a time (active ones never).
+
+    Asks for confirmation, showing how many sessions would go; without a terminal (cron),
+    --yes is required. The dry run lists exactly what the prune would delete. Safe as a
+    periodic job: two runs at once delete each session once. The full-text index is merged
+    afterwards, so deleted words leave it too.
+
+    \b
+    Examples:
+      hermes-store sessions prune --older-than 90 --dry-run
+      hermes-store sessions prune --older-than 90 --source cli --source telegram --keep-titled
+      hermes-store sessions prune --older-than 90 --yes    # from cron
+    """
+    from hermes_store import retention
+
+    store = app.store()
+    policy = retention.Policy(days, sources, keep_titled=keep_titled, keep_lineage=keep_lineage)
+    with store.uow.connect(write=False) as conn:
+        candidates = retention.preview(conn, policy)
+    if dry_run:
+        chosen = chosen_format(fmt, as_json)
+        if chosen == "table":
+            columns = [
+                Column("id", "id", lambda r: r["id"]),
+                Column("title", "title", lambda r: r["title"], wraps=True),
+                Column("source", "source", lambda r: r["source"]),
+                Column("started", "started", lambda r: when(r["started_at"])),
+                Column("ended", "ended", lambda r: when(r["ended_at"])),
+                Column("messages", "messages", lambda r: num(r["message_count"]), right=True),
+            ]
+        else:
+            columns = [
+                Column("id", "id", lambda r: r["id"]),
+                Column("title", "title", lambda r: r["title"]),
+                Column("source", "source", lambda r: r["source"]),
+                Column("started_at", "started", lambda r: iso(r["started_at"])),
+                Column("ended_at", "ended", lambda r: iso(r["ended_at"])),
+                Column("message_count", "messages", lambda r: r["message_count"] or 0),
+            ]
+        if candidates or chosen != "table":
+            print_rows(chosen, columns, candidates)
+        summary = f"Dry run: would delete {len(candidates)} session(s); nothing was deleted."
+        echo(summary, err=chosen != "table")
+        return
+    if candidates:
+        messages = sum(row["message_count"] or 0 for row in candidates)
+        confirm(
+            f"Delete {len(candidates)} session(s) and their {messages:,} message(s), "
+            f"started more than {days:g} days ago?",
+            yes=yes,
+            what=f"delete {len(candidates)} session(s)",
+        )
+    with progress(len(candidates), "pruning") as bar:
+        report = retention.run(
+            store,
+            policy,
+            chunk=chunk,
+            secure_delete=secure_delete,
+            merge_index=True,
+            on_chunk=lambda sessions, _messages: bar.advance(sessions),
+        )
+    if chosen_format(fmt, as_json, piped="table") == "json":
+        echo_json(asdict(report))
+        return
+    echo(
+        f"Deleted {report.sessions} session(s) and {report.messages} message(s) started more "
+        f"than {days:g} days ago, in {report.chunks} chunk(s)."
+    )

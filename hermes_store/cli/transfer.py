@@ -1,0 +1,166 @@
+"""``hermes-store export`` and ``import``: JSON Lines in and out (the work is in
+:mod:`hermes_store.transfer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+
+import click
+
+from hermes_store.cli.app import App, pass_app, resolve_session, sources_option
+from hermes_store.cli.output import (
+    RowDict,
+    chosen_format,
+    echo,
+    format_option,
+    print_record,
+    progress,
+)
+
+
+@click.command("export")
+@click.option("--session", "session_ref", metavar="ID|PREFIX|TITLE", help="Only this session.")
+@sources_option()
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "md"]),
+    default="jsonl",
+    show_default=True,
+    help="JSON Lines (for import) or Markdown (for reading).",
+)
+@click.option("--redact", is_flag=True, help="Mask API keys, tokens, passwords and private keys.")
+@click.option(
+    "--split", is_flag=True, help="Markdown: one file per session into the folder -o names."
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    metavar="FILE|DIR",
+    type=click.Path(allow_dash=True),
+    help="Where to write ('-': stdout; a folder with --split). Written owner-only (0600), "
+    "replaced whole when done.",
+)
+@pass_app
+def export(
+    app: App,
+    session_ref: str | None,
+    sources: tuple[str, ...],
+    fmt: str,
+    redact: bool,
+    split: bool,
+    output: str,
+) -> None:
+    """Write sessions as JSON Lines (one session per line, newest first) or Markdown.
+
+    \b
+    Examples:
+      hermes-store export -o backup.jsonl
+      hermes-store export --source telegram --source discord -o chats.jsonl
+      hermes-store export --session "Database migration plan" -o - | jq .title
+      hermes-store export --format md --redact -o conversations.md
+      hermes-store export --format md --split -o conversations/
+    """
+    from pathlib import Path
+
+    from hermes_store import markdown, transfer
+    from hermes_store import redact as redaction
+
+    if session_ref and sources:
+        raise click.UsageError("--session and --source cannot be combined")
+    if split and fmt != "md":
+        raise click.UsageError("--split needs --format md")
+    if split and output == "-":
+        raise click.UsageError("--split writes files into a folder: -o DIR")
+    store = app.store()
+    session_id = resolve_session(store, session_ref) if session_ref else None
+    records, total = transfer.export_records(store, session_id=session_id, sources=sources)
+    if redact:
+        records = map(redaction.redact_record, records)
+    count = messages = 0
+
+    def counted(items: Iterable[RowDict]) -> Iterator[RowDict]:
+        nonlocal count, messages
+        for record in items:
+            count += 1
+            messages += len(record["messages"])
+            bar.advance()
+            yield record
+
+    with progress(total, "exporting") as bar:
+        if split:
+            folder = Path(output)
+            folder.mkdir(parents=True, exist_ok=True)
+            for record in counted(records):
+                target = folder / markdown.file_name(record)
+                with transfer.export_writer(str(target), app.url) as handle:
+                    handle.write(markdown.render_session(record))
+        elif fmt == "md":
+            with transfer.export_writer(output, app.url) as handle:
+                for chunk in markdown.render_document(counted(records), redacted=redact):
+                    handle.write(chunk)
+        else:
+            with transfer.export_writer(output, app.url) as handle:
+                for _ in transfer.write_export(handle, counted(records)):
+                    pass
+    note = " (redacted)" if redact else ""
+    echo(f"Exported {count} session(s), {messages} message(s) to {output}{note}.", err=True)
+
+
+@click.command("import")
+@click.argument(
+    "file", metavar="FILE.jsonl", type=click.Path(exists=True, dir_okay=False, allow_dash=True)
+)
+@click.option(
+    "--batch-size",
+    default=100,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Sessions per transaction.",
+)
+@click.option("--force", is_flag=True, help="Import a redacted export (markers and all).")
+@format_option
+@pass_app
+def import_(
+    app: App, file: str, batch_size: int, force: bool, fmt: str | None, as_json: bool
+) -> None:
+    """Restore a file written by export (the database is created if missing; known ids are skipped).
+
+    \b
+    Examples:
+      hermes-store --db restored.db import backup.jsonl
+      hermes-store import chats.jsonl --batch-size 500 --json
+    """
+    from hermes_store import transfer
+
+    store = app.store(create=True)
+    with (
+        transfer.import_reader(file, app.url) as (handle, size),
+        progress(size, "importing", bytes_=True) as bar,
+    ):
+        report = transfer.import_sessions(
+            store,
+            transfer.read_records(handle, bar.advance),
+            batch_size=batch_size,
+            allow_redacted=force,
+        )
+
+    def human() -> None:
+        echo(
+            f"Imported {report.sessions} session(s) and {report.messages} message(s) "
+            f"into {app.where}."
+        )
+        notes = {
+            "sessions_skipped": "session(s) skipped: the id already exists",
+            "messages_skipped": "message(s) of skipped sessions not imported",
+            "messages_renumbered": "message(s) stored under a new id (the id was taken)",
+            "titles_cleared": "title(s) cleared: held by another session",
+            "parents_missing": "parent link(s) left empty: the parent is not in the file",
+        }
+        for name, text in notes.items():
+            if getattr(report, name):
+                echo(f"  {getattr(report, name)} {text}")
+
+    print_record(chosen_format(fmt, as_json, piped="table"), asdict(report), human)

@@ -1,0 +1,251 @@
+"""Health checks of a database (``hermes-store doctor``), read without migrating or writing.
+
+Also the database state as the ``db`` commands report it: read without taking a lock, so
+looking at a database never changes or blocks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import sqlalchemy as sa
+from sqlalchemy import func, select
+from sqlalchemy.engine import URL, Connection
+
+from hermes_store import ddl, files, migrate
+from hermes_store import search as search_index
+from hermes_store.engine import sqlite_file
+from hermes_store.errors import HermesStoreError, mapped_errors, open_errors
+from hermes_store.models import messages_table as M
+from hermes_store.models import sessions_table as S
+
+
+def one_line(error: object) -> str:
+    """The first line of an error's message (at most 500 characters)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if len(first) <= 500 else first[:497] + "..."
+
+
+def read_state(url: URL) -> migrate.DatabaseState | None:
+    """The database's tables and versions, read without locking (None: no such file)."""
+    path = sqlite_file(url)
+    if path is not None:
+        with open_errors(path):  # a full disk is not "an unreadable file"
+            return migrate.preflight_sqlite(path)
+    engine = migrate.read_engine(url)
+    try:
+        with mapped_errors(), engine.connect() as conn:
+            state = migrate.read_state(conn)
+    finally:
+        engine.dispose()
+    migrate.check_adoptable(state, url.render_as_string(hide_password=True))
+    return state
+
+
+def revision_of(state: migrate.DatabaseState | None) -> str | None:
+    """The Alembic revision a database is at (a legacy file: its schema_version's revision)."""
+    if state is None:
+        return None
+    if state.revision is not None:
+        return state.revision
+    if state.is_legacy and state.schema_version is not None:
+        return migrate.revision_for_version(state.schema_version)
+    return None
+
+
+Status = Literal["ok", "info", "warn", "error"]
+WAL_WARN_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Check:
+    """One line of the doctor's report."""
+
+    name: str
+    status: Status
+    detail: str
+
+
+def _schema_check(state: migrate.DatabaseState) -> Check:
+    head = migrate.head_revision()
+    revision = revision_of(state)
+    version = state.schema_version
+    if state.is_legacy:
+        return Check(
+            "schema",
+            "error",
+            f"legacy file at schema_version {version}, not adopted: run `hermes-store db upgrade`",
+        )
+    if revision == head and version == ddl.HEAD_VERSION:
+        return Check("schema", "ok", f"{revision} (head), schema_version {version}")
+    return Check(
+        "schema",
+        "error",
+        f"at {revision} (schema_version {version}), head is {head}: run `hermes-store db upgrade`",
+    )
+
+
+def _sqlite_checks(conn: Connection, path: Path) -> list[Check]:
+    checks = []
+    mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+    checks.append(
+        Check(
+            "journal mode",
+            "ok" if mode == "wal" else "warn",
+            str(mode) + ("" if mode == "wal" else " (the store expects WAL)"),
+        )
+    )
+    wal = Path(f"{path}-wal")
+    size = wal.stat().st_size if wal.exists() else 0
+    checks.append(
+        Check(
+            "WAL size",
+            "warn" if size > WAL_WARN_BYTES else "info",
+            f"{size:,} bytes"
+            + (" (a long reader blocks checkpoints?)" if size > WAL_WARN_BYTES else ""),
+        )
+    )
+    checks.append(_wal_file_check(path, str(mode)))
+    problems = [row[0] for row in conn.exec_driver_sql("PRAGMA integrity_check")]
+    ok = problems == ["ok"]
+    checks.append(Check("integrity_check", "ok" if ok else "error", "; ".join(problems[:3])))
+    return checks
+
+
+def _wal_file_check(path: Path, mode: str) -> Check:
+    """Run while the doctor's own connection is open: the WAL must exist, and no process may
+    still be writing into one that was unlinked (it lost its locks; its commits will vanish)."""
+    name = "WAL file"
+    holders = files.deleted_wal_holders(path)
+    if holders:
+        who = "; ".join(f"pid {pid} ({command})" for pid, command in holders)
+        return Check(
+            name,
+            "error",
+            f"{who} writes into a deleted WAL: its commits since then are invisible to other "
+            "processes and are lost when it exits; stop it and check what closed a file "
+            "handle on the database",
+        )
+    if mode == "wal" and not Path(f"{path}-wal").exists():
+        return Check(name, "warn", "missing although the database is open in WAL mode")
+    return Check(name, "ok", "present, used by no process that lost its locks")
+
+
+def _postgresql_checks(conn: Connection) -> list[Check]:
+    version = conn.exec_driver_sql("SHOW server_version").scalar()
+    trigram = conn.scalar(sa.text("SELECT to_regclass(:name)"), {"name": ddl.PG_TRGM_INDEX})
+    return [
+        Check("server", "info", f"PostgreSQL {version}"),
+        Check(
+            "substring index",
+            "ok" if trigram else "warn",
+            f"{ddl.PG_TRGM_INDEX} " + ("present" if trigram else "missing: CJK search scans"),
+        ),
+    ]
+
+
+def _index_check(conn: Connection) -> Check:
+    """The full-text index is complete and in step with ``messages`` (see search.check_index)."""
+    name = "full-text index"
+    if conn.dialect.name == "sqlite":
+        found = conn.scalars(
+            sa.text(
+                "SELECT name FROM sqlite_master "
+                "WHERE name = :t OR (type = 'trigger' AND tbl_name = 'messages')"
+            ),
+            {"t": ddl.FTS_TABLE},
+        )
+        missing = sorted({ddl.FTS_TABLE, *ddl.FTS_TRIGGERS} - set(found))
+        if missing:
+            return Check(name, "error", f"missing {', '.join(missing)}: search will miss messages")
+    try:
+        ok = search_index.check_index(conn)
+    finally:
+        conn.rollback()  # SQLite's integrity-check writes nothing but holds the write lock
+    if ok:
+        return Check(name, "ok", "in step with messages")
+    return Check(
+        name, "error", "does not match messages: run `hermes-store doctor --rebuild-index`"
+    )
+
+
+def _row_checks(conn: Connection) -> list[Check]:
+    orphan_messages = (
+        conn.scalar(
+            select(func.count())
+            .select_from(M)
+            .where(~select(S.c.id).where(S.c.id == M.c.session_id).exists())
+        )
+        or 0
+    )
+    parent = S.alias("parent")
+    orphan_sessions = (
+        conn.scalar(
+            select(func.count())
+            .select_from(S)
+            .where(
+                S.c.parent_session_id.is_not(None),
+                ~select(parent.c.id).where(parent.c.id == S.c.parent_session_id).exists(),
+            )
+        )
+        or 0
+    )
+    actual = select(func.count()).where(M.c.session_id == S.c.id).scalar_subquery()
+    drifted = (
+        conn.scalar(
+            select(func.count()).select_from(S).where(func.coalesce(S.c.message_count, 0) != actual)
+        )
+        or 0
+    )
+    return [
+        Check(
+            "orphan messages",
+            "error" if orphan_messages else "ok",
+            f"{orphan_messages} message(s) whose session is gone",
+        ),
+        Check(
+            "orphan sessions",
+            "error" if orphan_sessions else "ok",
+            f"{orphan_sessions} session(s) whose parent is gone",
+        ),
+        Check(
+            "message counters",
+            "warn" if drifted else "ok",
+            f"{drifted} session(s) whose message_count differs from their messages",
+        ),
+    ]
+
+
+def run_doctor(url: URL) -> list[Check]:
+    """Every health check of ``url``, reading only (no migration, nothing written)."""
+    try:
+        state = read_state(url)
+    except HermesStoreError as error:
+        return [Check("database", "error", one_line(error))]
+    if state is None or state.is_empty:
+        return [Check("database", "error", "no schema yet: run `hermes-store db upgrade`")]
+    checks = [_schema_check(state)]
+    if not {"sessions", "messages"} <= state.tables:
+        return checks
+    engine = migrate.read_engine(url)
+    path = sqlite_file(url)
+    try:
+        with mapped_errors(), engine.connect() as conn:
+            if path is not None:
+                checks += _sqlite_checks(conn, path)
+            else:
+                checks += _postgresql_checks(conn)
+            checks.append(_index_check(conn))
+            checks += _row_checks(conn)
+    finally:
+        engine.dispose()
+    return checks
+
+
+def rebuild_index(url: URL) -> None:
+    """Rebuild the full-text index from ``messages`` in one migration transaction."""
+    with migrate.migration_connection(url) as conn:
+        search_index.rebuild_index(conn)

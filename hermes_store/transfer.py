@@ -1,0 +1,398 @@
+"""Moving sessions in and out of a database: JSON Lines export and import.
+
+``export`` streams one session (its row and its messages) per line; ``import`` restores such a
+file with ids, timestamps, counters and costs exactly as exported. The export file is written
+owner-only through an unpredictable temp file created exclusively (``mkstemp``) and renamed into
+place; neither an export target nor an import source may be the database or its sidecars, since
+even opening them with a plain handle would drop this process's SQLite locks (see files.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import sqlalchemy as sa
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.engine import URL, Connection
+
+from hermes_store import files, redact
+from hermes_store.engine import sqlite_file
+from hermes_store.errors import HermesStoreError, InvalidInputError
+from hermes_store.models import messages_table as M
+from hermes_store.models import sessions_table as S
+from hermes_store.store import SessionDB
+
+RowDict = dict[str, Any]
+
+
+class ImportCheckError(HermesStoreError):
+    """A batch did not land as prepared (rolled back): the database disagrees with the file."""
+
+
+class DatabaseTargetError(InvalidInputError):
+    """An export target or import source is the database itself or one of its sidecars."""
+
+
+class OutputFileError(InvalidInputError):
+    """The export file cannot be created (no such folder, no permission)."""
+
+
+def is_database_file(path: str | os.PathLike[str], database: URL) -> bool:
+    """True when ``path`` names the SQLite database of ``database`` or its -wal/-shm/-journal."""
+    db_file = sqlite_file(database)
+    if db_file is None:
+        return False
+    resolved = Path(path).resolve()
+    return resolved in {
+        Path(f"{db_file.resolve()}{suffix}") for suffix in ("", *files.SIDECAR_SUFFIXES)
+    }
+
+
+@contextmanager
+def export_writer(path: str, database: URL) -> Iterator[IO[str]]:
+    """``-`` is stdout (UTF-8 whatever the locale says); a file is written owner-only (0600)
+    into an unpredictable temp file created exclusively beside its final name, and renamed into
+    place when complete (a crash leaves the old file, never half a new one).
+
+    The database and its ``-wal``/``-shm`` are never a target: replacing them would destroy
+    the store, and even opening them would drop this process's SQLite locks.
+    """
+    if path == "-":
+        stdout = sys.stdout
+        buffer = getattr(stdout, "buffer", None)
+        if buffer is None:  # a text-only stream (tests): it takes str as is
+            yield stdout
+            return
+        stdout.flush()
+        handle = io.TextIOWrapper(buffer, encoding="utf-8", newline="\n", write_through=True)
+        try:
+            yield handle
+        finally:
+            handle.flush()
+            handle.detach()  # stdout stays open for whoever prints next
+        return
+    final = Path(path)
+    if is_database_file(final, database):
+        raise DatabaseTargetError(f"refusing to export onto the database itself ({final})")
+    try:
+        fd, partial_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
+    except OSError as error:
+        raise OutputFileError(f"Could not open file {path!r}: {error.strerror or error}") from error
+    partial = Path(partial_name)
+    try:
+        with open(fd, "w", encoding="utf-8", newline="\n") as handle:
+            yield handle
+        os.replace(partial, final)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_export(handle: IO[str], records: Iterable[RowDict]) -> Iterator[RowDict]:
+    """Write each record as one JSON line, yielding it once written (for progress and counts)."""
+    for record in records:
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        yield record
+
+
+def export_records(
+    db: SessionDB, *, session_id: str | None = None, sources: Iterable[str] = ()
+) -> tuple[Iterator[RowDict], int]:
+    """The records to export and how many: one session, the given sources', or all."""
+    if session_id is not None:
+        record = db.export_session(session_id)
+        return iter([record] if record else []), 1
+    wanted = list(dict.fromkeys(sources))
+    if not wanted:
+        return db.iter_export(), db.session_count()
+
+    def chained() -> Iterator[RowDict]:
+        for source in wanted:
+            yield from db.iter_export(source)
+
+    return chained(), sum(db.session_count(source) for source in wanted)
+
+
+@contextmanager
+def import_reader(path: str, database: URL) -> Iterator[tuple[IO[bytes], int | None]]:
+    """The import file as bytes and its size (``-``: stdin, size unknown)."""
+    if path == "-":
+        yield sys.stdin.buffer, None
+        return
+    if is_database_file(path, database):
+        raise DatabaseTargetError(f"refusing to import from the database itself ({path})")
+    with open(path, "rb") as handle:
+        yield handle, os.fstat(handle.fileno()).st_size
+
+
+@dataclass
+class ImportReport:
+    """What ``import`` did; every session or message of the file lands in exactly one bucket."""
+
+    sessions: int = 0
+    sessions_skipped: int = 0  # the id already exists in the target (or earlier in the file)
+    messages: int = 0
+    messages_skipped: int = 0  # they belong to a skipped session
+    messages_renumbered: int = 0  # the message id was taken: stored under a new id
+    titles_cleared: int = 0  # another session of the target holds the title
+    parents_missing: int = 0  # the parent session is in neither the file nor the target
+
+
+@dataclass
+class _Prepared:
+    session: RowDict
+    messages: list[RowDict]
+    line: int
+
+
+@dataclass
+class _BatchOutcome:
+    report: ImportReport
+    linked: set[str]
+    new_links: dict[str, str]
+
+
+_REQUIRED_SESSION = ("id", "source", "started_at")
+_REQUIRED_MESSAGE = ("role", "timestamp")
+_CHUNK = 500
+
+
+def _python_types(column: sa.Column[Any]) -> tuple[type, ...]:
+    if isinstance(column.type, sa.Integer):
+        return (int,)
+    if isinstance(column.type, sa.Float | sa.REAL | sa.Numeric):
+        return (int, float)
+    return (str,)
+
+
+def _checked(
+    record: Any,
+    columns: sa.ColumnCollection[str, Any],
+    where: str,
+    required: tuple[str, ...],
+    *,
+    extra: frozenset[str] = frozenset(),
+    nul_ok: bool,
+) -> RowDict:
+    """The record as a full column dict, every value type-checked before anything is written."""
+    if not isinstance(record, dict):
+        raise InvalidInputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    unknown = set(record) - set(columns.keys()) - extra
+    if unknown:
+        raise InvalidInputError(f"{where}: unknown fields {sorted(unknown)}")
+    row: RowDict = {}
+    for column in columns:
+        default = 0 if column.server_default is not None else None  # the counters
+        value = record.get(column.name, default)
+        if value is None:
+            if column.name in required:
+                raise InvalidInputError(f"{where}: {column.name} is required")
+        else:
+            kinds = _python_types(column)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                expected = " or ".join(k.__name__ for k in kinds)
+                raise InvalidInputError(f"{where}: {column.name} must be {expected}")
+            if isinstance(value, str) and not nul_ok and "\x00" in value:
+                raise InvalidInputError(f"{where}: {column.name} holds a NUL character")
+        row[column.name] = value
+    return row
+
+
+def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False) -> _Prepared:
+    """Validate one exported session (as :meth:`SessionDB.export_session` writes it)."""
+    where = f"line {line}"
+    if isinstance(record, dict) and redact.MARKER_KEY in record:
+        if record[redact.MARKER_KEY] is not False and not allow_redacted:
+            raise InvalidInputError(
+                f"{where}: this is a redacted export (secrets were replaced by markers); "
+                "importing it would store the markers as if they were the text: refused "
+                "(--force imports it anyway)"
+            )
+        record = {k: v for k, v in record.items() if k != redact.MARKER_KEY}
+    session = _checked(
+        record, S.c, where, _REQUIRED_SESSION, extra=frozenset({"messages"}), nul_ok=nul_ok
+    )
+    raw_messages = record.get("messages") or []
+    if not isinstance(raw_messages, list):
+        raise InvalidInputError(f"{where}: messages must be a list")
+    messages = []
+    for index, raw in enumerate(raw_messages):
+        if isinstance(raw, dict) and raw.get("tool_calls") is not None:
+            # get_messages() decodes tool_calls; store them as JSON text again.
+            raw = {**raw, "tool_calls": json.dumps(raw["tool_calls"])}
+        message = _checked(raw, M.c, f"{where}, message {index}", _REQUIRED_MESSAGE, nul_ok=nul_ok)
+        if message["session_id"] not in (None, session["id"]):
+            raise InvalidInputError(f"{where}, message {index}: belongs to another session")
+        message["session_id"] = session["id"]
+        messages.append(message)
+    return _Prepared(session, messages, line)
+
+
+def _existing(conn: Connection, column: sa.Column[Any], values: Iterable[Any]) -> set[Any]:
+    """Which of ``values`` the column already holds (queried in chunks)."""
+    values = list(dict.fromkeys(v for v in values if v is not None))
+    found: set[Any] = set()
+    for start in range(0, len(values), _CHUNK):
+        chunk = values[start : start + _CHUNK]
+        found.update(conn.scalars(select(column).where(column.in_(chunk))))
+    return found
+
+
+def _write_batch(
+    conn: Connection, batch: list[_Prepared], pending: dict[str, str]
+) -> _BatchOutcome:
+    """One write unit: insert the new sessions and their messages, link parents, check counts.
+
+    Pure with respect to the caller's state (the Unit of Work may run it twice on a lock).
+    """
+    report = ImportReport()
+    taken = _existing(conn, S.c.id, (p.session["id"] for p in batch))
+    fresh: list[_Prepared] = []
+    for prepared in batch:
+        if prepared.session["id"] in taken:
+            report.sessions_skipped += 1
+            report.messages_skipped += len(prepared.messages)
+        else:
+            taken.add(prepared.session["id"])
+            fresh.append(prepared)
+    if not fresh:
+        return _BatchOutcome(report, set(), {})
+
+    held_titles = _existing(conn, S.c.title, (p.session["title"] for p in fresh))
+    new_links: dict[str, str] = {}
+    rows = []
+    for prepared in fresh:
+        row = dict(prepared.session)
+        if row["title"] in held_titles:
+            row["title"] = None
+            report.titles_cleared += 1
+        if row["parent_session_id"] is not None:
+            # Parents follow their children in a newest-first file: link once both exist.
+            new_links[row["id"]] = row.pop("parent_session_id")
+        row["parent_session_id"] = None
+        rows.append(row)
+    conn.execute(S.insert(), rows)
+    report.sessions = len(rows)
+
+    messages = [m for p in fresh for m in p.messages]
+    used_ids = _existing(conn, M.c.id, (m["id"] for m in messages))
+    keep, renumber = [], []
+    for message in messages:
+        if message["id"] is None or message["id"] in used_ids:
+            renumber.append({k: v for k, v in message.items() if k != "id"})
+        else:
+            used_ids.add(message["id"])
+            keep.append(message)
+    if keep:
+        conn.execute(M.insert(), keep)
+        if conn.dialect.name == "postgresql":
+            _advance_message_sequence(conn)
+    if renumber:
+        conn.execute(M.insert(), renumber)
+    report.messages = len(messages)
+    report.messages_renumbered = len(renumber) - sum(m["id"] is None for m in messages)
+
+    links = {**pending, **new_links}
+    parents = _existing(conn, S.c.id, links.values())
+    linked = {child for child, parent in links.items() if parent in parents}
+    if linked:
+        conn.execute(
+            update(S)
+            .where(S.c.id == bindparam("child"))
+            .values(parent_session_id=bindparam("parent")),
+            [{"child": child, "parent": links[child]} for child in linked],
+        )
+
+    fresh_ids = [p.session["id"] for p in fresh]
+    landed_sessions = landed_messages = 0
+    for start in range(0, len(fresh_ids), _CHUNK):
+        chunk = fresh_ids[start : start + _CHUNK]
+        landed_sessions += conn.scalar(select(func.count()).where(S.c.id.in_(chunk))) or 0
+        landed_messages += (
+            conn.scalar(select(func.count()).select_from(M).where(M.c.session_id.in_(chunk))) or 0
+        )
+    if (landed_sessions, landed_messages) != (len(fresh), len(messages)):
+        raise ImportCheckError(
+            f"batch starting at line {batch[0].line}: expected {len(fresh)} sessions and "
+            f"{len(messages)} messages, the database holds {landed_sessions} and "
+            f"{landed_messages}; the batch was rolled back"
+        )
+    return _BatchOutcome(report, linked, new_links)
+
+
+def _advance_message_sequence(conn: Connection) -> None:
+    """Explicit ids bypass PostgreSQL's sequence: move it past them (never backwards)."""
+    sequence = conn.scalar(sa.text("SELECT pg_get_serial_sequence('messages', 'id')"))
+    if sequence is None:
+        return
+    last = conn.scalar(sa.text(f"SELECT last_value FROM {sequence}"))  # a quoted name from PG
+    top = conn.scalar(select(func.max(M.c.id))) or 0
+    conn.execute(
+        sa.text("SELECT setval(CAST(:seq AS regclass), :value, true)"),
+        {"seq": sequence, "value": max(int(top), int(last or 0))},
+    )
+
+
+def read_records(handle: IO[bytes], advance: Callable[[int], None]) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded JSON) of each non-blank line; ``advance`` gets each line's size."""
+    for number, raw in enumerate(handle, 1):
+        advance(len(raw))
+        if not raw.strip():
+            continue
+        try:
+            yield number, json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise InvalidInputError(f"line {number}: not valid JSON ({error})") from error
+
+
+def import_sessions(
+    db: SessionDB,
+    records: Iterable[tuple[int, Any]],
+    *,
+    batch_size: int = 100,
+    max_batch_messages: int = 5000,
+    allow_redacted: bool = False,
+) -> ImportReport:
+    """Restore exported sessions into ``db``: ids, timestamps and counters exactly as exported.
+
+    A redacted export (secrets replaced by markers) is refused unless ``allow_redacted``.
+
+    Each batch is validated first, then written as one unit of work and checked before it
+    commits. Sessions whose id exists are skipped (with their messages); a message whose id
+    is taken gets a new one. Returns the counts.
+    """
+    total = ImportReport()
+    pending: dict[str, str] = {}
+    batch: list[_Prepared] = []
+    batch_messages = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_messages
+        if not batch:
+            return
+        frozen, links = batch, dict(pending)
+        outcome = db.uow.run(lambda conn: _write_batch(conn, frozen, links))
+        for child in outcome.linked:
+            pending.pop(child, None)
+        pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})
+        for name, value in asdict(outcome.report).items():
+            setattr(total, name, getattr(total, name) + value)
+        batch, batch_messages = [], 0
+
+    for line, record in records:
+        prepared = _prepare(record, line, nul_ok=db.is_sqlite, allow_redacted=allow_redacted)
+        batch.append(prepared)
+        batch_messages += len(prepared.messages)
+        if len(batch) >= batch_size or batch_messages >= max_batch_messages:
+            flush()
+    flush()
+    total.parents_missing = len(pending)
+    return total
