@@ -424,9 +424,11 @@ def test_fuzz_covers_the_api() -> None:
 @FUZZ
 @given(data=st.data())
 def test_every_public_method_answers_or_raises_a_package_error(
-    store: SessionDB, data: st.DataObject
+    store: SessionDB, data: st.DataObject, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Only success or a HermesStoreError may come out, whatever the arguments' types."""
+    """Only success or a HermesStoreError may come out, whatever the arguments' types.
+    Relative paths (``backup("cli")``) land in a temporary folder, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
     if store.get_session("base") is None:  # fuzzed deletes and prunes may remove it
         store.create_session("base", "cli", model="m")
         store.append_message("base", "user", "hello there")
