@@ -12,13 +12,17 @@ from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
     ReadOnlyDatabaseError,
+    ReadOnlyUnitError,
     SchemaError,
     SchemaTooNewError,
+    SharedStoreMismatchError,
     StorageFullError,
+    StoreConfigError,
     TitleInUseError,
     TitleTooLongError,
     UnknownSessionError,
     UnrecognizedSchemaError,
+    UnsupportedEngineError,
 )
 from hermes_store.migrate import current, downgrade, upgrade
 from hermes_store.models import Base, ChatSession, Message, SchemaVersion
@@ -29,7 +33,7 @@ from hermes_store.trajectory import (
     has_incomplete_scratchpad,
     save_trajectory,
 )
-from hermes_store.uow import RetryPolicy, UnitOfWork
+from hermes_store.uow import RetryPolicy, StoreStats, UnitOfWork
 
 __all__ = [
     "MAX_TITLE_LENGTH",
@@ -42,17 +46,22 @@ __all__ = [
     "Message",
     "NotADatabaseError",
     "ReadOnlyDatabaseError",
+    "ReadOnlyUnitError",
     "RetryPolicy",
     "SchemaError",
     "SchemaTooNewError",
     "SchemaVersion",
     "SessionDB",
+    "SharedStoreMismatchError",
     "StorageFullError",
+    "StoreConfigError",
+    "StoreStats",
     "TitleInUseError",
     "TitleTooLongError",
     "UnitOfWork",
     "UnknownSessionError",
     "UnrecognizedSchemaError",
+    "UnsupportedEngineError",
     "convert_scratchpad_to_think",
     "create_engine",
     "current",
