@@ -170,6 +170,10 @@ class SqliteSettings:
     read_only: bool
 
 
+_PRAGMA_FOREIGN_KEYS = {True: "PRAGMA foreign_keys=ON", False: "PRAGMA foreign_keys=OFF"}
+_PRAGMA_QUERY_ONLY = {True: "PRAGMA query_only=ON", False: "PRAGMA query_only=OFF"}
+_PRAGMA_SYNCHRONOUS = {"FULL": "PRAGMA synchronous=FULL", "NORMAL": "PRAGMA synchronous=NORMAL"}
+
 #: Engines carrying this package's hooks, with the settings they were hooked with.
 _HOOKED: weakref.WeakKeyDictionary[Engine, SqliteSettings] = weakref.WeakKeyDictionary()
 _HOOK_LOCK = threading.Lock()
@@ -290,11 +294,12 @@ def setup_connection(
             )
             cursor.execute("PRAGMA journal_mode=DELETE")
         # The seed relies on parent_session_id and session_id references being enforced.
-        cursor.execute(f"PRAGMA foreign_keys={'ON' if settings.foreign_keys else 'OFF'}")
+        cursor.execute(_PRAGMA_FOREIGN_KEYS[settings.foreign_keys])
         # FULL: a commit survives power loss (WAL's durable mode); NORMAL is the opt-in.
-        cursor.execute(f"PRAGMA synchronous={settings.synchronous}")
+        cursor.execute(_PRAGMA_SYNCHRONOUS[settings.synchronous])
         # Start as a reader; the begin hook switches when a writer takes this connection.
-        cursor.execute(f"PRAGMA busy_timeout={settings.reader_ms}")
+        reader_ms = int(settings.reader_ms)
+        cursor.execute(f"PRAGMA busy_timeout={reader_ms}")
     finally:
         cursor.close()
     info["busy_ms"] = settings.reader_ms
@@ -320,7 +325,7 @@ def prepare_driver(
         dbapi_connection.execute(f"PRAGMA busy_timeout={int(wanted)}")
         info["busy_ms"] = wanted
     if info.get("query_only", False) != query_only:
-        dbapi_connection.execute(f"PRAGMA query_only={'ON' if query_only else 'OFF'}")
+        dbapi_connection.execute(_PRAGMA_QUERY_ONLY[query_only])
         info["query_only"] = query_only
 
 

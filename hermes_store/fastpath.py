@@ -84,6 +84,43 @@ def _compile(
     return result
 
 
+@dataclass
+class Plan:
+    """A statement without list parameters, ready for the driver: its SQL, the names of its
+    positional parameters, their defaults, and (once seen) its result column names."""
+
+    sql: str
+    names: tuple[str, ...]
+    defaults: dict[str, Any]
+    columns: list[str] | None = None
+
+    def bind(self, params: Mapping[str, Any] | None) -> tuple[Any, ...]:
+        names = self.names
+        if not names:
+            return ()
+        if len(names) == 1 and params is not None and names[0] in params:
+            return (params[names[0]],)
+        if params is None:
+            params = {}
+        defaults = self.defaults
+        return tuple([params[n] if n in params else defaults.get(n) for n in self.names])
+
+
+_plans: dict[int, tuple[ClauseElement, Plan]] = {}
+
+
+def plan(statement: ClauseElement, dialect: Dialect) -> Plan:
+    """The SQLite :class:`Plan` of a prebuilt statement (cached by statement identity)."""
+    hit = _plans.get(id(statement))
+    if hit is not None and hit[0] is statement:
+        return hit[1]
+    compiled = _compile(statement, dialect, ())
+    found = Plan(compiled.sql, tuple(name for name, _ in compiled.slots), compiled.defaults)
+    with _cache_lock:
+        _plans[id(statement)] = (statement, found)
+    return found
+
+
 def rows(
     conn: Connection,
     statement: ClauseElement,

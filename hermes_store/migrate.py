@@ -177,12 +177,6 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
     where = str(path)
     if size == 0:
         raise NotADatabaseError(f"{where} is an empty file (0 bytes), not a SQLite database")
-    with path.open("rb") as handle:
-        header = handle.read(len(SQLITE_HEADER))
-    if header != SQLITE_HEADER:
-        raise NotADatabaseError(
-            f"{where} is not a SQLite database (starts with {header[:16]!r}, {size} bytes)"
-        )
     quiet = not _sidecars(path)
     before = _signature(path)
     try:
@@ -192,6 +186,7 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
             # without locks: that read may be torn, so read it again, properly.
             state = _probe(path, immutable=False)
     except sa.exc.DBAPIError as error:
+        _refuse_unless_sqlite(path, size)
         if not (quiet and _sidecars(path)):
             raise NotADatabaseError(
                 f"{where} is not a readable SQLite database: {error.orig}"
@@ -205,6 +200,18 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
             ) from again
     check_adoptable(state, where)
     return state
+
+
+def _refuse_unless_sqlite(path: Path, size: int) -> None:
+    """Name a file that SQLite could not open by its first bytes. Read only after SQLite failed:
+    closing any descriptor of a file drops every POSIX lock this process holds on it, so a
+    file this process has open through SQLite is never opened directly."""
+    with path.open("rb") as handle:
+        header = handle.read(len(SQLITE_HEADER))
+    if header != SQLITE_HEADER:
+        raise NotADatabaseError(
+            f"{path} is not a SQLite database (starts with {header[:16]!r}, {size} bytes)"
+        )
 
 
 def _signature(path: Path) -> tuple[int, int, int]:

@@ -404,8 +404,7 @@ class SessionDB:
         return self.uow.run(unit)
 
     def get_session_title(self, session_id: str) -> str | None:
-        found = self.uow.read_rows(_TITLE_BY_ID, {"sid": session_id})
-        title: str | None = found[0]["title"] if found else None
+        title: str | None = self.uow.read_scalar(_TITLE_BY_ID, {"sid": session_id})
         return title
 
     def get_session_by_title(self, title: str) -> RowDict | None:
@@ -686,10 +685,8 @@ class SessionDB:
 
     def message_count(self, session_id: str | None = None) -> int:
         if session_id is None:
-            found = self.uow.read_rows(_COUNT_ALL_MESSAGES)
-        else:
-            found = self.uow.read_rows(_COUNT_MESSAGES, {"sid": session_id})
-        return int(found[0]["n"] or 0)
+            return int(self.uow.read_scalar(_COUNT_ALL_MESSAGES) or 0)
+        return int(self.uow.read_scalar(_COUNT_MESSAGES, {"sid": session_id}) or 0)
 
     def session_count(self, source: str | None = None) -> int:
         statement = select(func.count()).select_from(S)
