@@ -136,7 +136,6 @@ class UnitOfWork:
         if engine.dialect.name == "postgresql":
             reader_options["postgresql_readonly"] = True
         self._reader = engine.execution_options(**reader_options)
-        self._count_lock = threading.Lock()
         self._fresh_process_state()
         _LIVE.add(self)
 
@@ -148,6 +147,8 @@ class UnitOfWork:
         # In-process writers queue here; other processes meet SQLite's write lock.
         self._write_lock = threading.Lock() if self.is_sqlite else None
         self._count_lock = threading.Lock()
+        self._turn_changed = threading.Condition(self._count_lock)
+        self._waiting = 0  # threads of this process waiting for their write turn
         self._writer_conn: Connection | None = None  # the file's writer connection (SQLite)
         self._readers_lock = threading.Lock()
         self._readers: dict[int, tuple[PoolProxiedConnection, weakref.finalize[Any, Any]]] = {}
@@ -175,15 +176,26 @@ class UnitOfWork:
             return
         if not lock.acquire(blocking=False):
             started = time.monotonic()
-            lock.acquire()
-            waited = time.monotonic() - started
-            with self._count_lock:
+            with self._turn_changed:
                 self.stats.lock_waits += 1
-                self.stats.lock_wait_seconds += waited
+                self._waiting += 1
+                self._turn_changed.notify_all()
+            try:
+                lock.acquire()
+            finally:
+                with self._turn_changed:
+                    self._waiting -= 1
+                    self.stats.lock_wait_seconds += time.monotonic() - started
         try:
             yield
         finally:
             lock.release()
+
+    def wait_for_waiting_writers(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` threads wait for their write turn (False: timed out);
+        lets callers and tests know a writer is queued without polling."""
+        with self._turn_changed:
+            return self._turn_changed.wait_for(lambda: self._waiting >= count, timeout)
 
     # -- the units ---------------------------------------------------------------------------
 
