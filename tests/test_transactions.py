@@ -216,12 +216,11 @@ def test_hot_path_units_begin_through_the_engine_hook(store: SessionDB) -> None:
 
 def test_write_inside_a_read_only_unit_is_refused(store: SessionDB, db_url: URL) -> None:
     store.create_session("s", "cli")
-    with pytest.raises(ReadOnlyUnitError, match="read-only unit"):
-        with store.uow.connect(write=False):
-            store.append_message("s", "user", "refused")
-    with pytest.raises(ReadOnlyUnitError, match="read-only unit"):
-        with store.uow.connect(write=False):
-            store.create_session("t", "cli")
+    refused = pytest.raises(ReadOnlyUnitError, match="read-only unit")
+    with refused, store.uow.connect(write=False):
+        store.append_message("s", "user", "refused")
+    with refused, store.uow.connect(write=False):
+        store.create_session("t", "cli")
     # Raw SQL too: the database itself refuses it (SQLite query_only, PostgreSQL READ ONLY).
     with pytest.raises(ReadOnlyUnitError), store.uow.connect(write=False) as conn:
         conn.execute(
@@ -314,11 +313,11 @@ def test_a_lock_met_inside_the_block_rolls_it_back_and_raises(
 ) -> None:
     busy = _sqlite_busy(tmp_path / "other.db")
     runs: list[int] = []
-    with pytest.raises(DatabaseLockedError, match="inside a transaction"):
-        with sqlite_store.transaction():
-            runs.append(1)
-            sqlite_store.create_session("t", "cli")
-            raise busy
+    locked = pytest.raises(DatabaseLockedError, match="inside a transaction")
+    with locked, sqlite_store.transaction():
+        runs.append(1)
+        sqlite_store.create_session("t", "cli")
+        raise busy
     assert runs == [1]  # run once, never re-run
     assert sqlite_store.get_session("t") is None
 
@@ -332,14 +331,14 @@ def test_pg_serialization_failure_inside_the_block_rolls_back_and_raises(pg_url:
     try:
         store.create_session("s", "cli")
         runs: list[int] = []
-        with pytest.raises(DatabaseLockedError, match="inside a transaction"):
-            with store.transaction() as conn:
-                runs.append(1)
-                conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                store.create_session("t", "cli")
-                assert store.get_session("s") is not None  # the snapshot is taken
-                raw.execute("UPDATE sessions SET input_tokens = 5 WHERE id = 's'")
-                store.update_token_counts("s", input_tokens=1)  # 40001 here
+        locked = pytest.raises(DatabaseLockedError, match="inside a transaction")
+        with locked, store.transaction() as conn:
+            runs.append(1)
+            conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            store.create_session("t", "cli")
+            assert store.get_session("s") is not None  # the snapshot is taken
+            raw.execute("UPDATE sessions SET input_tokens = 5 WHERE id = 's'")
+            store.update_token_counts("s", input_tokens=1)  # 40001 here
         assert runs == [1]
         assert store.get_session("t") is None
         session = store.get_session("s")
