@@ -8,6 +8,7 @@ from hermes_store.engine import create_engine, default_db_path
 from hermes_store.errors import (
     DatabaseLockedError,
     DatabaseUnavailableError,
+    EngineSettingsError,
     HermesStoreError,
     InvalidInputError,
     NotADatabaseError,
@@ -41,6 +42,7 @@ __all__ = [
     "ChatSession",
     "DatabaseLockedError",
     "DatabaseUnavailableError",
+    "EngineSettingsError",
     "HermesStoreError",
     "InvalidInputError",
     "Message",
