@@ -48,6 +48,7 @@ from hermes_store.engine import (
 from hermes_store.errors import (
     SQLITE_READONLY,
     DatabaseLockedError,
+    HermesStoreError,
     InvalidInputError,
     ReadOnlyUnitError,
     is_retryable,
@@ -503,6 +504,11 @@ class UnitOfWork:
 
     def release(self) -> None:
         """Give every held connection back to the pool (the last ``SessionDB.close``)."""
+        if self._current.get() is not None:
+            raise HermesStoreError(
+                "close() inside an open unit (db.transaction(), uow.connect()): leave the "
+                "block first"
+            )
         with self._write_turn():  # never while a unit is using the writer
             self._drop_writer(invalidate=False)
         with self._readers_lock:
