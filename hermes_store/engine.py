@@ -281,9 +281,7 @@ def setup_connection(
     try:
         # WAL: readers never block the writer and the writer never blocks readers.
         mode = (
-            "wal"
-            if settings.read_only
-            else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            "wal" if settings.read_only else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         )
         if mode not in ("wal", "memory"):
             log.warning(

@@ -178,9 +178,7 @@ class SessionDB:
         try:
             if migrate:
                 ensure_head(engine, retry=options.retry)
-            uow = UnitOfWork(
-                engine, retry=options.retry, checkpoint_every=options.checkpoint_every
-            )
+            uow = UnitOfWork(engine, retry=options.retry, checkpoint_every=options.checkpoint_every)
         except BaseException:
             if owns:
                 engine.dispose()
@@ -501,7 +499,7 @@ class SessionDB:
         }
         params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
         mode = "tokens_absolute" if absolute else "tokens"
-        self.uow.run(lambda conn: _execute(conn, mode, params))
+        self.uow.run(lambda conn: _execute(conn, mode, params), driver_only=True)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -548,7 +546,7 @@ class SessionDB:
                 return int(cursor.lastrowid)
             return int(conn.execute(_INSERT_MESSAGE, values).scalar_one())
 
-        return self.uow.run(unit)
+        return self.uow.run(unit, driver_only=True)
 
     def append_messages(self, session_id: str, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Append many messages in one transaction (imports); all or nothing. Returns the ids.
@@ -583,7 +581,7 @@ class SessionDB:
             statement = M.insert().returning(M.c.id, sort_by_parameter_order=True)
             return list(conn.scalars(statement, rows))
 
-        return self.uow.run(unit)
+        return self.uow.run(unit, driver_only=True)
 
     def _message_values(
         self,

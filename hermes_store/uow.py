@@ -41,6 +41,7 @@ from hermes_store import fastpath
 from hermes_store.engine import (
     WRITE_OPTION,
     SqliteSettings,
+    begin_on_driver,
     install_sqlite_hooks,
     prepare_driver,
     sqlite_settings,
@@ -302,24 +303,66 @@ class UnitOfWork:
             held.invalidate()
         held.close()
 
-    def run(self, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+    def run(
+        self, fn: Callable[[Connection], T], *, write: bool = True, driver_only: bool = False
+    ) -> T:
         """Run ``fn`` in one unit; on a lock error, run it again on a fresh connection.
 
         Inside an open unit ``fn`` joins it and runs once (a lock error then ends the whole
-        unit: see :meth:`transaction`).
+        unit: see :meth:`transaction`). ``driver_only``: ``fn`` runs its statements on the
+        connection's DB-API cursor only (the SQLite hot path), so on SQLite the unit is begun
+        and committed on the driver, through the same begin function as the engine's hook,
+        without SQLAlchemy's transaction bookkeeping.
         """
         if self._current.get() is not None:
             with self.unit(write=write) as unit:
                 return fn(unit.conn)
         waits = self.retry.waits()
+        lean = driver_only and write and self.is_sqlite
         while True:
             try:
+                if lean:
+                    return self._driver_unit(fn, waits)
                 with self._own_unit(write, waits) as unit:
                     return fn(unit.conn)
             except sa_exc.DBAPIError as error:
                 if not is_retryable(error):
                     raise
                 self._pause(waits, error)
+
+    def _driver_unit(self, fn: Callable[[Connection], T], waits: Iterator[float]) -> T:
+        """One attempt of a SQLite write unit begun and committed on the writer's driver
+        connection: the same turn, begin function (``begin_on_driver``), error mapping and
+        checkpoint cadence as every unit. ``fn`` gets the writer Connection, which stays idle
+        in SQLAlchemy's eyes: it only ever uses its DB-API cursor."""
+        settings = self.settings
+        assert settings is not None
+        dbapi_error = self._dbapi_error
+        with self._write_turn(), mapped_errors():
+            conn = self._connection(True)
+            pooled = conn.connection
+            driver: Any = pooled.driver_connection
+            try:
+                begin_on_driver(driver, pooled.info, settings, write=True)
+            except dbapi_error as orig:
+                raise _wrapped(orig, self._dialect) from orig
+            try:
+                result = fn(conn)
+                driver.commit()
+            except BaseException as error:
+                with self._count_lock:
+                    self.stats.rollbacks += 1
+                try:
+                    driver.rollback()
+                except dbapi_error as orig:
+                    self._drop_writer(invalidate=True)  # state unknown: never reuse it
+                    raise _wrapped(orig, self._dialect) from orig
+                self._drop_writer(invalidate=False)  # a retry starts on a fresh connection
+                if isinstance(error, dbapi_error):
+                    raise _wrapped(error, self._dialect) from error
+                raise
+        self._count(True)
+        return result
 
     def run_driver(self, fn: Callable[[Any], T]) -> T:
         """:meth:`run` with ``fn`` given the unit's DB-API cursor (statements compiled once);
@@ -330,11 +373,9 @@ class UnitOfWork:
             try:
                 return fn(driver_cursor(conn))
             except dbapi_error as orig:
-                raise sa_exc.DBAPIError.instance(
-                    None, None, orig, dbapi_error, dialect=self.engine.dialect
-                ) from orig
+                raise _wrapped(orig, self._dialect) from orig
 
-        return self.run(unit)
+        return self.run(unit, driver_only=True)
 
     def connect(self, *, write: bool = True) -> AbstractContextManager[Connection]:
         """A connection inside one unit: commit on a clean exit, rollback otherwise.
@@ -586,6 +627,19 @@ class _Reader:
 
 class _ThreadMarker:
     """Lives in one thread's thread-local: its death tells the Unit of Work the thread ended."""
+
+
+def _wrapped(orig: BaseException, dialect: Any) -> sa_exc.DBAPIError:
+    """A driver error wrapped as SQLAlchemy wraps it (so retries and mapping see it)."""
+    wrapped = sa_exc.DBAPIError.instance(
+        None,
+        None,
+        orig,
+        dialect.loaded_dbapi.Error,
+        dialect=dialect,
+    )
+    assert isinstance(wrapped, sa_exc.DBAPIError)
+    return wrapped
 
 
 def _mapped(sql: str, values: Any, orig: Exception, dialect: Any) -> Exception:

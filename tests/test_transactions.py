@@ -191,9 +191,10 @@ def test_another_threads_call_is_not_swallowed(store: SessionDB, db_url: URL) ->
         assert store.stats().lock_waits >= 1
 
 
-def test_hot_path_units_begin_through_the_engine_hook(store: SessionDB) -> None:
-    """append_message and update_token_counts begin like every other unit: the engine's begin
-    event fires once per unit, and not again for calls joined into a block."""
+def test_every_unit_begins_through_the_one_begin(store: SessionDB, db_url: URL) -> None:
+    """Connection units fire the engine's begin event once per unit (never again for calls
+    joined into a block); the SQLite hot path begins on the driver through the same begin
+    function: the write lock is taken up front, with the writer's busy timeout."""
     begins: list[bool] = []
 
     @event.listens_for(store.engine, "begin")
@@ -202,16 +203,38 @@ def test_hot_path_units_begin_through_the_engine_hook(store: SessionDB) -> None:
 
     try:
         store.create_session("s", "cli")
-        store.append_message("s", "user", "one")
-        store.append_messages("s", [{"role": "user", "content": "two"}])
-        store.update_token_counts("s", input_tokens=1)
-        assert len(begins) == 4
+        store.end_session("s", "done")
+        assert len(begins) == 2
         with store.transaction():
+            store.reopen_session("s")
             store.append_message("s", "user", "three")
             store.update_token_counts("s", input_tokens=1)
-        assert len(begins) == 5
+        assert len(begins) == 3
     finally:
         event.remove(store.engine, "begin", _count)
+    if is_sqlite(db_url):
+        path = Path(db_url.database or "")
+
+        def inside(cursor: Any) -> tuple[bool, int]:
+            blocked = _other_writer_blocked(path)
+            return blocked, cursor.execute("PRAGMA busy_timeout").fetchone()[0]
+
+        assert store.uow.run_driver(inside) == (True, 1000)
+        store.append_message("s", "user", "hot")  # and the hot path's own units still commit
+        assert store.message_count("s") == 2
+
+
+def _other_writer_blocked(path: Path) -> bool:
+    raw = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        raw.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError:
+        return True
+    else:
+        raw.execute("ROLLBACK")
+        return False
+    finally:
+        raw.close()
 
 
 def test_write_inside_a_read_only_unit_is_refused(store: SessionDB, db_url: URL) -> None:
