@@ -1,7 +1,7 @@
 """The Unit of Work: one connection, one transaction, commit on success, rollback on error.
 
-Every unit, read or write, hot path included, begins through the engine's begin hook (SQLite:
-``BEGIN IMMEDIATE`` for writes, a deferred ``BEGIN`` for reads). Repositories take the unit's
+Every unit, read or write, hot path included, begins through ``engine.begin_on_driver`` (the
+engine's begin hook; SQLite: ``BEGIN IMMEDIATE`` for writes, a deferred ``BEGIN`` for reads). Repositories take the unit's
 connection and never begin or commit. Units compose: the open unit of a thread (or asyncio
 task) is kept in a :class:`~contextvars.ContextVar`, and any unit asked for meanwhile joins it.
 
