@@ -1,9 +1,10 @@
 """The Unit of Work: one connection, one transaction, commit on success, rollback on error.
 
 Every unit, read or write, hot path included, begins through ``engine.begin_on_driver`` (the
-engine's begin hook; SQLite: ``BEGIN IMMEDIATE`` for writes, a deferred ``BEGIN`` for reads). Repositories take the unit's
-connection and never begin or commit. Units compose: the open unit of a thread (or asyncio
-task) is kept in a :class:`~contextvars.ContextVar`, and any unit asked for meanwhile joins it.
+engine's begin hook; SQLite: ``BEGIN IMMEDIATE`` for writes, a deferred ``BEGIN`` for reads).
+Repositories take the unit's connection and never begin or commit. Units compose: the open
+unit of a thread (or asyncio task) is kept in a :class:`~contextvars.ContextVar`, and any unit
+asked for meanwhile joins it.
 
 Retries: a unit that meets a lock before it ran anything (waiting for ``BEGIN IMMEDIATE``) is
 retried up to 15 times, ``random.uniform(0.020, 0.150)`` s apart, the original store's policy
