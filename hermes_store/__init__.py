@@ -19,18 +19,23 @@ if TYPE_CHECKING:
         AccessDeniedError,
         DatabaseLockedError,
         DatabaseUnavailableError,
+        EngineSettingsError,
         HermesStoreError,
         InvalidInputError,
         NotADatabaseError,
         ReadOnlyDatabaseError,
+        ReadOnlyUnitError,
         SchemaError,
         SchemaTooNewError,
+        SharedStoreMismatchError,
         StorageFullError,
         StorageIOError,
+        StoreConfigError,
         TitleInUseError,
         TitleTooLongError,
         UnknownSessionError,
         UnrecognizedSchemaError,
+        UnsupportedEngineError,
     )
     from hermes_store.migrate import current, downgrade, upgrade
     from hermes_store.models import Base, ChatSession, Message, SchemaVersion
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
         has_incomplete_scratchpad,
         save_trajectory,
     )
-    from hermes_store.uow import RetryPolicy, UnitOfWork
+    from hermes_store.uow import RetryPolicy, StoreStats, UnitOfWork
 
 #: Public name -> the module that defines it.
 _LAZY = {
@@ -64,6 +69,11 @@ _LAZY = {
             "TitleTooLongError",
             "UnknownSessionError",
             "UnrecognizedSchemaError",
+            "EngineSettingsError",
+            "ReadOnlyUnitError",
+            "SharedStoreMismatchError",
+            "StoreConfigError",
+            "UnsupportedEngineError",
         ),
         "errors",
     ),
@@ -81,6 +91,7 @@ _LAZY = {
     "has_incomplete_scratchpad": "trajectory",
     "save_trajectory": "trajectory",
     "RetryPolicy": "uow",
+    "StoreStats": "uow",
     "UnitOfWork": "uow",
 }
 
@@ -105,23 +116,29 @@ __all__ = [
     "ChatSession",
     "DatabaseLockedError",
     "DatabaseUnavailableError",
+    "EngineSettingsError",
     "HermesStoreError",
     "InvalidInputError",
     "Message",
     "NotADatabaseError",
     "ReadOnlyDatabaseError",
+    "ReadOnlyUnitError",
     "RetryPolicy",
     "SchemaError",
     "SchemaTooNewError",
     "SchemaVersion",
     "SessionDB",
+    "SharedStoreMismatchError",
     "StorageFullError",
     "StorageIOError",
+    "StoreConfigError",
+    "StoreStats",
     "TitleInUseError",
     "TitleTooLongError",
     "UnitOfWork",
     "UnknownSessionError",
     "UnrecognizedSchemaError",
+    "UnsupportedEngineError",
     "convert_scratchpad_to_think",
     "create_engine",
     "current",

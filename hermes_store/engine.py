@@ -13,6 +13,9 @@ import logging
 import os
 import sqlite3
 import sys
+import threading
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from hermes_store import files
-from hermes_store.errors import InvalidInputError
+from hermes_store.errors import EngineSettingsError, InvalidInputError, UnsupportedEngineError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,10 @@ WRITER_BUSY_TIMEOUT_S = 1.0
 READER_BUSY_TIMEOUT_S = 5.0
 #: Pool-record key holding ``(writer_ms, reader_ms)``, for code that begins on a raw connection.
 BUSY_TIMEOUTS_KEY = "hermes_busy_timeouts"
+#: Pool-record key holding the :class:`SqliteSettings` a connection was set up with.
+SETTINGS_KEY = "hermes_settings"
+#: ``PRAGMA synchronous`` modes offered: FULL (the default) and NORMAL (an explicit opt-in).
+SYNCHRONOUS_MODES = frozenset({"full", "normal"})
 
 #: After a burst, a checkpointed WAL is cut back to this size (the next writer truncates it).
 DEFAULT_JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
@@ -155,15 +162,26 @@ def create_engine(
     writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
     reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
     foreign_keys: bool = True,
+    synchronous: str = "full",
     wal_size_limit: int | None = None,
     **engine_kwargs: Any,
 ) -> Engine:
-    """An Engine for ``target`` with this package's hooks (an Engine passes through as is).
+    """An Engine for ``target`` with this package's hooks (an Engine given is hooked in place:
+    see :func:`install_sqlite_hooks`).
 
     Connecting does not create a missing file owner-only: open databases through
     :class:`~hermes_store.SessionDB` or :mod:`hermes_store.migrate`, which do.
     """
     if isinstance(target, Engine):
+        if target.dialect.name == "sqlite":
+            install_sqlite_hooks(
+                target,
+                writer_busy_timeout=writer_busy_timeout,
+                reader_busy_timeout=reader_busy_timeout,
+                foreign_keys=foreign_keys,
+                synchronous=synchronous,
+                wal_size_limit=wal_size_limit,
+            )
         return target
     url = to_url(target)
     if url.get_backend_name() == "sqlite":
@@ -181,6 +199,7 @@ def create_engine(
             writer_busy_timeout=writer_busy_timeout,
             reader_busy_timeout=reader_busy_timeout,
             foreign_keys=foreign_keys,
+            synchronous=synchronous,
             wal_size_limit=wal_size_limit,
         )
         return engine
@@ -251,74 +270,191 @@ def _prepared_statement_option(
     }
 
 
+@dataclass(frozen=True)
+class SqliteSettings:
+    """Per-connection state every pooled SQLite connection of a hooked engine carries."""
+
+    writer_ms: int
+    reader_ms: int
+    foreign_keys: bool
+    synchronous: str
+    read_only: bool
+    wal_limit: int = DEFAULT_JOURNAL_SIZE_LIMIT
+
+
+_PRAGMA_FOREIGN_KEYS = {True: "PRAGMA foreign_keys=ON", False: "PRAGMA foreign_keys=OFF"}
+_PRAGMA_QUERY_ONLY = {True: "PRAGMA query_only=ON", False: "PRAGMA query_only=OFF"}
+_PRAGMA_SYNCHRONOUS = {"FULL": "PRAGMA synchronous=FULL", "NORMAL": "PRAGMA synchronous=NORMAL"}
+
+#: Engines carrying this package's hooks, with the settings they were hooked with.
+_HOOKED: weakref.WeakKeyDictionary[Engine, SqliteSettings] = weakref.WeakKeyDictionary()
+_HOOK_LOCK = threading.Lock()
+
+
+def sqlite_settings(engine: Engine) -> SqliteSettings | None:
+    """The settings ``engine`` was hooked with, or None when it carries no hooks."""
+    return _HOOKED.get(engine)
+
+
+def check_synchronous(synchronous: str) -> str:
+    """``"full"`` (durable through power loss) or ``"normal"`` (app-crash safe), upper-cased."""
+    if not isinstance(synchronous, str) or synchronous.lower() not in SYNCHRONOUS_MODES:
+        raise InvalidInputError(
+            f"synchronous must be one of {sorted(SYNCHRONOUS_MODES)}, not {synchronous!r}"
+        )
+    return synchronous.upper()
+
+
 def install_sqlite_hooks(
     engine: Engine,
     *,
     writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
     reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
     foreign_keys: bool = True,
+    synchronous: str = "full",
     wal_size_limit: int | None = None,
-) -> None:
-    """Attach the connect and begin hooks that the store's concurrency model relies on."""
-    writer_ms = int(writer_busy_timeout * 1000)
-    reader_ms = int(reader_busy_timeout * 1000)
-    wal_limit = int(journal_size_limit() if wal_size_limit is None else wal_size_limit)
-    # A read-only URL (``mode=ro``/``immutable=1``) cannot change the journal mode: leave it be.
+) -> SqliteSettings:
+    """Attach the connect and begin hooks that the store's concurrency model relies on.
+
+    Idempotent: an engine already hooked with the same settings is left as it is, one hooked
+    with other settings is refused (two sets of hooks would fight over every connection).
+    Engines the hooks cannot make safe are refused with :class:`UnsupportedEngineError`.
+    """
+    if engine.dialect.driver != "pysqlite":
+        raise UnsupportedEngineError(
+            f"SQLite engines must use the standard sqlite3 driver (pysqlite), not "
+            f"{engine.dialect.driver!r}: the store begins its write units on that driver"
+        )
+    if getattr(engine.dialect, "_on_connect_isolation_level", None) == "AUTOCOMMIT" or (
+        engine.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    ):
+        raise UnsupportedEngineError(
+            "this SQLite engine runs in AUTOCOMMIT: SQLAlchemy would never COMMIT the store's "
+            "BEGIN IMMEDIATE; pass an engine without isolation_level='AUTOCOMMIT'"
+        )
     read_only = engine.url.query.get("mode") == "ro" or engine.url.query.get("immutable") == "1"
+    settings = SqliteSettings(
+        writer_ms=int(writer_busy_timeout * 1000),
+        reader_ms=int(reader_busy_timeout * 1000),
+        foreign_keys=foreign_keys,
+        synchronous=check_synchronous(synchronous),
+        read_only=read_only,
+        wal_limit=int(journal_size_limit() if wal_size_limit is None else wal_size_limit),
+    )
+    with _HOOK_LOCK:
+        existing = _HOOKED.get(engine)
+        if existing is not None:
+            if existing != settings:
+                raise EngineSettingsError(
+                    f"this engine already carries hermes_store hooks with other settings "
+                    f"({existing}); open every store on it with the same options"
+                )
+            return existing
+        _HOOKED[engine] = settings
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
-        # SQLAlchemy, not the driver, decides when a transaction starts (see the begin hook).
-        dbapi_connection.isolation_level = None
-        if sys.version_info >= (3, 12):  # stay in legacy mode: autocommit=False would BEGIN itself
-            dbapi_connection.autocommit = sqlite3.LEGACY_TRANSACTION_CONTROL  # type: ignore[attr-defined]
-        cursor = dbapi_connection.cursor()
-        try:
-            # WAL: readers never block the writer and the writer never blocks readers.
-            mode = "wal" if read_only else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if mode not in ("wal", "memory"):
-                log.warning(
-                    "%s refuses WAL (journal_mode=%s, e.g. a network file system); "
-                    "falling back to DELETE: readers will wait for writers",
-                    engine.url.database,
-                    mode,
-                )
-                cursor.execute("PRAGMA journal_mode=DELETE")
-            # A burst grows the WAL; once checkpointed, the next commit cuts it back to this.
-            cursor.execute(f"PRAGMA journal_size_limit={wal_limit}")
-            # The original store relies on parent_session_id and session_id references being
-            # enforced.
-            cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
-            # Start as a reader; the begin hook switches when a writer takes this connection.
-            cursor.execute(f"PRAGMA busy_timeout={reader_ms}")
-        finally:
-            cursor.close()
-        record.info["busy_ms"] = reader_ms
-        record.info[BUSY_TIMEOUTS_KEY] = (writer_ms, reader_ms)
+        setup_connection(dbapi_connection, record.info, settings, str(engine.url.database))
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        write = bool(conn.get_execution_options().get(WRITE_OPTION, False))
+        # True: a write unit; False: a store's read unit (refuses writes); absent: a plain
+        # connection of the engine (deferred, writable, as SQLite's own BEGIN).
+        option = conn.get_execution_options().get(WRITE_OPTION)
         pooled = conn.connection
         try:
-            begin_on_driver(pooled.driver_connection, pooled.info, write=write)  # type: ignore[arg-type]
+            begin_on_driver(
+                pooled.driver_connection,  # type: ignore[arg-type]
+                pooled.info,
+                settings,
+                write=bool(option),
+                query_only=option is False,
+            )
         except sqlite3.Error as error:
             # Raised inside an event, a driver error would escape SQLAlchemy's wrapping.
             raise sa_exc.DBAPIError.instance(
                 "BEGIN", None, error, sqlite3.Error, dialect=engine.dialect
             ) from error
 
+    return settings
 
-def begin_on_driver(
-    dbapi_connection: sqlite3.Connection, info: dict[Any, Any], *, write: bool
+
+def setup_connection(
+    dbapi_connection: sqlite3.Connection,
+    info: dict[Any, Any],
+    settings: SqliteSettings,
+    where: str = "",
 ) -> None:
-    """Begin a unit on a pooled SQLite connection: the begin hook's body, shared with the Unit
-    of Work's driver-level hot path so both begin exactly alike."""
-    writer_ms, reader_ms = info[BUSY_TIMEOUTS_KEY]
-    wanted = writer_ms if write else reader_ms
-    if info.get("busy_ms") != wanted:
+    """The connect hook's body; also run lazily by :func:`prepare_driver` for connections that
+    were already in an engine's pool when the hooks were attached."""
+    # SQLAlchemy, not the driver, decides when a transaction starts (see the begin hook).
+    dbapi_connection.isolation_level = None
+    if sys.version_info >= (3, 12):  # stay in legacy mode: autocommit=False would BEGIN itself
+        dbapi_connection.autocommit = sqlite3.LEGACY_TRANSACTION_CONTROL  # type: ignore[attr-defined]
+    cursor = dbapi_connection.cursor()
+    try:
+        # WAL: readers never block the writer and the writer never blocks readers.
+        mode = (
+            "wal" if settings.read_only else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        )
+        if mode not in ("wal", "memory"):
+            log.warning(
+                "%s refuses WAL (journal_mode=%s, e.g. a network file system); "
+                "falling back to DELETE: readers will wait for writers",
+                where,
+                mode,
+            )
+            cursor.execute("PRAGMA journal_mode=DELETE")
+        # A burst grows the WAL; once checkpointed, the next commit cuts it back to this.
+        cursor.execute(f"PRAGMA journal_size_limit={int(settings.wal_limit)}")
+        # The original store relies on parent_session_id and session_id references being
+        # enforced.
+        cursor.execute(_PRAGMA_FOREIGN_KEYS[settings.foreign_keys])
+        # FULL: a commit survives power loss (WAL's durable mode); NORMAL is the opt-in.
+        cursor.execute(_PRAGMA_SYNCHRONOUS[settings.synchronous])
+        # Start as a reader; the begin hook switches when a writer takes this connection.
+        reader_ms = int(settings.reader_ms)
+        cursor.execute(f"PRAGMA busy_timeout={reader_ms}")
+    finally:
+        cursor.close()
+    info["busy_ms"] = settings.reader_ms
+    info[BUSY_TIMEOUTS_KEY] = (settings.writer_ms, settings.reader_ms)
+    info[SETTINGS_KEY] = settings
+
+
+def prepare_driver(
+    dbapi_connection: sqlite3.Connection,
+    info: dict[Any, Any],
+    settings: SqliteSettings,
+    *,
+    write: bool,
+    query_only: bool = False,
+) -> None:
+    """Make a pooled connection ready for a unit of the given kind (no BEGIN): the per-connection
+    state (set lazily when the connection predates the hooks), the unit's busy timeout, and
+    ``query_only`` for read units (SQLite itself then refuses their writes)."""
+    if info.get(SETTINGS_KEY) is not settings:
+        setup_connection(dbapi_connection, info, settings)
+    wanted = settings.writer_ms if write else settings.reader_ms
+    if info["busy_ms"] != wanted:
         dbapi_connection.execute(f"PRAGMA busy_timeout={int(wanted)}")
         info["busy_ms"] = wanted
+    if info.get("query_only", False) != query_only:
+        dbapi_connection.execute(_PRAGMA_QUERY_ONLY[query_only])
+        info["query_only"] = query_only
+
+
+def begin_on_driver(
+    dbapi_connection: sqlite3.Connection,
+    info: dict[Any, Any],
+    settings: SqliteSettings,
+    *,
+    write: bool,
+    query_only: bool = False,
+) -> None:
+    """Begin a unit on a pooled SQLite connection: the one begin of the package (the engine's
+    begin hook calls it for every unit, the hot path included)."""
+    prepare_driver(dbapi_connection, info, settings, write=write, query_only=query_only)
     # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
     # readers take a deferred BEGIN and never queue behind a writer.
     dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

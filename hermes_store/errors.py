@@ -56,6 +56,27 @@ class ReadOnlyDatabaseError(HermesStoreError):
     """The database, its folder or its server refuses writes."""
 
 
+class ReadOnlyUnitError(ReadOnlyDatabaseError):
+    """A write was attempted inside a read-only unit (``uow.connect(write=False)``)."""
+
+
+class StoreConfigError(HermesStoreError):
+    """The store cannot be opened as configured (nothing was written)."""
+
+
+class UnsupportedEngineError(StoreConfigError):
+    """An Engine given to the store cannot carry its SQLite hooks (driver or isolation level)."""
+
+
+class EngineSettingsError(StoreConfigError):
+    """An Engine already carries the store's hooks with different settings."""
+
+
+class SharedStoreMismatchError(StoreConfigError):
+    """This file is already open in this process with other options; the two would share
+    one writer, so they must agree (synchronous, busy timeouts, retry policy, ...)."""
+
+
 class StorageFullError(HermesStoreError):
     """The disk or the database's page limit is full; the transaction was rolled back."""
 

@@ -86,6 +86,43 @@ def _compile(
     return result
 
 
+@dataclass
+class Plan:
+    """A statement without list parameters, ready for the driver: its SQL, the names of its
+    positional parameters, their defaults, and (once seen) its result column names."""
+
+    sql: str
+    names: tuple[str, ...]
+    defaults: dict[str, Any]
+    columns: list[str] | None = None
+
+    def bind(self, params: Mapping[str, Any] | None) -> tuple[Any, ...]:
+        names = self.names
+        if not names:
+            return ()
+        if len(names) == 1 and params is not None and names[0] in params:
+            return (params[names[0]],)
+        if params is None:
+            params = {}
+        defaults = self.defaults
+        return tuple([params[n] if n in params else defaults.get(n) for n in self.names])
+
+
+_plans: dict[int, tuple[ClauseElement, Plan]] = {}
+
+
+def plan(statement: ClauseElement, dialect: Dialect) -> Plan:
+    """The SQLite :class:`Plan` of a prebuilt statement (cached by statement identity)."""
+    hit = _plans.get(id(statement))
+    if hit is not None and hit[0] is statement:
+        return hit[1]
+    compiled = _compile(statement, dialect, ())
+    found = Plan(compiled.sql, tuple(name for name, _ in compiled.slots), compiled.defaults)
+    with _cache_lock:
+        _plans[id(statement)] = (statement, found)
+    return found
+
+
 def rows(
     conn: Connection,
     statement: ClauseElement,
@@ -100,11 +137,38 @@ def rows(
     ``IN (...)`` nor ``NOT IN (...)`` notices. An empty list has nothing to repeat (and
     ``NOT IN ()`` is true for every row): SQLAlchemy renders that case itself.
     """
-    params = dict(params or {})
-    if conn.dialect.name != "sqlite" or any(not params[name] for name in expanding):
-        return [dict(row._mapping) for row in conn.execute(cast(Executable, statement), params)]
-    expand = tuple((name, _bucket(len(params[name]))) for name in expanding)
-    compiled = _compile(statement, conn.dialect, expand)
+    if conn.dialect.name != "sqlite" or any(not (params or {})[name] for name in expanding):
+        return [
+            dict(row._mapping)
+            for row in conn.execute(cast(Executable, statement), dict(params or {}))
+        ]
+    return driver_rows(
+        conn.connection.driver_connection,
+        conn.dialect,
+        statement,
+        params,
+        expanding=expanding,
+        events=conn,
+    )
+
+
+def driver_rows(
+    driver: Any,
+    dialect: Dialect,
+    statement: ClauseElement,
+    params: Mapping[str, Any] | None = None,
+    *,
+    expanding: Sequence[str] = (),
+    events: Connection | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`rows` on a SQLite DB-API connection (a unit's, or a thread's held reader);
+    ``events``, when given, is the Connection whose cursor events fire. Expanded lists must not
+    be empty (:func:`rows` hands those to SQLAlchemy)."""
+    params = params or {}
+    if any(not params[name] for name in expanding):
+        raise ValueError("driver_rows cannot expand an empty list: use rows()")
+    expand = tuple((name, _bucket(len(params[name]))) for name in expanding) if expanding else ()
+    compiled = _compile(statement, dialect, expand)
     bound = []
     for name, index in compiled.slots:
         if index is None:
@@ -113,21 +177,38 @@ def rows(
             given = params[name]
             bound.append(given[index] if index < len(given) else given[-1])
     values = tuple(bound)  # a tuple, as SQLAlchemy hands positional parameters to events
-    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
-    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    dispatch = conn.dispatch  # cursor events still fire (tracing, tests that watch the SQL)
+    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+    cursor = driver.cursor()
+    dispatch = events.dispatch if events is not None else None
     try:
-        if dispatch.before_cursor_execute:
-            dispatch.before_cursor_execute(conn, cursor, compiled.sql, values, None, False)
+        if dispatch is not None and dispatch.before_cursor_execute:
+            dispatch.before_cursor_execute(events, cursor, compiled.sql, values, None, False)
         cursor.execute(compiled.sql, values)
         names = [column[0] for column in cursor.description]
         found = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-        if dispatch.after_cursor_execute:
-            dispatch.after_cursor_execute(conn, cursor, compiled.sql, values, None, False)
+        if dispatch is not None and dispatch.after_cursor_execute:
+            dispatch.after_cursor_execute(events, cursor, compiled.sql, values, None, False)
         return found
     except dbapi_error as orig:
         raise sa.exc.DBAPIError.instance(
-            compiled.sql, values, orig, dbapi_error, dialect=conn.dialect
+            compiled.sql, values, orig, dbapi_error, dialect=dialect
         ) from orig
     finally:
         cursor.close()
+
+
+def driver_execute(conn: Connection, sql: str, values: Any, *, many: bool = False) -> Any:
+    """Run SQL compiled once (positional parameters) on the unit's own DB-API cursor; driver
+    errors are wrapped as SQLAlchemy wraps them, so retries and error mapping see them."""
+    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        if many:
+            cursor.executemany(sql, values)
+        else:
+            cursor.execute(sql, values)
+    except dbapi_error as orig:
+        raise sa.exc.DBAPIError.instance(
+            sql, None, orig, dbapi_error, dialect=conn.dialect
+        ) from orig
+    return cursor

@@ -50,6 +50,7 @@ from hermes_store.errors import (
     mapped_errors,
     open_errors,
 )
+from hermes_store.uow import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +225,13 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
             f"(mode {stat.S_IMODE(info.st_mode):o})"
         )
     quiet = not files.sidecars(path)
+    before = _signature(path)
     try:
         state = _probe(path, immutable=quiet)
+        if quiet and (files.sidecars(path) or _signature(path) != before):
+            # Another process opened (and may have written) the file while it was read
+            # without locks: that read may be torn, so read it again, properly.
+            state = _probe(path, immutable=False)
     except sa.exc.DBAPIError as error:
         if not (quiet and files.sidecars(path)):
             raise _unreadable(where, info.st_size, error) from error
@@ -244,6 +250,12 @@ def _unreadable(where: str, size: int, error: sa.exc.DBAPIError) -> NotADatabase
             f"{where} is not a SQLite database ({size:,} bytes without a SQLite header)"
         )
     return NotADatabaseError(f"{where} is not a readable SQLite database: {error.orig}")
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    """Inode, size and modification time: a change means another process wrote meanwhile."""
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _probe(path: Path, *, immutable: bool) -> DatabaseState:
@@ -281,7 +293,13 @@ def adopt(conn: Connection) -> DatabaseState:
             for trigger in ddl.SQLITE_FTS_TRIGGERS:
                 conn.exec_driver_sql(trigger)
             if not had_fts:
+                started = time.monotonic()
                 conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
+                log.info(
+                    "built the full-text index of the adopted file in %.2f s (under the write "
+                    "lock: other writers waited)",
+                    time.monotonic() - started,
+                )
         state.revision = revision
     return state
 
@@ -291,8 +309,15 @@ def _describe(conn: Connection) -> str:
 
 
 @contextmanager
-def migration_connection(target: Target) -> Iterator[Connection]:
-    """One connection holding the write lock, foreign keys off (SQLite rebuilds tables)."""
+def migration_connection(
+    target: Target, *, retry: RetryPolicy | None = None
+) -> Iterator[Connection]:
+    """One connection holding the write lock, foreign keys off (SQLite rebuilds tables).
+
+    Waiting for the lock is retried with the store's jittered policy (each attempt waits up to
+    the writer's busy timeout), so opening a file while another process writes never fails
+    before the writes' own retries would; how long the lock was then held is logged.
+    """
     url = target.url if isinstance(target, Engine) else to_url(target)
     path = sqlite_file(url)
     if path is not None:
@@ -300,9 +325,10 @@ def migration_connection(target: Target) -> Iterator[Connection]:
     created = path is not None and preflight_sqlite(path) is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
     try:
-        with _lock_errors(url), mapped_errors(), engine.connect() as conn:
-            conn.execution_options(**{WRITE_OPTION: True})
-            with conn.begin():
+        with _lock_errors(url), mapped_errors():
+            conn, transaction = _begin_migration(engine, retry or RetryPolicy())
+            locked_at = time.monotonic()
+            with conn, transaction:
                 if conn.dialect.name == "postgresql":
                     # SQLite's BEGIN IMMEDIATE serialises migrations; PostgreSQL needs a lock
                     # of its own, or processes opening one new database at once all run v1.
@@ -310,12 +336,37 @@ def migration_connection(target: Target) -> Iterator[Connection]:
                         sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK}
                     )
                 yield conn
+            log.info(
+                "%s: migration committed; it held the write lock for %.2f s",
+                _describe_url(url),
+                time.monotonic() - locked_at,
+            )
     except BaseException:
         if created and path is not None and path.stat().st_size == 0:
             path.unlink()  # leave no empty file behind: it would be refused next time
         raise
     finally:
         engine.dispose()
+
+
+def _begin_migration(engine: Engine, retry: RetryPolicy) -> tuple[Connection, sa.RootTransaction]:
+    """A connection with its write transaction begun, waiting for the lock as writes do."""
+    waits = retry.waits()
+    while True:
+        conn = engine.connect()
+        conn.execution_options(**{WRITE_OPTION: True})
+        try:
+            return conn, conn.begin()
+        except sa.exc.DBAPIError as error:
+            conn.close()
+            if not is_retryable(error):
+                raise
+            delay = next(waits, None)
+            if delay is None:
+                raise
+            log.debug("migration waits for the write lock (%s); retrying in %.0f ms",
+                      error.orig, delay * 1000)  # fmt: skip
+            time.sleep(delay)
 
 
 @contextmanager
@@ -417,9 +468,9 @@ def repair_at_head(conn: Connection) -> list[str]:
     return done
 
 
-def repair(target: Target) -> list[str]:
+def repair(target: Target, *, retry: RetryPolicy | None = None) -> list[str]:
     """Repair a damaged database at head under the write lock (see :func:`repair_at_head`)."""
-    with migration_connection(target) as conn:
+    with migration_connection(target, retry=retry) as conn:
         return repair_at_head(conn)
 
 
@@ -434,9 +485,11 @@ def read_engine(target: Target) -> Engine:
     return create_engine(url, poolclass=NullPool)
 
 
-def upgrade(target: Target, revision: str = "head") -> str | None:
+def upgrade(
+    target: Target, revision: str = "head", *, retry: RetryPolicy | None = None
+) -> str | None:
     """Bring ``target`` (a path, URL or Engine) to ``revision``, adopting a legacy file first."""
-    with migration_connection(target) as conn:
+    with migration_connection(target, retry=retry) as conn:
         command.upgrade(alembic_config(conn), revision)
         reached = _current_revision(conn)
         if reached == head_revision():
@@ -490,31 +543,35 @@ def _current_revision(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
 
-def ensure_head(engine: Engine) -> None:
+def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) -> None:
     """Open-time check: read the version without locking; migrate only when behind, repair
     (under the write lock) only when damaged.
 
     Several processes open the same file at once, so the common case (already at head) must
-    not queue for the write lock; the upgrade itself re-checks under the lock.
+    not queue for the write lock; the upgrade itself re-checks under the lock, and waits for
+    it with the writes' retry policy. ``target`` is an Engine, or a SQLite file's URL.
     """
     head = head_revision()
-    path = sqlite_file(engine.url)
-    with open_errors(path or _describe_url(engine.url)):
+    url = target.url if isinstance(target, Engine) else target
+    path = sqlite_file(url)
+    with open_errors(path or _describe_url(url)):
         if path is not None and not path.exists():
             _create_sqlite_at_head(path)
             return
         if path is not None:
             state = preflight_sqlite(path)
         else:
-            with mapped_errors(), engine.connect() as conn:
+            assert isinstance(target, Engine), "ensure_head takes an Engine for servers"
+            with mapped_errors(), target.connect() as conn:
                 state = read_state(conn)
-            check_adoptable(state, _describe_url(engine.url))
+            check_adoptable(state, _describe_url(url))
         if state is not None and state.revision == head:
             # At head: repair only when something is wrong, so a sound database takes no lock.
-            if find_damage(state, engine.dialect.name, _describe_url(engine.url)):
-                repair(engine)
+            dialect = "sqlite" if path is not None else url.get_backend_name()
+            if find_damage(state, dialect, _describe_url(url)):
+                repair(target, retry=retry)
             return
-        upgrade(engine, "head")
+        upgrade(target, "head", retry=retry)
 
 
 def _create_sqlite_at_head(path: Path) -> None:

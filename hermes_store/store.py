@@ -8,6 +8,7 @@ models in :mod:`hermes_store.models` remain the query surface for applications.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -24,8 +25,17 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import fastpath, listing, retention, search, titles, validate
-from hermes_store.engine import Target, create_engine, default_db_path
+from hermes_store import fastpath, listing, retention, search, shared, titles, validate
+from hermes_store.engine import (
+    READER_BUSY_TIMEOUT_S,
+    WRITER_BUSY_TIMEOUT_S,
+    Target,
+    check_synchronous,
+    create_engine,
+    default_db_path,
+    sqlite_file,
+    to_url,
+)
 from hermes_store.errors import (
     InvalidInputError,
     TitleInUseError,
@@ -34,7 +44,7 @@ from hermes_store.errors import (
 from hermes_store.migrate import ensure_head
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
-from hermes_store.uow import RetryPolicy, UnitOfWork
+from hermes_store.uow import RetryPolicy, StoreStats, UnitOfWork
 
 if TYPE_CHECKING:
     from hermes_store.backup import BackupReport
@@ -122,26 +132,64 @@ class SessionDB:
         retry: RetryPolicy | None = None,
         checkpoint_every: int = 50,
         writer_busy_timeout: float | None = None,
+        synchronous: str = "full",
     ) -> None:
         validate.target(db_path)
         validate.open_options(retry, checkpoint_every, writer_busy_timeout)
         target: Target = default_db_path() if db_path is None else db_path
-        extra: dict[str, Any] = {}
-        if writer_busy_timeout is not None:
-            extra["writer_busy_timeout"] = writer_busy_timeout
-        self.engine: Engine = create_engine(target, **extra)
-        self._owns_engine = not isinstance(target, Engine)
-        self.db_path = target if not isinstance(target, Engine) else None
+        given = target if isinstance(target, Engine) else None
+        options = shared.StoreOptions(
+            retry=retry or RetryPolicy(),
+            checkpoint_every=checkpoint_every,
+            writer_busy_timeout=(
+                WRITER_BUSY_TIMEOUT_S if writer_busy_timeout is None else writer_busy_timeout
+            ),
+            reader_busy_timeout=READER_BUSY_TIMEOUT_S,
+            synchronous=check_synchronous(synchronous),
+            engine=None if given is None else id(given),
+        )
+        self._owns_engine = given is None
+        url = given.url if given is not None else to_url(target)  # type: ignore[arg-type]
+        self.db_path = None if given is not None else target
+        path = sqlite_file(url)
+        self._file: shared.FileKey | None = None
+        if path is not None:
+            # Brought to head first (without the write lock when already there); then the
+            # file's one writer in this process is shared.
+            ensure_head(url, retry=options.retry)
+            self._file = shared.file_key(path)
+            self.uow = shared.acquire(
+                self._file, options, lambda: self._make_uow(target, options), str(path)
+            )
+            self.engine: Engine = self.uow.engine
+        else:
+            self.uow, _ = self._make_uow(target, options, migrate=True)
+            self.engine = self.uow.engine
         self.is_sqlite = self.engine.dialect.name == "sqlite"
-        try:
-            ensure_head(self.engine)
-        except BaseException:
-            self.engine.dispose()
-            raise
-        self.uow = UnitOfWork(self.engine, retry=retry, checkpoint_every=checkpoint_every)
         dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
         self._insert_session = dialect_insert(S).on_conflict_do_nothing(index_elements=["id"])
         self._closed = False
+
+    @staticmethod
+    def _make_uow(
+        target: Target, options: shared.StoreOptions, *, migrate: bool = False
+    ) -> tuple[UnitOfWork, bool]:
+        engine = create_engine(
+            target,
+            writer_busy_timeout=options.writer_busy_timeout,
+            reader_busy_timeout=options.reader_busy_timeout,
+            synchronous=options.synchronous,
+        )
+        owns = not isinstance(target, Engine)
+        try:
+            if migrate:
+                ensure_head(engine, retry=options.retry)
+            uow = UnitOfWork(engine, retry=options.retry, checkpoint_every=options.checkpoint_every)
+        except BaseException:
+            if owns:
+                engine.dispose()
+            raise
+        return uow, owns
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> SessionDB:
@@ -152,14 +200,38 @@ class SessionDB:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Best-effort WAL checkpoint, then release every connection. Safe to call twice."""
+        """Leave the file's shared writer; the last store on a file in this process runs a
+        best-effort WAL checkpoint and releases every connection. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        owns = self._owns_engine
+        if self._file is not None:
+            last, owns = shared.release(self._file)
+            if not last:
+                return
         self.uow.checkpoint()
-        self.uow.release_driver()
-        if self._owns_engine:
+        self.uow.release()
+        if owns:
             self.engine.dispose()
+
+    def transaction(self) -> AbstractContextManager[Connection]:
+        """One unit for every call inside the block (this thread or asyncio task).
+
+        One ``BEGIN IMMEDIATE`` (waiting for another writer is retried: nothing ran yet), one
+        commit at the end, everything rolled back on an exception. Nested blocks, and calls
+        inside ``uow.session()``/``uow.connect()``, join it; other threads' calls wait for the
+        lock and land after it. The block runs once: a lock met inside it rolls it back and
+        raises :class:`~hermes_store.DatabaseLockedError`. Yields the unit's Connection.
+        """
+        return self.uow.transaction()
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters (units, lock waits, retries, checkpoints) of the file's
+        shared writer in this process; also logged at debug level."""
+        snapshot = dataclasses.replace(self.uow.stats)
+        log.debug("store stats: %s", snapshot)
+        return snapshot
 
     def __enter__(self) -> SessionDB:
         return self
@@ -254,9 +326,8 @@ class SessionDB:
 
     def get_session(self, session_id: str) -> RowDict | None:
         validate.text("session_id", session_id)
-        with self._read() as conn:
-            row = conn.execute(select(S).where(S.c.id == session_id)).first()
-        return _row_dict(row) if row else None
+        found = self.uow.read_rows(_SESSION_BY_ID, {"sid": session_id})
+        return found[0] if found else None
 
     def resolve_session_id(self, session_id_or_prefix: str) -> str | None:
         """The exact id, else the one session whose id starts with the prefix (else None)."""
@@ -352,8 +423,7 @@ class SessionDB:
 
     def get_session_title(self, session_id: str) -> str | None:
         validate.text("session_id", session_id)
-        with self._read() as conn:
-            title: str | None = conn.scalar(select(S.c.title).where(S.c.id == session_id))
+        title: str | None = self.uow.read_scalar(_TITLE_BY_ID, {"sid": session_id})
         return title
 
     def get_session_by_title(self, title: str) -> RowDict | None:
@@ -455,13 +525,8 @@ class SessionDB:
             f"p_{name}": value for name, value in (counts | overwrite | fill).items()
         }
         params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
-        if self.is_sqlite:  # the hot path: the statement compiled once, run on the driver
-            sql, keys = _sqlite_sql("tokens_absolute" if absolute else "tokens")
-            bound = tuple(params[key] for key in keys)
-            self.uow.run_driver(lambda cursor: cursor.execute(sql, bound))
-            return
-        statement = _token_statement(bool(absolute))
-        self.uow.run(lambda conn: conn.execute(statement, params))
+        mode = "tokens_absolute" if absolute else "tokens"
+        self.uow.run(lambda conn: _execute(conn, mode, params), driver_only=True)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -499,27 +564,16 @@ class SessionDB:
             "tool_calls": _tool_call_increment(role, tool_calls),
         }
 
-        if self.is_sqlite:
-            bump_sql, bump_keys = _sqlite_sql("bump")
-            insert_sql, insert_keys = _sqlite_sql("insert")
-            bump_params = tuple(bump[key] for key in bump_keys)
-            insert_params = tuple(values[key] for key in insert_keys)
-
-            def driver_unit(cursor: Any) -> int:
-                cursor.execute(bump_sql, bump_params)
-                if cursor.rowcount != 1:
-                    raise UnknownSessionError(f"session {session_id!r} does not exist")
-                cursor.execute(insert_sql, insert_params)
-                return int(cursor.lastrowid)
-
-            return self.uow.run_driver(driver_unit)
-
         def unit(conn: Connection) -> int:
-            if conn.execute(_BUMP_COUNTERS, bump).rowcount != 1:
+            if _execute(conn, "bump", bump) != 1:
                 raise UnknownSessionError(f"session {session_id!r} does not exist")
+            if conn.dialect.name == "sqlite":  # the statement compiled once, on the driver
+                sql, keys = _sqlite_sql("insert")
+                cursor = fastpath.driver_execute(conn, sql, tuple(values[key] for key in keys))
+                return int(cursor.lastrowid)
             return int(conn.execute(_INSERT_MESSAGE, values).scalar_one())
 
-        return self.uow.run(unit)
+        return self.uow.run(unit, driver_only=True)
 
     def append_messages(self, session_id: str, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Append many messages in one transaction (imports); all or nothing. Returns the ids.
@@ -543,30 +597,20 @@ class SessionDB:
 
         bump = {"sid": session_id, "messages": len(rows), "tool_calls": tool_call_total}
 
-        if self.is_sqlite:  # the hot path: one executemany of the compiled INSERT
-            bump_sql, bump_keys = _sqlite_sql("bump")
-            insert_sql, insert_keys = _sqlite_sql("insert")
-            bump_params = tuple(bump[key] for key in bump_keys)
-            insert_rows = [tuple(row[key] for key in insert_keys) for row in rows]
-
-            def driver_unit(cursor: Any) -> list[int]:
-                cursor.execute(bump_sql, bump_params)
-                if cursor.rowcount != 1:
-                    raise UnknownSessionError(f"session {session_id!r} does not exist")
-                cursor.executemany(insert_sql, insert_rows)
+        def unit(conn: Connection) -> list[int]:
+            if _execute(conn, "bump", bump) != 1:
+                raise UnknownSessionError(f"session {session_id!r} does not exist")
+            if conn.dialect.name == "sqlite":  # one executemany of the compiled INSERT
+                sql, keys = _sqlite_sql("insert")
+                insert_rows = [tuple(row[key] for key in keys) for row in rows]
+                cursor = fastpath.driver_execute(conn, sql, insert_rows, many=True)
                 last = int(cursor.execute("SELECT last_insert_rowid()").fetchone()[0])
                 # One transaction holding the write lock: AUTOINCREMENT ids are consecutive.
                 return list(range(last - len(insert_rows) + 1, last + 1))
-
-            return self.uow.run_driver(driver_unit)
-
-        def unit(conn: Connection) -> list[int]:
-            if conn.execute(_BUMP_COUNTERS, bump).rowcount != 1:
-                raise UnknownSessionError(f"session {session_id!r} does not exist")
             statement = M.insert().returning(M.c.id, sort_by_parameter_order=True)
             return list(conn.scalars(statement, rows))
 
-        return self.uow.run(unit)
+        return self.uow.run(unit, driver_only=True)
 
     def _message_values(
         self,
@@ -628,8 +672,9 @@ class SessionDB:
         validate.text("session_id", session_id)
         validate.integer("limit", limit, optional=True, minimum=0)
         validate.integer("after_id", after_id, optional=True)
-        with self._read() as conn:
-            return _fetch_messages(conn, session_id, limit=limit, after_id=after_id)
+        statement = _messages_statement(after_id is not None, limit is not None)
+        params = {"sid": session_id, "after": after_id, "lim": limit}
+        return _decode_tool_calls(self.uow.read_rows(statement, params))
 
     def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[RowDict]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
@@ -675,11 +720,9 @@ class SessionDB:
 
     def message_count(self, session_id: str | None = None) -> int:
         validate.text("session_id", session_id, optional=True)
-        statement = select(func.count()).select_from(M)
-        if session_id is not None:
-            statement = statement.where(M.c.session_id == session_id)
-        with self._read() as conn:
-            return int(conn.scalar(statement) or 0)
+        if session_id is None:
+            return int(self.uow.read_scalar(_COUNT_ALL_MESSAGES) or 0)
+        return int(self.uow.read_scalar(_COUNT_MESSAGES, {"sid": session_id}) or 0)
 
     def session_count(self, source: str | None = None) -> int:
         validate.text("source", source, optional=True)
@@ -785,9 +828,11 @@ class SessionDB:
         """
 
         def unit(conn: Connection) -> bool:
-            ok = search.check_index(conn)
-            conn.rollback()
-            return ok
+            savepoint = conn.begin_nested()  # so a joined transaction() keeps its own work
+            try:
+                return search.check_index(conn)
+            finally:
+                savepoint.rollback()
 
         return self.uow.run(unit)
 
@@ -833,7 +878,7 @@ class SessionDB:
                 )
             # One read unit per page: a round trip per session, not a transaction per session
             # (on PostgreSQL each checkout also pings the server).
-            with self._read() as conn:
+            with self.uow.reading() as conn:
                 page = [_row_dict(row) for row in conn.execute(statement)]
                 for session in page:
                     yield {**session, "messages": _fetch_messages(conn, session["id"])}
@@ -886,6 +931,21 @@ def _sqlite_sql(name: str) -> tuple[str, tuple[str, ...]]:
     return compiled.string, tuple(compiled.positiontup or ())
 
 
+def _execute(conn: Connection, name: str, params: Mapping[str, Any]) -> int:
+    """Run one of the hot path's prebuilt statements on the unit's connection (SQLite: compiled
+    once, on the driver's cursor); the number of rows it changed."""
+    if conn.dialect.name == "sqlite":
+        sql, keys = _sqlite_sql(name)
+        cursor = fastpath.driver_execute(conn, sql, tuple(params[key] for key in keys))
+        return int(cursor.rowcount)
+    statement = {
+        "bump": _BUMP_COUNTERS,
+        "tokens": _token_statement(False),
+        "tokens_absolute": _token_statement(True),
+    }[name]
+    return int(conn.execute(statement, dict(params)).rowcount)
+
+
 @functools.cache
 def _token_statement(absolute: bool) -> sa.Update:
     """The one atomic UPDATE of ``update_token_counts`` for a mode, every value bound: None
@@ -934,13 +994,23 @@ def _checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -
     )
 
 
+_SESSION_BY_ID = select(S).where(S.c.id == sa.bindparam("sid"))
+_TITLE_BY_ID = select(S.c.title).where(S.c.id == sa.bindparam("sid"))
+_COUNT_ALL_MESSAGES = select(func.count().label("n")).select_from(M)
+_COUNT_MESSAGES = _COUNT_ALL_MESSAGES.where(M.c.session_id == sa.bindparam("sid"))
+
+
 def _fetch_messages(
     conn: Connection, session_id: str, *, limit: int | None = None, after_id: int | None = None
 ) -> list[RowDict]:
     """One session's messages on ``conn``, ``tool_calls`` decoded (bad JSON gives ``[]``)."""
     statement = _messages_statement(after_id is not None, limit is not None)
     params = {"sid": session_id, "after": after_id, "lim": limit}
-    rows = fastpath.rows(conn, statement, params)
+    return _decode_tool_calls(fastpath.rows(conn, statement, params))
+
+
+def _decode_tool_calls(rows: list[RowDict]) -> list[RowDict]:
+    """``tool_calls`` decoded in place (bad JSON gives ``[]``)."""
     for message in rows:
         if message.get("tool_calls"):
             message["tool_calls"] = _from_json(

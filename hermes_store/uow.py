@@ -1,33 +1,69 @@
 """The Unit of Work: one connection, one transaction, commit on success, rollback on error.
 
-Write units take the lock up front (``BEGIN IMMEDIATE`` on SQLite, via the engine's begin hook)
-and are re-run from scratch, on a fresh connection, when the database is busy or locked: up to
-15 attempts with ``random.uniform(0.020, 0.150)`` s between them, the original store's policy that
-keeps competing processes from retrying in lockstep. Every other error propagates at once.
+Every unit, read or write, hot path included, begins through ``engine.begin_on_driver`` (the
+engine's begin hook; SQLite: ``BEGIN IMMEDIATE`` for writes, a deferred ``BEGIN`` for reads).
+Repositories take the unit's connection and never begin or commit. Units compose: the open
+unit of a thread (or asyncio task) is kept in a :class:`~contextvars.ContextVar`, and any unit
+asked for meanwhile joins it.
+
+Retries: a unit that meets a lock before it ran anything (waiting for ``BEGIN IMMEDIATE``) is
+retried up to 15 times, ``random.uniform(0.020, 0.150)`` s apart, the original store's policy
+that keeps competing processes from retrying in lockstep. ``run(fn)`` also re-runs ``fn`` whole
+on a lock met midway; a ``transaction()`` block runs once, so a lock met inside it rolls the
+block back and raises :class:`DatabaseLockedError`.
+
+SQLite write units wait for their turn as the file's writer in :meth:`UnitOfWork._write_turn`
+(today an in-process lock shared by every store on the file), then begin on the one writer
+connection the process keeps for that file.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.sql import ClauseElement
 
-from hermes_store.engine import WRITE_OPTION, begin_on_driver
-from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors
+from hermes_store import fastpath
+from hermes_store.engine import (
+    WRITE_OPTION,
+    SqliteSettings,
+    begin_on_driver,
+    install_sqlite_hooks,
+    prepare_driver,
+    sqlite_settings,
+)
+from hermes_store.errors import (
+    SQLITE_READONLY,
+    DatabaseLockedError,
+    HermesStoreError,
+    InvalidInputError,
+    ReadOnlyUnitError,
+    is_retryable,
+    mapped_errors,
+    translate,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Threads that keep a read connection of their own (the rest check one out per read).
+MAX_HELD_READERS = 16
 
 
 @dataclass(frozen=True)
@@ -44,11 +80,41 @@ class RetryPolicy:
             yield random.uniform(self.min_wait, self.max_wait)
 
 
+@dataclass
+class StoreStats:
+    """Counters of one Unit of Work (shared by every store on a file in this process)."""
+
+    write_units: int = 0  #: committed write units (joined calls are not counted twice)
+    read_units: int = 0  #: read units and single-statement reads
+    transactions: int = 0  #: committed ``transaction()`` blocks
+    rollbacks: int = 0  #: units rolled back by an exception
+    lock_waits: int = 0  #: write units that found another thread of this process writing
+    lock_wait_seconds: float = 0.0  #: time spent in those waits
+    retries: int = 0  #: pauses after a busy/locked database (before a retry)
+    checkpoints: int = 0  #: successful PASSIVE WAL checkpoints
+
+
+class Unit:
+    """An open unit: its connection and whether it may write."""
+
+    __slots__ = ("conn", "write")
+
+    def __init__(self, conn: Connection, write: bool) -> None:
+        self.conn = conn
+        self.write = write
+
+
+def driver_cursor(conn: Connection) -> Any:
+    """A DB-API cursor on the unit's own connection (the SQLite hot path's statements)."""
+    return conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+
+
 class UnitOfWork:
     """Runs read and write units against one engine; thread-safe, shared by a whole process.
 
-    ``with uow.session() as s:`` yields an ORM session bound to one connection and commits
-    when the block ends cleanly; ``uow.run(fn)`` re-runs ``fn(connection)`` whole on lock errors.
+    ``with uow.transaction():`` (or ``uow.connect()`` / ``uow.session()``) opens a unit that
+    every unit asked for in the same thread or task joins; ``uow.run(fn)`` re-runs
+    ``fn(connection)`` whole on lock errors when it opens the unit itself.
     """
 
     def __init__(
@@ -62,125 +128,293 @@ class UnitOfWork:
         self.retry = retry or RetryPolicy()
         self.checkpoint_every = checkpoint_every
         self.is_sqlite = engine.dialect.name == "sqlite"
+        self._dialect = engine.dialect
+        self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        self.settings: SqliteSettings | None = None
+        if self.is_sqlite:
+            self.settings = sqlite_settings(engine) or install_sqlite_hooks(engine)
         self._writer = engine.execution_options(**{WRITE_OPTION: True})
-        self._reader = engine.execution_options(**{WRITE_OPTION: False})
-        # In-process writers queue on this lock; other processes meet SQLite's write lock.
+        # A PostgreSQL read unit is READ ONLY on the server too (psycopg's BEGIN READ ONLY).
+        reader_options: dict[str, Any] = {WRITE_OPTION: False}
+        if engine.dialect.name == "postgresql":
+            reader_options["postgresql_readonly"] = True
+        self._reader = engine.execution_options(**reader_options)
+        self._fresh_process_state()
+        _LIVE.add(self)
+
+    def _fresh_process_state(self) -> None:
+        """Locks, held connections and the open-unit variable of this process (after a fork
+        the child gets new ones and never touches its parent's)."""
+        self._pid = os.getpid()
+        self._current: ContextVar[Unit | None] = ContextVar(f"hermes_unit_{id(self)}", default=None)
+        # In-process writers queue here; other processes meet SQLite's write lock.
         self._write_lock = threading.Lock() if self.is_sqlite else None
         self._count_lock = threading.Lock()
-        self.writes = 0
-        self.checkpoints = 0
-        self._driver_connection: PoolProxiedConnection | None = None  # run_driver's writer
+        self._turn_changed = threading.Condition(self._count_lock)
+        self._waiting = 0  # threads of this process waiting for their write turn
+        self._writer_conn: Connection | None = None  # the file's writer connection (SQLite)
+        self._readers_lock = threading.Lock()
+        self._readers: dict[int, tuple[PoolProxiedConnection, weakref.finalize[Any, Any]]] = {}
+        self._local = threading.local()
+        self.stats = StoreStats()
+
+    @property
+    def writes(self) -> int:
+        """Committed write units (kept for callers of the first release)."""
+        return self.stats.write_units
+
+    @property
+    def checkpoints(self) -> int:
+        return self.stats.checkpoints
+
+    # -- the seam for the cross-process writer queue -----------------------------------------
+
+    @contextmanager
+    def _write_turn(self) -> Iterator[None]:
+        """Wait for this unit's turn as the file's writer; held from before BEGIN IMMEDIATE
+        until after COMMIT/ROLLBACK. Today: the in-process lock (PostgreSQL: no wait here)."""
+        lock = self._write_lock
+        if lock is None:
+            yield
+            return
+        if not lock.acquire(blocking=False):
+            started = time.monotonic()
+            with self._turn_changed:
+                self.stats.lock_waits += 1
+                self._waiting += 1
+                self._turn_changed.notify_all()
+            try:
+                lock.acquire()
+            finally:
+                with self._turn_changed:
+                    self._waiting -= 1
+                    self.stats.lock_wait_seconds += time.monotonic() - started
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def wait_for_waiting_writers(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` threads wait for their write turn (False: timed out);
+        lets callers and tests know a writer is queued without polling."""
+        with self._turn_changed:
+            return self._turn_changed.wait_for(lambda: self._waiting >= count, timeout)
 
     # -- the units ---------------------------------------------------------------------------
 
-    def run(self, fn: Callable[[Connection], T], *, write: bool = True) -> T:
-        """Run ``fn`` in one transaction; on a lock error, run it again on a fresh connection."""
-        waits = self.retry.waits()
-        while True:
-            try:
-                with self._unit(write, waits) as conn:
-                    return fn(conn)
-            except sa_exc.DBAPIError as error:
-                if not is_retryable(error):
-                    raise
-                self._pause(waits, error)
-
-    def run_driver(self, fn: Callable[[Any], T]) -> T:
-        """A SQLite write unit on the driver's own cursor: the hot path (``append_message``).
-
-        The same in-process lock, ``BEGIN IMMEDIATE``, retry policy, error mapping and
-        checkpoint cadence as :meth:`run`, but on one writer connection kept for the purpose
-        (writes are serialised by the lock anyway, as in the original store) and without a
-        SQLAlchemy Connection around each statement: ``fn`` gets a DB-API cursor and runs statements
-        compiled once from Core. SQLite only; other backends use :meth:`run`.
-        """
-        if self._write_lock is None:
-            raise RuntimeError("run_driver is the SQLite hot path; use run() on this backend")
-        waits = self.retry.waits()
-        while True:
-            try:
-                with self._write_lock, mapped_errors():
-                    result = self._driver_attempt(fn)
-            except sa_exc.DBAPIError as error:
-                if not is_retryable(error):
-                    raise
-                self._pause(waits, error)
-                continue
-            self._count_write()
-            return result
-
-    def _driver_attempt(self, fn: Callable[[Any], T]) -> T:
-        dbapi_error: type[Exception] = self.engine.dialect.loaded_dbapi.Error
-        try:
-            held = self._driver_connection
-            if held is None:
-                held = self._driver_connection = self.engine.raw_connection()
-            driver = held.driver_connection
-            assert driver is not None
-            try:
-                begin_on_driver(driver, held.info, write=True)
-                result = fn(driver.cursor())
-                driver.commit()
-            except BaseException:
-                try:
-                    driver.rollback()
-                except dbapi_error:
-                    self._drop_driver(invalidate=True)  # state unknown: never reuse it
-                    raise
-                self._drop_driver(invalidate=False)  # a retry starts on a fresh connection
-                raise
-        except dbapi_error as orig:  # the same wrapped errors as the Connection path
-            raise sa_exc.DBAPIError.instance(
-                None, None, orig, dbapi_error, dialect=self.engine.dialect
-            ) from orig
-        return result
-
-    def release_driver(self) -> None:
-        """Give the hot path's writer connection back to the pool (``SessionDB.close``)."""
-        with self._write_lock or nullcontext():  # never while a unit is using it
-            self._drop_driver(invalidate=False)
-
-    def _drop_driver(self, *, invalidate: bool) -> None:
-        held, self._driver_connection = self._driver_connection, None
-        if held is None:
-            return
-        if invalidate:
-            held.invalidate()
-        else:
-            held.close()
-
-    def connect(self, *, write: bool = True) -> AbstractContextManager[Connection]:
-        """A connection inside one transaction: commit on a clean exit, rollback otherwise.
-
-        Waiting for the lock is retried; the block itself runs once (use :meth:`run` to
-        re-run a whole unit that may meet a lock midway, as on PostgreSQL).
-        """
-        return self._unit(write, self.retry.waits())
+    def current(self) -> Unit | None:
+        """The unit open in this thread or task, if any."""
+        return self._current.get()
 
     @contextmanager
-    def _unit(self, write: bool, waits: Iterator[float]) -> Iterator[Connection]:
-        lock = self._write_lock if write else None
-        with lock or nullcontext(), mapped_errors():
+    def unit(self, *, write: bool = True) -> Iterator[Unit]:
+        """A unit: joins the open one, else begins one (waiting for the lock is retried)."""
+        open_unit = self._current.get()
+        if open_unit is not None:
+            if write and not open_unit.write:
+                raise ReadOnlyUnitError(
+                    "a write inside a read-only unit (uow.connect(write=False)); open a write "
+                    "unit (db.transaction() or uow.connect()) for it"
+                )
+            yield open_unit
+            return
+        with self._own_unit(write, self.retry.waits()) as unit:
+            yield unit
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """A read connection that others do not join: the open unit's if there is one, else
+        a read unit of its own (for generators, which yield to code that may open units)."""
+        open_unit = self._current.get()
+        if open_unit is not None:
+            yield open_unit.conn
+            return
+        with self._own_unit(False, self.retry.waits(), publish=False) as unit:
+            yield unit.conn
+
+    @contextmanager
+    def _own_unit(
+        self, write: bool, waits: Iterator[float], *, publish: bool = True
+    ) -> Iterator[Unit]:
+        with self._write_turn() if write else nullcontext(), mapped_errors():
             conn = self._begin(write, waits)
-            with conn:  # closing an uncommitted connection rolls it back
-                yield conn
+            unit = Unit(conn, write)
+            token = self._current.set(unit) if publish else None
+            try:
+                yield unit
                 conn.commit()
-        if write:
-            self._count_write()
+            except BaseException as error:
+                self._abort(conn, write)
+                if not write and _is_readonly_refusal(error):
+                    raise ReadOnlyUnitError(
+                        f"a write inside a read-only unit (uow.connect(write=False)): {error}"
+                    ) from error
+                raise
+            finally:
+                if token is not None:
+                    self._current.reset(token)
+                if not (write and conn is self._writer_conn):
+                    conn.close()
+        self._count(write)
 
     def _begin(self, write: bool, waits: Iterator[float]) -> Connection:
-        engine = self._writer if write else self._reader
         while True:
-            conn = engine.connect()
+            conn = self._connection(write)
             try:
                 conn.begin()
             except sa_exc.DBAPIError as error:
-                conn.close()
+                if conn is self._writer_conn:
+                    if not is_retryable(error):
+                        self._drop_writer(invalidate=False)
+                else:
+                    conn.close()
                 if not is_retryable(error):
                     raise
                 self._pause(waits, error)
                 continue
             return conn
+
+    def _connection(self, write: bool) -> Connection:
+        if write and self.is_sqlite:
+            # Writes are serialised by the turn anyway: one connection serves them all.
+            if self._writer_conn is None:
+                self._writer_conn = self._writer.connect()
+            return self._writer_conn
+        return (self._writer if write else self._reader).connect()
+
+    def _abort(self, conn: Connection, write: bool) -> None:
+        with self._count_lock:
+            self.stats.rollbacks += 1
+        try:
+            conn.rollback()
+        except sa_exc.DBAPIError:
+            if conn is self._writer_conn:
+                self._drop_writer(invalidate=True)  # state unknown: never reuse it
+            else:
+                conn.invalidate()
+            raise
+        if conn is self._writer_conn:
+            self._drop_writer(invalidate=False)  # a retry starts on a fresh connection
+
+    def _drop_writer(self, *, invalidate: bool) -> None:
+        held, self._writer_conn = self._writer_conn, None
+        if held is None:
+            return
+        if invalidate:
+            held.invalidate()
+        held.close()
+
+    def run(
+        self, fn: Callable[[Connection], T], *, write: bool = True, driver_only: bool = False
+    ) -> T:
+        """Run ``fn`` in one unit; on a lock error, run it again on a fresh connection.
+
+        Inside an open unit ``fn`` joins it and runs once (a lock error then ends the whole
+        unit: see :meth:`transaction`). ``driver_only``: ``fn`` runs its statements on the
+        connection's DB-API cursor only (the SQLite hot path), so on SQLite the unit is begun
+        and committed on the driver, through the same begin function as the engine's hook,
+        without SQLAlchemy's transaction bookkeeping.
+        """
+        if self._current.get() is not None:
+            with self.unit(write=write) as unit:
+                return fn(unit.conn)
+        waits = self.retry.waits()
+        lean = driver_only and write and self.is_sqlite
+        while True:
+            try:
+                if lean:
+                    return self._driver_unit(fn, waits)
+                with self._own_unit(write, waits) as unit:
+                    return fn(unit.conn)
+            except sa_exc.DBAPIError as error:
+                if not is_retryable(error):
+                    raise
+                self._pause(waits, error)
+
+    def _driver_unit(self, fn: Callable[[Connection], T], waits: Iterator[float]) -> T:
+        """One attempt of a SQLite write unit begun and committed on the writer's driver
+        connection: the same turn, begin function (``begin_on_driver``), error mapping and
+        checkpoint cadence as every unit. ``fn`` gets the writer Connection, which stays idle
+        in SQLAlchemy's eyes: it only ever uses its DB-API cursor."""
+        settings = self.settings
+        assert settings is not None
+        dbapi_error = self._dbapi_error
+        with self._write_turn(), mapped_errors():
+            conn = self._connection(True)
+            pooled = conn.connection
+            driver: Any = pooled.driver_connection
+            try:
+                begin_on_driver(driver, pooled.info, settings, write=True)
+            except dbapi_error as orig:
+                raise _wrapped(orig, self._dialect) from orig
+            try:
+                result = fn(conn)
+                driver.commit()
+            except BaseException as error:
+                with self._count_lock:
+                    self.stats.rollbacks += 1
+                try:
+                    driver.rollback()
+                except dbapi_error as orig:
+                    self._drop_writer(invalidate=True)  # state unknown: never reuse it
+                    raise _wrapped(orig, self._dialect) from orig
+                self._drop_writer(invalidate=False)  # a retry starts on a fresh connection
+                if isinstance(error, dbapi_error):
+                    raise _wrapped(error, self._dialect) from error
+                raise
+        self._count(True)
+        return result
+
+    def run_driver(self, fn: Callable[[Any], T]) -> T:
+        """:meth:`run` with ``fn`` given the unit's DB-API cursor (statements compiled once);
+        driver errors are wrapped as SQLAlchemy wraps them, so retries see them."""
+        dbapi_error: type[Exception] = self.engine.dialect.loaded_dbapi.Error
+
+        def unit(conn: Connection) -> T:
+            try:
+                return fn(driver_cursor(conn))
+            except dbapi_error as orig:
+                raise _wrapped(orig, self._dialect) from orig
+
+        return self.run(unit, driver_only=True)
+
+    def connect(self, *, write: bool = True) -> AbstractContextManager[Connection]:
+        """A connection inside one unit: commit on a clean exit, rollback otherwise.
+
+        Waiting for the lock is retried; the block itself runs once (use :meth:`run` to
+        re-run a whole unit that may meet a lock midway, as on PostgreSQL). Inside an open
+        unit it joins that unit.
+        """
+        return self._connection_of(self.unit(write=write))
+
+    @contextmanager
+    def _connection_of(self, units: AbstractContextManager[Unit]) -> Iterator[Connection]:
+        with units as unit:
+            yield unit.conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """One write unit that every call inside the block (this thread or task) joins.
+
+        ``BEGIN IMMEDIATE`` (retried while another writer holds the lock: nothing ran yet),
+        commit at the end, rollback of everything on an exception. The block runs once: a lock
+        error inside it (a PostgreSQL deadlock, say) rolls it back and raises
+        :class:`DatabaseLockedError`. Nested blocks join the outer one.
+        """
+        joined = self._current.get() is not None
+        try:
+            with self.unit(write=True) as unit:
+                yield unit.conn
+        except sa_exc.DBAPIError as error:
+            if joined or not is_retryable(error):
+                raise
+            raise DatabaseLockedError(
+                f"the database was locked inside a transaction() block, which was rolled back "
+                f"(it runs once; run it again to retry): {error.orig}"
+            ) from error
+        if not joined:
+            with self._count_lock:
+                self.stats.transactions += 1
 
     @contextmanager
     def session(self, *, write: bool = True) -> Iterator[Session]:
@@ -188,6 +422,159 @@ class UnitOfWork:
         with self.connect(write=write) as conn, Session(bind=conn, expire_on_commit=False) as s:
             yield s
             s.flush()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read_rows(
+        self,
+        statement: ClauseElement,
+        params: Mapping[str, Any] | None = None,
+        *,
+        expanding: Sequence[str] = (),
+    ) -> list[dict[str, Any]]:
+        """The rows of one prebuilt read statement, as dicts.
+
+        Inside an open unit: on its connection (it sees the unit's writes). Otherwise on
+        SQLite: on this thread's own read connection, without pool checkout or SQLAlchemy's
+        per-execution work; one statement is one implicit read transaction (one snapshot).
+        """
+        open_unit = self._current.get()
+        if open_unit is not None:
+            return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
+        if not self.is_sqlite:
+            with self._own_unit(False, self.retry.waits()) as unit:
+                return fastpath.rows(unit.conn, statement, params, expanding=expanding)
+        if expanding:
+            with self.reading() as conn:
+                return fastpath.rows(conn, statement, params, expanding=expanding)
+        names, found = self._fetch(statement, params)
+        return [dict(zip(names, row, strict=True)) for row in found]
+
+    def read_scalar(self, statement: ClauseElement, params: Mapping[str, Any] | None = None) -> Any:
+        """The first column of the first row of a prebuilt read statement (None: no row); as
+        :meth:`read_rows`, without building a dict (the cheapest read there is)."""
+        if self._current.get() is not None or not self.is_sqlite:
+            found = self.read_rows(statement, params)
+            return next(iter(found[0].values())) if found else None
+        reader: _Reader | None = self._local.__dict__.get("reader")
+        if reader is None or not reader.ready:
+            return self._fetch(statement, params, one=True)
+        plan = fastpath.plan(statement, self._dialect)
+        values = plan.bind(params)
+        try:
+            row = reader.driver.execute(plan.sql, values).fetchone()
+        except self._dbapi_error as orig:
+            raise _mapped(plan.sql, values, orig, self._dialect) from orig
+        except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
+            raise InvalidInputError(
+                f"a text argument is not valid Unicode: {error.reason}"
+            ) from None
+        self.stats.read_units += 1
+        return None if row is None else row[0]
+
+    @overload
+    def _fetch(
+        self, statement: ClauseElement, params: Mapping[str, Any] | None
+    ) -> tuple[list[str], list[Any]]: ...
+
+    @overload
+    def _fetch(
+        self, statement: ClauseElement, params: Mapping[str, Any] | None, *, one: Literal[True]
+    ) -> Any: ...
+
+    def _fetch(
+        self, statement: ClauseElement, params: Mapping[str, Any] | None, *, one: bool = False
+    ) -> Any:
+        """The hot reads on SQLite: this thread's own read connection, no pool checkout, no
+        Connection, no per-execution SQLAlchemy work."""
+        reader: _Reader | None = self._local.__dict__.get("reader")
+        if reader is None:
+            reader = self._take_reader()
+        dialect = self._dialect
+        plan = fastpath.plan(statement, dialect)
+        values = plan.bind(params)
+        dbapi_error = self._dbapi_error
+        driver = reader.driver
+        try:
+            if not reader.ready:  # the connection's state, set once (it only ever reads)
+                settings: SqliteSettings | None = self.settings
+                assert settings is not None
+                prepare_driver(driver, reader.info, settings, write=False)
+                reader.ready = True
+            cursor = driver.execute(plan.sql, values)
+            if one:
+                row = cursor.fetchone()
+                return None if row is None else row[0]
+            found = cursor.fetchall()
+            names = plan.columns
+            if names is None:
+                names = plan.columns = [column[0] for column in cursor.description]
+        except dbapi_error as orig:
+            raise _mapped(plan.sql, values, orig, dialect) from orig
+        except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
+            raise InvalidInputError(
+                f"a text argument is not valid Unicode: {error.reason}"
+            ) from None
+        finally:
+            if not reader.held:
+                reader.pooled.close()
+            self.stats.read_units += 1  # a diagnostic count: not worth a lock on a hot read
+        return names, found
+
+    def _take_reader(self) -> _Reader:
+        """This thread's held read connection, else (past the cap) one checked out for a read."""
+        try:  # connecting runs the connect hook's PRAGMAs (a full disk fails there)
+            with mapped_errors():
+                pooled = self.engine.raw_connection()
+        except self._dbapi_error as orig:  # raised inside the hook: not wrapped by SQLAlchemy
+            raise _mapped("connect", None, orig, self._dialect) from orig
+        key = next(_reader_keys)
+        with self._readers_lock:
+            if len(self._readers) >= MAX_HELD_READERS:
+                return _Reader(pooled, held=False)
+            # Given back to the pool when the thread ends (its thread-local dies with it).
+            marker = _ThreadMarker()
+            self._local.marker = marker
+            finalizer = weakref.finalize(marker, self._release_reader, key)
+            self._readers[key] = (pooled, finalizer)
+        reader = self._local.reader = _Reader(pooled, held=True)
+        return reader
+
+    def _release_reader(self, key: int) -> None:
+        with self._readers_lock:
+            entry = self._readers.pop(key, None)
+        if entry is not None:
+            entry[0].close()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Give every held connection back to the pool (the last ``SessionDB.close``)."""
+        if self._current.get() is not None:
+            raise HermesStoreError(
+                "close() inside an open unit (db.transaction(), uow.connect()): leave the "
+                "block first"
+            )
+        with self._write_turn():  # never while a unit is using the writer
+            self._drop_writer(invalidate=False)
+        with self._readers_lock:
+            readers, self._readers = self._readers, {}
+        for pooled, finalizer in readers.values():
+            finalizer.detach()
+            pooled.close()
+        self._local = threading.local()
+
+    def release_driver(self) -> None:
+        """Kept for callers of the first release: :meth:`release`."""
+        self.release()
+
+    def _after_fork_in_child(self) -> None:
+        """Forget the parent's connections, locks and open unit without touching them."""
+        _INHERITED.append((self._writer_conn, self._readers, self._local))
+        for _pooled, finalizer in self._readers.values():
+            finalizer.detach()
+        self.engine.dispose(close=False)  # the child opens its own connections
+        self._fresh_process_state()
 
     # -- maintenance -------------------------------------------------------------------------
 
@@ -201,13 +588,19 @@ class UnitOfWork:
         except sa_exc.DBAPIError as error:
             log.warning("WAL checkpoint failed (harmless, retried later): %s", error.orig)
             return False
-        self.checkpoints += 1
+        with self._count_lock:
+            self.stats.checkpoints += 1
         return True
 
-    def _count_write(self) -> None:
+    def _count(self, write: bool) -> None:
+        due = False
         with self._count_lock:
-            self.writes += 1
-            due = self.checkpoint_every > 0 and self.writes % self.checkpoint_every == 0
+            if write:
+                self.stats.write_units += 1
+                writes = self.stats.write_units
+                due = self.checkpoint_every > 0 and writes % self.checkpoint_every == 0
+            else:
+                self.stats.read_units += 1
         if due:
             self.checkpoint()
 
@@ -218,5 +611,74 @@ class UnitOfWork:
             raise DatabaseLockedError(
                 f"the database stayed locked through {self.retry.attempts} attempts: {error}"
             ) from error
+        with self._count_lock:
+            self.stats.retries += 1
         log.debug("database busy (%s); retrying in %.0f ms", error, delay * 1000)
         time.sleep(delay)
+
+
+class _Reader:
+    """A read connection: the pooled one, its driver connection and its pool-record info."""
+
+    __slots__ = ("driver", "held", "info", "pooled", "ready")
+
+    def __init__(self, pooled: PoolProxiedConnection, *, held: bool) -> None:
+        self.pooled = pooled
+        self.driver: Any = pooled.driver_connection
+        self.info = pooled.info
+        self.held = held
+        self.ready = False
+
+
+class _ThreadMarker:
+    """Lives in one thread's thread-local: its death tells the Unit of Work the thread ended."""
+
+
+def _wrapped(orig: BaseException, dialect: Any) -> sa_exc.DBAPIError:
+    """A driver error wrapped as SQLAlchemy wraps it (so retries and mapping see it)."""
+    wrapped = sa_exc.DBAPIError.instance(
+        None,
+        None,
+        orig,
+        dialect.loaded_dbapi.Error,
+        dialect=dialect,
+    )
+    assert isinstance(wrapped, sa_exc.DBAPIError)
+    return wrapped
+
+
+def _mapped(sql: str, values: Any, orig: Exception, dialect: Any) -> Exception:
+    """A driver error wrapped as SQLAlchemy wraps it, then named as the package names it."""
+    wrapped = sa_exc.DBAPIError.instance(
+        sql, values, orig, dialect.loaded_dbapi.Error, dialect=dialect
+    )
+    assert isinstance(wrapped, sa_exc.DBAPIError)
+    mapped = translate(wrapped)
+    if mapped is not None:
+        mapped.__cause__ = wrapped
+        return mapped
+    return wrapped
+
+
+def _is_readonly_refusal(error: BaseException) -> bool:
+    cause = error.__cause__ if not isinstance(error, sa_exc.DBAPIError) else error
+    orig = getattr(cause, "orig", None)
+    code = getattr(orig, "sqlite_errorcode", None)
+    return (code is not None and int(code) & 0xFF == SQLITE_READONLY) or (
+        getattr(orig, "sqlstate", None) == "25006"
+    )
+
+
+_reader_keys = itertools.count()
+#: Every live Unit of Work, so a forked child can reset them all.
+_LIVE: weakref.WeakSet[UnitOfWork] = weakref.WeakSet()
+#: What a forked child inherited from its parent: kept referenced, never used or closed.
+_INHERITED: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    for uow in list(_LIVE):
+        uow._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -234,3 +234,33 @@ def spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
     proc = ctx.Process(target=target, args=(*args, event))
     proc.start()
     return proc, event
+
+
+def hold_write_lock(path: str, seconds: float, ready: Any) -> None:
+    """Another process writing: hold ``BEGIN IMMEDIATE`` on ``path`` for ``seconds`` (the
+    scenario's duration, not a synchronisation), signalling ``ready`` once the lock is held."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        ready.set()
+        time.sleep(seconds)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def open_and_append(target: str, index: int, barrier: Any, errors: Any) -> None:
+    """Wait for the other openers, open ``target``, write one session and one message."""
+    try:
+        barrier.wait(timeout=60)
+        db = SessionDB(target)
+        try:
+            db.create_session(f"proc-{index}", "cli")
+            db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
+        finally:
+            db.close()
+    except BaseException as error:
+        errors.put(f"{index}: {error!r}")
+        raise

@@ -28,7 +28,7 @@ from hermes_store import (
     SessionDB,
     UnrecognizedSchemaError,
 )
-from tests import legacy
+from tests import legacy, proc_workers
 from tests.conftest import reset_pg, url_string
 from tests.migration_checks import (
     FTS_TRIGGERS,
@@ -379,27 +379,12 @@ def test_open_at_head_takes_no_write_lock(tmp_path: Path) -> None:
             assert hermes_store.current(path) == HEAD
         finally:
             opened.close()
-        with pytest.raises(hermes_store.DatabaseLockedError):
-            SessionDB(stale)
+        with pytest.raises(hermes_store.DatabaseLockedError):  # after its (short) retries
+            SessionDB(stale, retry=hermes_store.RetryPolicy(attempts=2))
     finally:
         for holder in holders:
             holder.close()
     assert schema_version(sqlite_url(stale)) == 5  # untouched while locked
-
-
-def _open_and_append(target: str, index: int, barrier: Any, errors: Any) -> None:
-    """Child process: wait for the others, open, write one session and one message."""
-    try:
-        barrier.wait(timeout=60)
-        db = SessionDB(target)
-        try:
-            db.create_session(f"proc-{index}", "cli")
-            db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
-        finally:
-            db.close()
-    except BaseException as error:
-        errors.put(f"{index}: {error!r}")
-        raise
 
 
 def run_openers(target: str, processes: int) -> None:
@@ -408,7 +393,7 @@ def run_openers(target: str, processes: int) -> None:
     ctx = multiprocessing.get_context("spawn")
     barrier, errors = ctx.Barrier(processes), ctx.Queue()
     workers = [
-        ctx.Process(target=_open_and_append, args=(target, i, barrier, errors))
+        ctx.Process(target=proc_workers.open_and_append, args=(target, i, barrier, errors))
         for i in range(processes)
     ]
     for worker in workers:
@@ -463,4 +448,66 @@ def test_concurrent_first_open_of_a_legacy_file(tmp_path: Path) -> None:
     assert len(after["messages"]) == 9 + 6 and len(after["sessions"]) == 4 + 6
     assert full_text_ids(url, "zebracorn") == [6]
     assert len(full_text_ids(url, "concurrent")) == 6
+    fts_integrity_check(path)
+
+
+def test_opening_a_legacy_file_waits_for_another_processs_writer(tmp_path: Path) -> None:
+    """Another process holds the write lock for 1.5 s (past the writer's 1 s busy timeout)
+    while a legacy file is opened: adoption waits with the writes' retry policy, then runs."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 5)
+    holder, ready = proc_workers.spawn(proc_workers.hold_write_lock, str(path), 1.5)
+    try:
+        assert ready.wait(timeout=120), "the other process never took the lock"
+        db = SessionDB(path)
+        try:
+            db.append_message(db.search_sessions()[0]["id"], "user", "after the wait")
+        finally:
+            db.close()
+    finally:
+        holder.join(timeout=60)
+    assert holder.exitcode == 0
+    assert alembic_revision(sqlite_url(path)) == HEAD
+    assert schema_version(sqlite_url(path)) == 6
+
+
+def build_big_legacy_db(path: Path, messages: int) -> None:
+    """A v3 legacy file with many messages and no full-text index: adopting it rebuilds the
+    index, holding the write lock for a while (others opening it meanwhile must wait)."""
+    legacy.build_legacy_db(path, 3)
+    raw = sqlite3.connect(path, isolation_level=None)
+    try:
+        raw.execute("BEGIN")
+        for trigger in FTS_TRIGGERS:
+            raw.execute(f"DROP TRIGGER {trigger}")
+        raw.execute("DROP TABLE messages_fts")
+        owner = raw.execute("SELECT id FROM sessions ORDER BY id LIMIT 1").fetchone()[0]
+        raw.executemany(
+            "INSERT INTO messages (session_id, role, content, timestamp) VALUES (?, 'user', ?, ?)",
+            (
+                (owner, f"bulk note {i} about llamas, migrations and word{i % 977}", 1e9 + i)
+                for i in range(messages)
+            ),
+        )
+        raw.execute("COMMIT")
+    finally:
+        raw.close()
+
+
+BIG_LEGACY_MESSAGES = 60_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("round_", range(3))
+def test_eight_processes_open_a_big_legacy_file_at_once(tmp_path: Path, round_: int) -> None:
+    """Eight processes open one big legacy file at the same moment: one adopts it (rebuilding
+    the full-text index under the write lock), the others wait for the lock; all succeed."""
+    path = tmp_path / "state.db"
+    build_big_legacy_db(path, BIG_LEGACY_MESSAGES)
+    run_openers(str(path), 8)
+    url = sqlite_url(path)
+    assert alembic_revision(url) == HEAD and schema_version(url) == 6
+    assert count(url, "messages") == 9 + BIG_LEGACY_MESSAGES + 8
+    assert len(full_text_ids(url, "concurrent")) == 8
+    assert len(full_text_ids(url, "word976")) == len(range(976, BIG_LEGACY_MESSAGES, 977))
     fts_integrity_check(path)

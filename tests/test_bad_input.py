@@ -473,6 +473,7 @@ SQL_INTERPOLATION_ALLOWED = {
     ("engine.py", "wanted"): "int computed from a float setting",
     ("engine.py", "int(wanted)"): "int",
     ("engine.py", "wal_limit"): "int from a setting (int() of the env value or the argument)",
+    ("engine.py", "int(settings.wal_limit)"): "int from a setting (the env value or the argument)",
     ("maintenance.py", "SECURE_DELETE_VALUES[previous]"): "a value of a constant table",
     ("ddl.py", "name"): "loop over the constant FTS_TRIGGERS",
     ("schema_ops.py", "name"): "index name read from sqlite_master, quoted",
