@@ -22,7 +22,8 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
-from hermes_store.engine import WRITE_OPTION, begin_on_driver
+from hermes_store import writequeue
+from hermes_store.engine import BUSY_TIMEOUTS_KEY, WRITE_OPTION, begin_on_driver, sqlite_file
 from hermes_store.errors import DatabaseLockedError, is_retryable, mapped_errors
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,20 @@ class RetryPolicy:
             yield random.uniform(self.min_wait, self.max_wait)
 
 
+_ENGINE_BUSY_KEY = "hermes_engine_busy_timeouts"
+
+
+def _head_busy_timeout(info: dict[Any, Any], head: bool) -> None:
+    """A queue head polls SQLite's lock with a short busy timeout: only foreign writers hold it,
+    and on BUSY the head leaves its turn for the jittered retry instead of holding up the line.
+    Everyone else keeps the engine's writer timeout (read back by ``begin_on_driver``)."""
+    engine_timeouts = info.setdefault(_ENGINE_BUSY_KEY, info[BUSY_TIMEOUTS_KEY])
+    writer_ms, reader_ms = engine_timeouts
+    if head:
+        writer_ms = min(writer_ms, int(writequeue.HEAD_BUSY_TIMEOUT_S * 1000))
+    info[BUSY_TIMEOUTS_KEY] = (writer_ms, reader_ms)
+
+
 class UnitOfWork:
     """Runs read and write units against one engine; thread-safe, shared by a whole process.
 
@@ -57,6 +72,7 @@ class UnitOfWork:
         *,
         retry: RetryPolicy | None = None,
         checkpoint_every: int = 50,
+        write_queue: bool = True,
     ) -> None:
         self.engine = engine
         self.retry = retry or RetryPolicy()
@@ -66,6 +82,10 @@ class UnitOfWork:
         self._reader = engine.execution_options(**{WRITE_OPTION: False})
         # In-process writers queue on this lock; other processes meet SQLite's write lock.
         self._write_lock = threading.Lock() if self.is_sqlite else None
+        # Across processes and threads, writers to a SQLite file line up in the fair writer
+        # queue (off with write_queue=False or HERMES_STORE_WRITE_QUEUE=0: benchmarks).
+        path = sqlite_file(engine.url) if self.is_sqlite and write_queue else None
+        self._queue_path = path
         self._count_lock = threading.Lock()
         self.writes = 0
         self.checkpoints = 0
@@ -99,8 +119,8 @@ class UnitOfWork:
         waits = self.retry.waits()
         while True:
             try:
-                with self._write_lock, mapped_errors():
-                    result = self._driver_attempt(fn)
+                with self._write_turn() as head, mapped_errors():
+                    result = self._driver_attempt(fn, head=head)
             except sa_exc.DBAPIError as error:
                 if not is_retryable(error):
                     raise
@@ -109,7 +129,7 @@ class UnitOfWork:
             self._count_write()
             return result
 
-    def _driver_attempt(self, fn: Callable[[Any], T]) -> T:
+    def _driver_attempt(self, fn: Callable[[Any], T], *, head: bool = False) -> T:
         dbapi_error: type[Exception] = self.engine.dialect.loaded_dbapi.Error
         try:
             held = self._driver_connection
@@ -118,6 +138,7 @@ class UnitOfWork:
             driver = held.driver_connection
             assert driver is not None
             try:
+                _head_busy_timeout(held.info, head)
                 begin_on_driver(driver, held.info, write=True)
                 result = fn(driver.cursor())
                 driver.commit()
@@ -159,14 +180,36 @@ class UnitOfWork:
 
     @contextmanager
     def _unit(self, write: bool, waits: Iterator[float]) -> Iterator[Connection]:
-        lock = self._write_lock if write else None
-        with lock or nullcontext(), mapped_errors():
+        with self._write_turn() if write else nullcontext(), mapped_errors():
             conn = self._begin(write, waits)
             with conn:  # closing an uncommitted connection rolls it back
                 yield conn
                 conn.commit()
         if write:
             self._count_write()
+
+    @property
+    def write_queue(self) -> writequeue.WriteQueue | None:
+        """This process's fair writer queue for the database file (None: not a file, or off)."""
+        if self._queue_path is None:
+            return None
+        return writequeue.for_database(self._queue_path)
+
+    @contextmanager
+    def _write_turn(self) -> Iterator[bool]:
+        """One writer at a time: the fair queue's turn (SQLite files), then the in-process lock.
+
+        Yields True when this writer holds a queue turn (it is the head of the line, so only
+        foreign writers compete with it in SQLite), False when it runs on the busy handler.
+        """
+        queue = self.write_queue
+        if queue is None:
+            with self._write_lock or nullcontext():  # PostgreSQL: the server orders writers
+                yield False
+            return
+        assert self._write_lock is not None
+        with queue.turn() as turn, self._write_lock:
+            yield turn.queued
 
     def _begin(self, write: bool, waits: Iterator[float]) -> Connection:
         engine = self._writer if write else self._reader
