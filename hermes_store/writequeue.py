@@ -132,6 +132,7 @@ class QueueStats:
     fallbacks: int = 0  #: turns that ran on SQLite's busy handler instead
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     max_depth: int = 0  #: most writers seen ahead in line when taking a ticket
+    hold_seconds: float = 0.0  #: time queued turns were held (the unit, commit included)
     enabled: bool = True
 
 
@@ -329,11 +330,16 @@ class WriteQueue:
                 turn = Turn(queued=False, reason=f"error {error.errno}")
             turn.waited = time.monotonic() - began if descriptor.blocked else 0.0
             self._account(turn)
+            granted = time.monotonic()
             yield turn
         finally:
             for byte in own:
                 _unlock(descriptor.fd, byte, 1)
             self._give_back(descriptor)
+        if turn.queued:
+            held = time.monotonic() - granted
+            with self._stats_lock:
+                self._stats.hold_seconds += held
 
     def _enter(self, descriptor: _Descriptor, began: float, own: list[int]) -> Turn:
         fd = descriptor.fd
