@@ -7,8 +7,9 @@ kernel until its predecessor is done, and only the head of the line asks SQLite 
 
 How: a ticket queue of byte-range locks on a sidecar file ``<db>-writer.lock`` (0600, never the
 database or its ``-wal``/``-shm``: opening those with a plain handle would drop this process's
-SQLite locks). Bytes 0..7 hold the next ticket, bytes 8..15 the last ticket served (a
-statistic), byte range [0, 8) is the ticket mutex. Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
+SQLite locks). Bytes 0..7 hold the next ticket, bytes 8..15 the last ticket served, bytes
+16..23 the last byte released (both only mark progress); byte range [0, 8) is the ticket
+mutex. Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
 
 1. under the mutex: read ``t``, write-lock my own byte, write ``t + 1``, drop the mutex;
 2. wait for a lock on my predecessor's byte (``t - 1``): it is free once that writer is done
@@ -24,7 +25,8 @@ never closed per unit), so every thread of every process stands in the one kerne
 Bounded wait: ``fcntl`` cannot time out, so a waiter that must block hands the blocking call to
 its descriptor's helper thread and waits on a condition. It gives up once the line has not
 moved for ``wait_timeout`` (default 1.0 s, ``HERMES_STORE_WRITE_QUEUE_WAIT``): "moved" means a
-new head wrote its ticket to bytes 8..15, checked every 0.1 s (the hand-off itself is a kernel
+new head wrote its ticket to bytes 8..15 or a writer that leaves wrote its byte to 16..23
+(fallbacks included), checked every 0.1 s (the hand-off itself is a kernel
 wake-up, not a poll). Counting from the last movement, not from joining, lets a long line on a
 slow disk (a commit's fsync here takes 4 ms typically, up to 0.5 s) drain without false alarms,
 while the ticket mutex, held for microseconds, gets ``wait_timeout`` in all. Past it the waiter
@@ -334,6 +336,7 @@ class WriteQueue:
             yield turn
         finally:
             for byte in own:
+                os.pwrite(descriptor.fd, struct.pack("<Q", byte), 16)  # the line moved
                 _unlock(descriptor.fd, byte, 1)
             self._give_back(descriptor)
         if turn.queued:
@@ -359,8 +362,8 @@ class WriteQueue:
         if issued:
             predecessor = self._slot(issued - 1)
 
-            def moved() -> bytes:  # the last head's ticket: it changes whenever the line moves
-                return os.pread(fd, 8, 8)
+            def moved() -> bytes:  # the last head's ticket and the last byte released
+                return os.pread(fd, 16, 8)
 
             if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
                 turn.queued, turn.reason = False, "wait timed out"
