@@ -214,8 +214,8 @@ def test_a_forked_child_queues_on_descriptors_of_its_own(db: str) -> None:
     if pid == 0:  # the child: take a turn, hold it until the parent has tried its own
         code = 1
         try:
-            child_queue = writequeue.for_database(db)
-            with child_queue.turn() as turn:
+            # The very object the parent used (as a store opened before the fork would).
+            with queue.turn() as turn:
                 os.write(to_parent_w, b"Q" if turn.queued else b"F")
                 os.read(to_child_r, 1)
             child = SessionDB(db)
@@ -228,15 +228,17 @@ def test_a_forked_child_queues_on_descriptors_of_its_own(db: str) -> None:
         assert os.read(to_parent_r, 1) == b"Q"
         # Sharing an open file description with the child would make its locks ours: the
         # parent would get a turn at once. With descriptors of its own it waits (and gives up).
-        impatient_before = queue.wait_timeout
+        patience = queue.wait_timeout
         queue.wait_timeout = 0.3
         with queue.turn() as turn:
-            assert not turn.queued and turn.reason == "wait timed out"
-        queue.wait_timeout = impatient_before
-        os.write(to_child_w, b"x")
+            pass
+        queue.wait_timeout = patience
     finally:
+        os.write(to_child_w, b"x")
         _, status = os.waitpid(pid, 0)
+    assert not turn.queued and turn.reason == "wait timed out"
     assert os.waitstatus_to_exitcode(status) == 0
+    assert writequeue.for_database(db) is queue  # the registry is per process
     store.append_message("q", "user", "parent after fork")
     store.close()
     assert contents(db) == ["parent before fork", "child after fork", "parent after fork"]
