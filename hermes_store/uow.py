@@ -168,6 +168,7 @@ class UnitOfWork:
         if invalidate:
             held.invalidate()
         else:
+            _head_busy_timeout(held.info, False)  # back in the pool with the engine's timeouts
             held.close()
 
     def connect(self, *, write: bool = True) -> AbstractContextManager[Connection]:

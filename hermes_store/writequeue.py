@@ -149,13 +149,19 @@ class Turn:
 
 
 class _Descriptor:
-    """One open file description on the lock file, with a helper thread for timed waits."""
+    """One open file description on the lock file, with a helper thread for timed waits.
+
+    Plain locks used as binary semaphores hand requests to the helper and grants back (a
+    Condition costs twice the CPU per hand-off, and every waited turn makes two of them)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._cond = threading.Condition(threading.Lock())
+        self._state = threading.Lock()  # guards the fields below
+        self._go = threading.Lock()  # released: the helper has a request
+        self._go.acquire()
+        self._done = threading.Lock()  # released: the helper got the lock (or failed)
+        self._done.acquire()
         self._request: tuple[int, int] | None = None
-        self._granted = False
         self._abandoned = False
         self._error: BaseException | None = None
         self._helper: threading.Thread | None = None
@@ -164,7 +170,7 @@ class _Descriptor:
     @property
     def pending(self) -> bool:
         """A helper still blocked for an abandoned waiter: not reusable yet."""
-        with self._cond:
+        with self._state:
             return self._request is not None
 
     def lock_within(
@@ -179,59 +185,59 @@ class _Descriptor:
         if _lock(self.fd, start, length, wait=False):
             return True
         self.blocked = True
-        with self._cond:
+        with self._state:
             self._request = (start, length)
-            self._granted = self._abandoned = False
+            self._abandoned = False
             self._error = None
-            if self._helper is None:
-                self._helper = threading.Thread(
-                    target=self._serve, name=f"hermes-writequeue-{self.fd}", daemon=True
-                )
-                self._helper.start()
-            self._cond.notify_all()
-            seen = progress() if progress is not None else None
-            since = time.monotonic()
-            while True:
-                left = since + timeout - time.monotonic()
-                if left <= 0:
-                    self._abandoned = True  # the helper drops the lock when it gets it
-                    return False
-                done = self._cond.wait_for(
-                    lambda: self._granted or self._error is not None,
-                    min(left, PROGRESS_TICK_S) if progress is not None else left,
-                )
-                if self._error is not None:
-                    error, self._error = self._error, None
-                    raise error
-                if done:
-                    self._granted = False
-                    return True
-                if progress is not None and (now := progress()) != seen:
-                    seen, since = now, time.monotonic()
+        if self._helper is None:
+            self._helper = threading.Thread(
+                target=self._serve, name=f"hermes-writequeue-{self.fd}", daemon=True
+            )
+            self._helper.start()
+        self._go.release()
+        seen = progress() if progress is not None else None
+        since = time.monotonic()
+        while True:
+            left = since + timeout - time.monotonic()
+            if left <= 0:
+                with self._state:
+                    if not self._done.acquire(blocking=False):
+                        self._abandoned = True  # the helper drops the lock when it gets it
+                        return False
+                return self._granted()
+            if self._done.acquire(timeout=min(left, PROGRESS_TICK_S) if progress else left):
+                return self._granted()
+            if progress is not None and (now := progress()) != seen:
+                seen, since = now, time.monotonic()
+
+    def _granted(self) -> bool:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
 
     def _serve(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._request is not None and not self._granted)
-                request = self._request
+            self._go.acquire()
+            request = self._request
             assert request is not None
             error: BaseException | None = None
             try:
                 _lock(self.fd, *request, wait=True)
             except BaseException as exc:
                 error = exc
-            with self._cond:
-                if error is not None:
+            with self._state:
+                self._request = None
+                if not self._abandoned:
                     self._error = error
-                    self._request = None
-                elif self._abandoned:
-                    _unlock(self.fd, *request)
-                    self._request = None
-                    self._abandoned = False
-                else:
-                    self._granted = True
-                    self._request = None
-                self._cond.notify_all()
+                    self._done.release()
+                    continue
+                self._abandoned = False
+                if error is None:
+                    try:
+                        _unlock(self.fd, *request)
+                    except OSError as exc:  # the writer behind would wait out its bound
+                        log.warning("write queue: could not drop an abandoned place: %s", exc)
 
 
 class WriteQueue:
