@@ -94,6 +94,7 @@ class LoadResult:
             "read_p50_ms": percentile(r, 0.50) * 1000,
             "read_p99_ms": percentile(r, 0.99) * 1000,
             "reads": float(len(r)),
+            "reads_per_s": len(r) / self.seconds if self.seconds else float("nan"),
         }
 
 
@@ -340,6 +341,7 @@ METRICS = (
     ("max ms", "write_max_ms", "{:.0f}"),
     ("writes/s", "writes_per_s", "{:.0f}"),
     ("CPU ms/write", "cpu_ms_per_write", "{:.2f}"),
+    ("reads/s", "reads_per_s", "{:.0f}"),
 )
 
 
@@ -388,12 +390,14 @@ def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> 
             base = this_round[scenario.baseline]
             for kind, s in this_round.items():
                 for _, key, _ in METRICS:
-                    ratio.setdefault((scenario.name, kind, key), []).append(s[key] / base[key])
+                    if base[key]:
+                        ratio.setdefault((scenario.name, kind, key), []).append(s[key] / base[key])
     seconds = time.perf_counter() - started
     lines = [
         f"Load: {rounds} interleaved rounds, {seconds:.0f} s, {os.cpu_count()} CPUs "
         f"(shared machine: numbers are noisy). Each op = append_message + update_token_counts "
-        f"on one shared session, both timed; each writer thread has its own store. "
+        f"on one shared session, both timed; each writer thread has its own store; readers "
+        f"(8x4+2r) search and list in a loop with the contender's own store class. "
         f"median [min..max] over rounds; ratio = contender / baseline in the same round.",
         "",
         "| set | contender | writes | "
