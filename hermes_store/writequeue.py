@@ -38,9 +38,14 @@ behind it one bounded wait, not forever. A writer stopped while it holds SQLite'
 lock still blocks everyone, as it does today: the queue cannot take SQLite's lock away.
 
 Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head still meets
-them in SQLite's lock. The Unit of Work gives the head a short busy timeout
-(:data:`HEAD_BUSY_TIMEOUT_S`); on BUSY it leaves the turn, sleeps its jittered pause and queues
-again, so a foreign writer never has a whole line of ours waiting on one sleeping head.
+them in SQLite's lock. On its hot path (``run_driver``) the Unit of Work gives the head a short
+busy timeout (:data:`HEAD_BUSY_TIMEOUT_S`, polls at most ~50 ms apart); on BUSY it leaves the
+turn, sleeps its jittered pause and queues again, so a foreign writer never has a whole line of
+ours waiting on one sleeping head. (Each such round uses one of the retry policy's 15 attempts:
+a foreign writer holding the lock for more than ~4 s now fails a hot-path write with
+``DatabaseLockedError``, where the 1 s timeout allowed ~16 s.) Connection units (``run``,
+``connect``) keep the engine's 1 s timeout and retry inside their turn; past the bounded wait
+the writers behind them fall back.
 
 Where OFD locks are unavailable (not Linux; ``EINVAL``/``ENOSYS``/``ENOLCK``/``EOPNOTSUPP`` from
 ``fcntl``, e.g. some network file systems; a lock file that cannot be created) the queue turns
