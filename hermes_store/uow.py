@@ -117,6 +117,9 @@ class UnitOfWork:
         if self._write_lock is None:
             raise RuntimeError("run_driver is the SQLite hot path; use run() on this backend")
         waits = self.retry.waits()
+        # A queue head's short busy timeout must not spend the retry budget faster than the
+        # engine's timeout did: as patient with a foreign writer as before the queue.
+        patience = time.monotonic() + self.retry.attempts * (1.0 + self.retry.max_wait)
         while True:
             try:
                 with self._write_turn() as head, mapped_errors():
@@ -124,6 +127,9 @@ class UnitOfWork:
             except sa_exc.DBAPIError as error:
                 if not is_retryable(error):
                     raise
+                if head and time.monotonic() < patience:  # a foreign writer holds the lock
+                    time.sleep(random.uniform(self.retry.min_wait, self.retry.max_wait))
+                    continue
                 self._pause(waits, error)
                 continue
             self._count_write()

@@ -399,6 +399,42 @@ def test_a_foreign_writer_holding_the_lock_is_waited_out(db: str, reap: list[Bas
 
 
 @pytest.mark.slow
+def test_a_head_outwaits_a_foreign_writer_as_long_as_before(db: str) -> None:
+    """The head's short busy timeout must not spend the 15 retries in ~4 s (the 1 s timeout
+    gave a foreign writer ~16 s): more head rounds than that budget, then the write lands."""
+    store = SessionDB(db)
+    store.append_message("q", "user", "warm")
+    queue = store.uow.write_queue
+    assert queue is not None
+    rounds = queue.stats().turns
+    outcome: list[object] = []
+
+    def write() -> None:
+        try:
+            store.append_message("q", "user", "after the foreign writer")
+            outcome.append("ok")
+        except Exception as error:
+            outcome.append(error)
+
+    foreign = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    try:
+        foreign.execute("BEGIN IMMEDIATE")
+        writer = threading.Thread(target=write)
+        writer.start()
+        deadline = time.monotonic() + GUARD
+        while queue.stats().turns < rounds + 20 and writer.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        foreign.execute("COMMIT")
+    finally:
+        foreign.close()
+    writer.join(GUARD)
+    store.close()
+    assert outcome == ["ok"]
+    assert contents(db) == ["warm", "after the foreign writer"]
+
+
+@pytest.mark.slow
 def test_original_store_processes_alongside_ours(db: str, reap: list[BaseProcess]) -> None:
     kinds = ["original", "original", "ours", "ours", "ours"]
     writers = [
