@@ -48,15 +48,17 @@ class RetryPolicy:
 _ENGINE_BUSY_KEY = "hermes_engine_busy_timeouts"
 
 
-def _head_busy_timeout(info: dict[Any, Any], head: bool) -> None:
+def _head_busy_timeout(info: dict[Any, Any], head: bool) -> float:
     """A queue head polls SQLite's lock with a short busy timeout: only foreign writers hold it,
     and on BUSY the head leaves its turn for the jittered retry instead of holding up the line.
-    Everyone else keeps the engine's writer timeout (read back by ``begin_on_driver``)."""
-    engine_timeouts = info.setdefault(_ENGINE_BUSY_KEY, info[BUSY_TIMEOUTS_KEY])
-    writer_ms, reader_ms = engine_timeouts
+    Everyone else keeps the engine's writer timeout (read back by ``begin_on_driver``).
+    Returns the share of the engine's timeout that one attempt waits (1.0 off the head)."""
+    engine_ms, reader_ms = info.setdefault(_ENGINE_BUSY_KEY, info[BUSY_TIMEOUTS_KEY])
+    writer_ms = engine_ms
     if head:
-        writer_ms = min(writer_ms, int(writequeue.HEAD_BUSY_TIMEOUT_S * 1000))
+        writer_ms = min(engine_ms, int(writequeue.HEAD_BUSY_TIMEOUT_S * 1000))
     info[BUSY_TIMEOUTS_KEY] = (writer_ms, reader_ms)
+    return writer_ms / engine_ms if engine_ms > 0 else 1.0
 
 
 class UnitOfWork:
@@ -90,6 +92,7 @@ class UnitOfWork:
         self.writes = 0
         self.checkpoints = 0
         self._driver_connection: PoolProxiedConnection | None = None  # run_driver's writer
+        self._head_share = 1.0  # of the engine's busy timeout, waited by the last hot-path begin
 
     # -- the units ---------------------------------------------------------------------------
 
@@ -117,9 +120,9 @@ class UnitOfWork:
         if self._write_lock is None:
             raise RuntimeError("run_driver is the SQLite hot path; use run() on this backend")
         waits = self.retry.waits()
-        # A queue head's short busy timeout must not spend the retry budget faster than the
-        # engine's timeout did: as patient with a foreign writer as before the queue.
-        patience = time.monotonic() + self.retry.attempts * (1.0 + self.retry.max_wait)
+        # A queue head waits with a shorter busy timeout than the engine's: its rounds spend
+        # the retry budget pro rata, so a write is as patient with a foreign writer as before.
+        spent = 0.0
         while True:
             try:
                 with self._write_turn() as head, mapped_errors():
@@ -127,9 +130,13 @@ class UnitOfWork:
             except sa_exc.DBAPIError as error:
                 if not is_retryable(error):
                     raise
-                if head and time.monotonic() < patience:  # a foreign writer holds the lock
-                    time.sleep(random.uniform(self.retry.min_wait, self.retry.max_wait))
-                    continue
+                if head:
+                    spent += self._head_share
+                    if spent < 1.0:
+                        log.debug("database busy (%s) at the head of the writer queue", error)
+                        time.sleep(random.uniform(self.retry.min_wait, self.retry.max_wait))
+                        continue
+                    spent -= 1.0
                 self._pause(waits, error)
                 continue
             self._count_write()
@@ -144,7 +151,7 @@ class UnitOfWork:
             driver = held.driver_connection
             assert driver is not None
             try:
-                _head_busy_timeout(held.info, head)
+                self._head_share = _head_busy_timeout(held.info, head)
                 begin_on_driver(driver, held.info, write=True)
                 result = fn(driver.cursor())
                 driver.commit()

@@ -41,9 +41,9 @@ Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head
 them in SQLite's lock. On its hot path (``run_driver``) the Unit of Work gives the head a short
 busy timeout (:data:`HEAD_BUSY_TIMEOUT_S`, polls at most ~50 ms apart); on BUSY it leaves the
 turn, sleeps its jittered pause and queues again, so a foreign writer never has a whole line of
-ours waiting on one sleeping head. (Such rounds do not spend the retry policy's attempts
-until as much time has passed as 15 attempts at the engine's 1 s timeout would take, so a write
-is as patient with a foreign writer as before.) Connection units (``run``,
+ours waiting on one sleeping head. (Such a round spends 0.2 of one of the retry policy's
+attempts, so a write is as patient with a foreign writer as with the 1 s timeout.) Connection
+units (``run``,
 ``connect``) keep the engine's 1 s timeout and retry inside their turn; past the bounded wait
 the writers behind them fall back.
 
