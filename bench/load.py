@@ -1,17 +1,38 @@
-"""The load benchmark: 8 writer processes (appending and incrementing one shared session's
-counters, several threads each) while 2 processes search and list; write latency p50/p99/max.
+"""The load benchmark: writer processes appending to one shared session and incrementing its
+counters (several threads each, every thread on its own store) while readers search and list.
 
-Real processes (``spawn``), one database; totals are checked exactly afterwards.
+``python -m bench.load --rounds 3`` runs the contenders interleaved, round after round (the
+order rotates each round, so drift on a shared machine hits all alike), on a fresh database
+per run, and prints a markdown table of medians with [min..max] over the rounds:
+
+- ``ours``: hermes_store as it is (the fair writer queue on);
+- ``ours, sync=NORMAL``: the same with ``PRAGMA synchronous=NORMAL`` on every connection;
+- ``before``: hermes_store with the queue off (``HERMES_STORE_WRITE_QUEUE=0`` in the worker
+  processes), i.e. the code before the queue: every writer meets SQLite's busy handler;
+- ``original``: the original store (``tests/seed_store.py``, raw ``sqlite3``).
+
+Sets: ``8x4+2r`` (8 processes x 4 threads, 2 reader processes), ``16x1``, and ``mixed``
+(8 x 4 of ours plus 2 original-store processes x 4 threads on the same file). Ratios are
+taken per round against the original store in the same round (``mixed``: against ``before``).
+Real processes (``fork``: cheap on two cores; the queue's fork hook gives children their own
+lock descriptors); totals are checked exactly after every run.
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
+import os
 import queue
+import statistics
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
 from typing import Any
 
 from bench.corpus import COMMON_WORD
@@ -19,11 +40,27 @@ from bench.timing import percentile
 from hermes_store import HermesStoreError, SessionDB
 
 SHARED = "load-shared"
+ORIGINAL = "original"
+KINDS = ("ours", "ours, sync=NORMAL", "before", ORIGINAL)
+
+
+@dataclass(frozen=True)
+class Group:
+    """``processes`` writer processes of one kind, ``threads`` threads x ``ops`` each."""
+
+    kind: str
+    processes: int
+    threads: int
+    ops: int
+
+    @property
+    def writes(self) -> int:
+        return self.processes * self.threads * self.ops * 2
 
 
 @dataclass
 class LoadResult:
-    """What one load run measured."""
+    """What one load run measured (latencies of the first group; ``others`` for the rest)."""
 
     backend: str
     writers: int
@@ -31,11 +68,14 @@ class LoadResult:
     ops: int
     seconds: float
     write_latencies: list[float] = field(default_factory=list)
+    other_latencies: list[float] = field(default_factory=list)
     read_latencies: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     reads_unavailable: bool = False
     totals_ok: bool = False
     totals: dict[str, Any] = field(default_factory=dict)
+    cpu_seconds: float = 0.0  #: CPU time of the first group's writer processes
+    queue_fallbacks: int = 0
 
     @property
     def writes(self) -> int:
@@ -44,20 +84,37 @@ class LoadResult:
     def summary(self) -> dict[str, float]:
         w = self.write_latencies
         r = self.read_latencies
+        all_writes = len(w) + len(self.other_latencies)
         return {
             "write_p50_ms": percentile(w, 0.50) * 1000,
             "write_p99_ms": percentile(w, 0.99) * 1000,
             "write_max_ms": (max(w) if w else float("nan")) * 1000,
-            "writes_per_s": len(w) / self.seconds if self.seconds else float("nan"),
+            "writes_per_s": all_writes / self.seconds if self.seconds else float("nan"),
+            "cpu_ms_per_write": self.cpu_seconds / len(w) * 1000 if w else float("nan"),
             "read_p50_ms": percentile(r, 0.50) * 1000,
             "read_p99_ms": percentile(r, 0.99) * 1000,
             "reads": float(len(r)),
+            "reads_per_s": len(r) / self.seconds if self.seconds else float("nan"),
         }
 
 
+def _setup(kind: str) -> None:
+    """Per-process switches for a contender (run in the worker, before any store is opened)."""
+    if kind == "before":
+        os.environ["HERMES_STORE_WRITE_QUEUE"] = "0"
+    elif kind == "ours, sync=NORMAL":
+        from sqlalchemy import event
+        from sqlalchemy.engine import Engine
+
+        def normal(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.execute("PRAGMA synchronous=NORMAL")
+
+        event.listen(Engine, "connect", normal)
+
+
 def _open(url: str, kind: str) -> Any:
-    """hermes_store, or the seed's own class (``tests/seed_store.py``) for the floor's run."""
-    if kind == "seed":
+    """hermes_store, or the original store's own class (``tests/seed_store.py``)."""
+    if kind in (ORIGINAL, "seed"):
         from tests.seed_store import SeedSessionDB
 
         return SeedSessionDB(url)
@@ -67,11 +124,13 @@ def _open(url: str, kind: str) -> Any:
 def _writer(
     url: str, kind: str, worker: int, threads: int, ops: int, start: Barrier, out: Any
 ) -> None:
-    store = _open(url, kind)
-    latencies: list[float] = []
+    _setup(kind)
+    stores = [_open(url, kind) for _ in range(threads)]  # every thread on its own store
+    latencies: list[list[float]] = [[] for _ in range(threads)]
     errors: list[str] = []
 
     def work(thread: int) -> None:
+        store, mine = stores[thread], latencies[thread]
         for op in range(ops):
             t0 = time.perf_counter()
             try:
@@ -80,25 +139,34 @@ def _writer(
                 store.update_token_counts(SHARED, input_tokens=1, output_tokens=2)
                 t2 = time.perf_counter()
             except Exception as error:  # counted, reported, and the totals check fails
-                errors.append(f"writer {worker}: {error!r}")
+                errors.append(f"{kind} writer {worker}: {error!r}")
                 continue
-            latencies.extend((t1 - t0, t2 - t1))
+            mine.extend((t1 - t0, t2 - t1))
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     start.wait()
+    cpu0 = time.process_time()
     for thread in pool:
         thread.start()
     for thread in pool:
         thread.join()
-    store.close()
-    out.put(("writer", latencies, errors, False))
+    cpu = time.process_time() - cpu0
+    fallbacks = 0
+    for store in stores:
+        write_queue = getattr(getattr(store, "uow", None), "write_queue", None)
+        if write_queue is not None:
+            stats = write_queue.stats()  # one queue per file per process
+            fallbacks = stats.fallbacks
+        store.close()
+    flat = [x for mine in latencies for x in mine]
+    out.put(("writer", kind, flat, errors, False, cpu, fallbacks))
 
 
 def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: Any) -> None:
+    _setup(kind)
     store = _open(url, kind)
     latencies: list[float] = []
     errors: list[str] = []
-    unavailable = False
     start.wait()
     turn = 0
     while not stop.is_set():
@@ -108,10 +176,6 @@ def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: 
                 store.search_messages(COMMON_WORD, limit=20)
             else:
                 store.list_sessions_rich(limit=20)
-        except NotImplementedError:
-            unavailable = True  # search/listing not landed yet: keep the writers honest anyway
-            time.sleep(0.01)
-            continue
         except Exception as error:
             errors.append(f"reader {worker}: {error!r}")
             continue
@@ -119,7 +183,7 @@ def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: 
             turn += 1
         latencies.append(time.perf_counter() - t0)
     store.close()
-    out.put(("reader", latencies, errors, unavailable))
+    out.put(("reader", kind, latencies, errors, False, 0.0, 0))
 
 
 def prepare(url: str) -> None:
@@ -141,6 +205,62 @@ def prepare(url: str) -> None:
         store.close()
 
 
+def run_groups(
+    url: str, label: str, groups: Sequence[Group], *, readers: int = 0, reader_kind: str = "ours"
+) -> LoadResult:
+    """Run the writer groups (and readers) at once against ``url`` (prepared); check totals."""
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    out = ctx.Queue()
+    writers = sum(g.processes for g in groups)
+    start = ctx.Barrier(writers + readers + 1)
+    stop = ctx.Event()
+    procs = [
+        ctx.Process(target=_writer, args=(url, g.kind, w, g.threads, g.ops, start, out))
+        for g in groups
+        for w in range(g.processes)
+    ]
+    procs += [
+        ctx.Process(target=_reader, args=(url, reader_kind, r, start, stop, out))
+        for r in range(readers)
+    ]
+    for proc in procs:
+        proc.start()
+    start.wait(timeout=120)
+    began = time.perf_counter()
+    first = groups[0]
+    result = LoadResult(label, first.processes, first.threads, first.ops, 0.0)
+    pending_writers = writers
+    pending = len(procs)
+    while pending:
+        try:
+            role, kind, latencies, errors, _, cpu, fallbacks = out.get(timeout=300)
+        except queue.Empty:
+            result.errors.append("a worker did not report within 300 s")
+            break
+        pending -= 1
+        result.errors.extend(errors)
+        if role == "writer":
+            if kind == first.kind:
+                result.write_latencies.extend(latencies)
+                result.cpu_seconds += cpu
+                result.queue_fallbacks += fallbacks
+            else:
+                result.other_latencies.extend(latencies)
+            pending_writers -= 1
+            if pending_writers == 0:
+                result.seconds = time.perf_counter() - began
+                stop.set()
+        else:
+            result.read_latencies.extend(latencies)
+    stop.set()
+    for proc in procs:
+        proc.join(timeout=60)
+        if proc.exitcode != 0:
+            result.errors.append(f"{proc.name} exited with {proc.exitcode}")
+    _check_totals(url, result, sum(g.writes for g in groups) // 2)
+    return result
+
+
 def run_load(
     url: str,
     backend: str,
@@ -151,53 +271,12 @@ def run_load(
     ops: int = 100,
     kind: str = "ours",
 ) -> LoadResult:
-    """Run the load shape once against ``url`` (already prepared) and check the totals.
-
-    ``kind="seed"`` runs the same shape with the seed's own class (SQLite path only): the floor.
-    """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    start = ctx.Barrier(writers + readers + 1)
-    stop = ctx.Event()
-    procs = [
-        ctx.Process(target=_writer, args=(url, kind, w, threads, ops, start, out))
-        for w in range(writers)
-    ]
-    procs += [
-        ctx.Process(target=_reader, args=(url, kind, r, start, stop, out)) for r in range(readers)
-    ]
-    for proc in procs:
-        proc.start()
-    start.wait(timeout=120)
-    began = time.perf_counter()
-    result = LoadResult(backend if kind == "ours" else f"{backend}, seed (floor)", writers,
-                        threads, ops, 0.0)  # fmt: skip
-    pending_writers = writers
-    pending = len(procs)
-    while pending:
-        try:
-            kind, latencies, errors, unavailable = out.get(timeout=300)
-        except queue.Empty:
-            result.errors.append("a worker did not report within 300 s")
-            break
-        pending -= 1
-        result.errors.extend(errors)
-        if kind == "writer":
-            result.write_latencies.extend(latencies)
-            pending_writers -= 1
-            if pending_writers == 0:
-                result.seconds = time.perf_counter() - began
-                stop.set()
-        else:
-            result.read_latencies.extend(latencies)
-            result.reads_unavailable |= unavailable
-    stop.set()
-    for proc in procs:
-        proc.join(timeout=60)
-        if proc.exitcode != 0:
-            result.errors.append(f"{proc.name} exited with {proc.exitcode}")
-    _check_totals(url, result, writers * threads * ops)
-    return result
+    """One run of the classic shape (``bench.run``); ``kind="seed"``: the original store."""
+    kind = ORIGINAL if kind == "seed" else kind
+    label = backend if kind == "ours" else f"{backend}, seed (floor)"
+    return run_groups(
+        url, label, [Group(kind, writers, threads, ops)], readers=readers, reader_kind=kind
+    )
 
 
 def _check_totals(url: str, result: LoadResult, expected: int) -> None:
@@ -223,3 +302,155 @@ def _check_totals(url: str, result: LoadResult, expected: int) -> None:
         and session["input_tokens"] == expected
         and session["output_tokens"] == 2 * expected
     )
+
+
+# -- the interleaved comparison (python -m bench.load) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One set: how the writers are made up for a contender, and who the ratios compare to."""
+
+    name: str
+    contenders: tuple[str, ...]
+    baseline: str
+    groups: Callable[[str, int], list[Group]]
+    readers: int
+    ops: int
+
+
+def scenarios(ops: int) -> list[Scenario]:
+    """``ops``: operations per thread at 8 x 4 (the other sets do as many writes in all)."""
+    return [
+        Scenario("8x4+2r", KINDS, ORIGINAL, lambda k, n: [Group(k, 8, 4, n)], 2, ops),
+        Scenario("16x1", KINDS, ORIGINAL, lambda k, n: [Group(k, 16, 1, n)], 0, 2 * ops),
+        Scenario(
+            "mixed 8x4 + 2x4 original",
+            ("ours", "before"),
+            "before",
+            lambda k, n: [Group(k, 8, 4, n), Group(ORIGINAL, 2, 4, n)],
+            0,
+            ops,
+        ),
+    ]
+
+
+METRICS = (
+    ("p50 ms", "write_p50_ms", "{:.1f}"),
+    ("p99 ms", "write_p99_ms", "{:.0f}"),
+    ("max ms", "write_max_ms", "{:.0f}"),
+    ("writes/s", "writes_per_s", "{:.0f}"),
+    ("CPU ms/write", "cpu_ms_per_write", "{:.2f}"),
+    ("reads/s", "reads_per_s", "{:.0f}"),
+)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    return (
+        f"{fmt.format(statistics.median(values))} "
+        f"[{fmt.format(min(values))}..{fmt.format(max(values))}]"
+    )
+
+
+def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> str:
+    """Run every scenario's contenders interleaved for ``rounds`` rounds; a markdown report."""
+    runs: dict[tuple[str, str], list[LoadResult]] = {}
+    ratio: dict[tuple[str, str, str], list[float]] = {}
+    plan = [s for s in scenarios(ops) if only is None or s.name.split()[0] in only]
+    started = time.perf_counter()
+    for round_ in range(rounds):
+        for scenario in plan:
+            order = list(scenario.contenders)
+            order = order[round_ % len(order) :] + order[: round_ % len(order)]
+            this_round: dict[str, dict[str, float]] = {}
+            for kind in order:
+                path = work / f"load-{round_}-{scenario.name.split()[0]}-{KINDS.index(kind)}.db"
+                prepare(str(path))
+                groups = scenario.groups(kind, scenario.ops)
+                reader_kind = kind if kind != "ours, sync=NORMAL" else "ours"
+                result = run_groups(
+                    str(path), kind, groups, readers=scenario.readers, reader_kind=reader_kind
+                )
+                runs.setdefault((scenario.name, kind), []).append(result)
+                this_round[kind] = result.summary()
+                s = this_round[kind]
+                print(
+                    f"round {round_ + 1} {scenario.name:>10} {kind:>18}: "
+                    f"p50 {s['write_p50_ms']:.1f} p99 {s['write_p99_ms']:.0f} "
+                    f"max {s['write_max_ms']:.0f} ms, {s['writes_per_s']:.0f} w/s, "
+                    f"errors {len(result.errors)}, totals {'ok' if result.totals_ok else 'WRONG'}"
+                    f", queue fallbacks {result.queue_fallbacks}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for file in work.glob(f"{path.name}*"):
+                    file.unlink()
+            base = this_round[scenario.baseline]
+            for kind, s in this_round.items():
+                for _, key, _ in METRICS:
+                    if base[key]:
+                        ratio.setdefault((scenario.name, kind, key), []).append(s[key] / base[key])
+    seconds = time.perf_counter() - started
+    lines = [
+        f"Load: {rounds} interleaved rounds, {seconds:.0f} s, {os.cpu_count()} CPUs "
+        f"(shared machine: numbers are noisy). Each op = append_message + update_token_counts "
+        f"on one shared session, both timed; each writer thread has its own store; readers "
+        f"(8x4+2r) search and list in a loop with the contender's own store class. "
+        f"median [min..max] over rounds; ratio = contender / baseline in the same round.",
+        "",
+        "| set | contender | writes | "
+        + " | ".join(name for name, _, _ in METRICS)
+        + " | ratio p99 | ratio max | ratio writes/s | errors | totals exact | queue fallbacks |",
+        "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---:|---:|---|---:|",
+    ]
+    for scenario in plan:
+        for kind in scenario.contenders:
+            results = runs[(scenario.name, kind)]
+            cells = [_spread([r.summary()[key] for r in results], fmt) for _, key, fmt in METRICS]
+            ratios = [
+                "-" if kind == scenario.baseline
+                else _spread(ratio[(scenario.name, kind, key)], "{:.2f}x")
+                for key in ("write_p99_ms", "write_max_ms", "writes_per_s")
+            ]  # fmt: skip
+            lines.append(
+                f"| {scenario.name} | {kind} | {results[0].writes} | "
+                + " | ".join(cells + ratios)
+                + f" | {sum(len(r.errors) for r in results)} "
+                f"| {'yes' if all(r.totals_ok for r in results) else 'NO'} "
+                f"| {sum(r.queue_fallbacks for r in results)} |"
+            )
+    mixed = [r for (name, _), rs in runs.items() if name.startswith("mixed") for r in rs]
+    if mixed:
+        lines += [
+            "",
+            "In the mixed set the latencies are those of our 8x4 writers; the 2 original-store "
+            "processes' p99 alongside them: "
+            + ", ".join(
+                f"{kind}: {_spread([percentile(r.other_latencies, 0.99) * 1000 for r in rs], '{:.0f}')} ms"  # noqa: E501
+                for (name, kind), rs in runs.items()
+                if name.startswith("mixed")
+            )
+            + "; writes/s counts both.",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ops", type=int, default=12, help="operations per thread at 8x4")
+    parser.add_argument("--sets", default="", help="comma list of 8x4+2r,16x1,mixed (all)")
+    parser.add_argument("--workdir", default="")
+    args = parser.parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="hermes-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    only = {s.strip() for s in args.sets.split(",") if s.strip()} or None
+    report = compare(args.rounds, args.ops, work, only)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,13 +38,14 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import ClauseElement
 
-from hermes_store import fastpath
+from hermes_store import fastpath, writequeue
 from hermes_store.engine import (
     WRITE_OPTION,
     SqliteSettings,
     begin_on_driver,
     install_sqlite_hooks,
     prepare_driver,
+    sqlite_file,
     sqlite_settings,
 )
 from hermes_store.errors import (
@@ -123,6 +124,7 @@ class UnitOfWork:
         *,
         retry: RetryPolicy | None = None,
         checkpoint_every: int = 50,
+        write_queue: bool = True,
     ) -> None:
         self.engine = engine
         self.retry = retry or RetryPolicy()
@@ -139,6 +141,10 @@ class UnitOfWork:
         if engine.dialect.name == "postgresql":
             reader_options["postgresql_readonly"] = True
         self._reader = engine.execution_options(**reader_options)
+        # Across processes and threads, writers to a SQLite file line up in the fair writer
+        # queue (off with write_queue=False or HERMES_STORE_WRITE_QUEUE=0: benchmarks).
+        path = sqlite_file(engine.url) if self.is_sqlite and write_queue else None
+        self._queue_path = path
         self._fresh_process_state()
         _LIVE.add(self)
 
@@ -170,29 +176,40 @@ class UnitOfWork:
     # -- the seam for the cross-process writer queue -----------------------------------------
 
     @contextmanager
-    def _write_turn(self) -> Iterator[None]:
+    def _write_turn(self, *, queued: bool = True) -> Iterator[None]:
         """Wait for this unit's turn as the file's writer; held from before BEGIN IMMEDIATE
-        until after COMMIT/ROLLBACK. Today: the in-process lock (PostgreSQL: no wait here)."""
+        until after COMMIT/ROLLBACK. SQLite files: first a place in the fair writer queue
+        across processes and threads (:mod:`hermes_store.writequeue`; ``queued=False`` skips
+        it), then the in-process lock. PostgreSQL: no wait here (the server orders writers)."""
         lock = self._write_lock
         if lock is None:
             yield
             return
-        if not lock.acquire(blocking=False):
-            started = time.monotonic()
-            with self._turn_changed:
-                self.stats.lock_waits += 1
-                self._waiting += 1
-                self._turn_changed.notify_all()
-            try:
-                lock.acquire()
-            finally:
+        queue = self.write_queue if queued else None
+        with queue.turn() if queue is not None else nullcontext():
+            if not lock.acquire(blocking=False):
+                started = time.monotonic()
                 with self._turn_changed:
-                    self._waiting -= 1
-                    self.stats.lock_wait_seconds += time.monotonic() - started
-        try:
-            yield
-        finally:
-            lock.release()
+                    self.stats.lock_waits += 1
+                    self._waiting += 1
+                    self._turn_changed.notify_all()
+                try:
+                    lock.acquire()
+                finally:
+                    with self._turn_changed:
+                        self._waiting -= 1
+                        self.stats.lock_wait_seconds += time.monotonic() - started
+            try:
+                yield
+            finally:
+                lock.release()
+
+    @property
+    def write_queue(self) -> writequeue.WriteQueue | None:
+        """This process's fair writer queue for the database file (None: not a file, or off)."""
+        if self._queue_path is None:
+            return None
+        return writequeue.for_database(self._queue_path)
 
     def wait_for_waiting_writers(self, count: int, timeout: float) -> bool:
         """Block until at least ``count`` threads wait for their write turn (False: timed out);
@@ -555,7 +572,7 @@ class UnitOfWork:
                 "close() inside an open unit (db.transaction(), uow.connect()): leave the "
                 "block first"
             )
-        with self._write_turn():  # never while a unit is using the writer
+        with self._write_turn(queued=False):  # never while a unit is using the writer
             self._drop_writer(invalidate=False)
         with self._readers_lock:
             readers, self._readers = self._readers, {}

@@ -268,6 +268,8 @@ FILE_ACCESS_ALLOWED = {
     "creator is dead, never the database",
     ("migrate.py", "os.link"): "links a complete new database into place; never replaces a path "
     "that exists (no descriptor either)",
+    ("writequeue.py", "os.open"): "<db>-writer.lock, the queue's own lock file (0600), opened "
+    "once per descriptor slot and held for the process's life; never the database",
     ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file",
     ("files.py", "read_bytes"): "/proc/<pid>/cmdline of a process holding a deleted WAL",
     ("backup.py", "os.link"): "links its own finished 0600 temp copy to the backup's name "

@@ -1,0 +1,475 @@
+"""A fair writer queue for one SQLite file, across processes and threads.
+
+Why: SQLite's busy handler sleeps 1, 2, 5 ... 50, 100 ms between polls, so a writer that has
+waited long polls rarely and newcomers overtake it; past the busy timeout it gets BUSY and
+retries from scratch. Here writers line up in FIFO order instead, each one blocked in the
+kernel until its predecessor is done, and only the head of the line asks SQLite for the lock.
+
+How: a ticket queue of byte-range locks on a sidecar file ``<db>-writer.lock`` (0600, never the
+database or its ``-wal``/``-shm``: opening those with a plain handle would drop this process's
+SQLite locks). Bytes 0..7 hold the next ticket, bytes 8..15 the last ticket served, bytes
+16..23 the last byte released (both only mark progress); byte range [0, 8) is the ticket
+mutex. Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
+
+1. under the mutex: read ``t``, write-lock my own byte, write ``t + 1``, drop the mutex;
+2. wait for a lock on my predecessor's byte (``t - 1``): it is free once that writer is done
+   (or dead: the kernel releases the locks of a process that dies), then drop it at once;
+3. I hold the turn until my unit commits or rolls back, then unlock my byte.
+
+The locks are open-file-description locks (``F_OFD_SETLK``/``F_OFD_SETLKW``): they belong to
+a descriptor, not to the process, so two threads on two descriptors queue against each other
+like two processes do, and closing some other descriptor on the file drops nothing. Threads:
+each waiter borrows a descriptor of its own from a small per-process pool (opened once, reused,
+never closed per unit), so every thread of every process stands in the one kernel FIFO.
+
+Bounded wait: ``fcntl`` cannot time out, so a waiter that must block hands the blocking call to
+its descriptor's helper thread and waits on a condition. It gives up once the line has not
+moved for ``wait_timeout`` (default 1.0 s, ``HERMES_STORE_WRITE_QUEUE_WAIT``): "moved" means a
+new head wrote its ticket to bytes 8..15 or a writer that leaves wrote its byte to 16..23
+(fallbacks included), checked every 0.1 s (the hand-off itself is a kernel
+wake-up, not a poll). Counting from the last movement, not from joining, lets a long line on a
+slow disk (a commit's fsync here takes 4 ms typically, up to 0.5 s) drain without false alarms,
+while the ticket mutex, held for microseconds, gets ``wait_timeout`` in all. Past it the waiter
+gives up its place in line (the helper drops the lock when it eventually gets it)
+and falls back to today's path: ``BEGIN IMMEDIATE`` with SQLite's busy timeout and the jittered
+retry. It keeps its own byte while it writes, so the writers behind it stay in order. A member
+that is stopped (SIGSTOP) or hung while queued or holding the turn therefore costs the writers
+behind it one bounded wait, not forever. A writer stopped while it holds SQLite's own write
+lock still blocks everyone, as it does today: the queue cannot take SQLite's lock away.
+
+Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head meets them in
+SQLite's lock and waits with the writer's busy timeout (1 s), then the jittered retry. Past the
+bounded wait the writers behind it fall back to the same path, so a foreign writer holding the
+lock costs ours what it costs the original store, never a deadlock. (A shorter busy timeout for
+the head, :data:`HEAD_BUSY_TIMEOUT_S`, is defined for a later hot-path tuning and unused.)
+
+Where OFD locks are unavailable (not Linux; ``EINVAL``/``ENOSYS``/``ENOLCK``/``EOPNOTSUPP`` from
+``fcntl``, e.g. some network file systems; a lock file that cannot be created) the queue turns
+itself off for that file, logs it once, and every turn is a fallback: today's behaviour.
+
+Fork: OFD locks are shared with a child through the inherited open file description, so a
+child must never use its parent's descriptors. Queues are registered per process
+(keyed by pid) and ``os.register_at_fork`` resets every queue in the child, which then opens
+descriptors of its own (the inherited copies are closed; the parent's locks are unaffected).
+
+Set ``HERMES_STORE_WRITE_QUEUE=0`` to switch the queue off (benchmarks' "before" runs).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Linux values, for a fcntl module that does not name them.
+F_OFD_SETLK: int = getattr(fcntl, "F_OFD_SETLK", 37)
+F_OFD_SETLKW: int = getattr(fcntl, "F_OFD_SETLKW", 38)
+#: How long a waiter stands in line while the line does not move (no new head) before it
+#: falls back to SQLite's busy handler. Above a slow commit: fsync alone can take 0.5 s.
+DEFAULT_WAIT_TIMEOUT_S = 1.0
+#: How often a waiter checks whether the line moved (not the hand-off: the kernel wakes it).
+PROGRESS_TICK_S = 0.1
+#: Busy timeout the Unit of Work gives a queue head (only foreign writers compete with it).
+HEAD_BUSY_TIMEOUT_S = 0.2
+#: Ticket slots: a byte per ticket from SLOTS_AT, reused modulo SLOTS.
+SLOTS_AT = 4096
+SLOTS = 1 << 20
+#: Descriptors per process and file; waiters beyond this fall back.
+MAX_DESCRIPTORS = 64
+ENV_SWITCH = "HERMES_STORE_WRITE_QUEUE"
+ENV_WAIT = "HERMES_STORE_WRITE_QUEUE_WAIT"
+
+_HEADER = struct.Struct("<QQ")  # next ticket, last ticket served
+_FLOCK = "hhqqi4x"  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
+_UNAVAILABLE = {errno.EINVAL, errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
+_BUSY = {errno.EAGAIN, errno.EACCES}
+
+
+class QueueUnavailable(OSError):
+    """OFD locks do not work on this file (or system): the queue turns itself off."""
+
+
+def _flock(kind: int, start: int, length: int) -> bytes:
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)  # l_pid must be 0
+
+
+def _lock(fd: int, start: int, length: int, *, wait: bool) -> bool:
+    """Write-lock ``[start, start + length)``; False when ``wait`` is off and it is taken."""
+    try:
+        fcntl.fcntl(fd, F_OFD_SETLKW if wait else F_OFD_SETLK, _flock(fcntl.F_WRLCK, start, length))
+    except OSError as error:
+        if not wait and error.errno in _BUSY:
+            return False
+        if error.errno in _UNAVAILABLE:
+            raise QueueUnavailable(
+                error.errno, f"OFD locks unavailable: {error.strerror}"
+            ) from error
+        raise
+    return True
+
+
+def _unlock(fd: int, start: int, length: int) -> None:
+    fcntl.fcntl(fd, F_OFD_SETLK, _flock(fcntl.F_UNLCK, start, length))
+
+
+@dataclass
+class QueueStats:
+    """What a queue saw in this process (a snapshot; see :meth:`WriteQueue.stats`)."""
+
+    turns: int = 0  #: turns taken through the queue
+    waits: int = 0  #: turns that had to block for a predecessor or the mutex
+    wait_seconds: float = 0.0  #: time spent blocked, over all turns (fallbacks included)
+    max_wait_seconds: float = 0.0
+    fallbacks: int = 0  #: turns that ran on SQLite's busy handler instead
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+    max_depth: int = 0  #: most writers seen ahead in line when taking a ticket
+    hold_seconds: float = 0.0  #: time queued turns were held (the unit, commit included)
+    enabled: bool = True
+
+
+@dataclass
+class Turn:
+    """One writer's turn. ``queued`` is False for a fallback (SQLite's busy handler decides)."""
+
+    queued: bool
+    reason: str = ""  #: why it fell back
+    depth: int = 0  #: writers ahead when the ticket was taken
+    waited: float = 0.0
+
+
+class _Descriptor:
+    """One open file description on the lock file, with a helper thread for timed waits.
+
+    Plain locks used as binary semaphores hand requests to the helper and grants back (a
+    Condition costs twice the CPU per hand-off, and every waited turn makes two of them)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._state = threading.Lock()  # guards the fields below
+        self._go = threading.Lock()  # released: the helper has a request
+        self._go.acquire()
+        self._done = threading.Lock()  # released: the helper got the lock (or failed)
+        self._done.acquire()
+        self._request: tuple[int, int] | None = None
+        self._abandoned = False
+        self._error: BaseException | None = None
+        self._helper: threading.Thread | None = None
+        self.blocked = False  #: the last lock_within could not be had at once
+
+    @property
+    def pending(self) -> bool:
+        """A helper still blocked for an abandoned waiter: not reusable yet."""
+        with self._state:
+            return self._request is not None
+
+    def lock_within(
+        self,
+        start: int,
+        length: int,
+        timeout: float,
+        progress: Callable[[], object] | None = None,
+    ) -> bool:
+        """Lock the range; False once ``timeout`` s pass without it. With ``progress``, the
+        clock restarts whenever ``progress()`` changes (checked every :data:`PROGRESS_TICK_S`)."""
+        if _lock(self.fd, start, length, wait=False):
+            return True
+        self.blocked = True
+        with self._state:
+            self._request = (start, length)
+            self._abandoned = False
+            self._error = None
+        if self._helper is None:
+            self._helper = threading.Thread(
+                target=self._serve, name=f"hermes-writequeue-{self.fd}", daemon=True
+            )
+            self._helper.start()
+        self._go.release()
+        seen = progress() if progress is not None else None
+        since = time.monotonic()
+        while True:
+            left = since + timeout - time.monotonic()
+            if left <= 0:
+                with self._state:
+                    if not self._done.acquire(blocking=False):
+                        self._abandoned = True  # the helper drops the lock when it gets it
+                        return False
+                return self._granted()
+            if self._done.acquire(timeout=min(left, PROGRESS_TICK_S) if progress else left):
+                return self._granted()
+            if progress is not None and (now := progress()) != seen:
+                seen, since = now, time.monotonic()
+
+    def _granted(self) -> bool:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            self._go.acquire()
+            request = self._request
+            assert request is not None
+            error: BaseException | None = None
+            try:
+                _lock(self.fd, *request, wait=True)
+            except BaseException as exc:
+                error = exc
+            with self._state:
+                self._request = None
+                if not self._abandoned:
+                    self._error = error
+                    self._done.release()
+                    continue
+                self._abandoned = False
+                if error is None:
+                    try:
+                        _unlock(self.fd, *request)
+                    except OSError as exc:  # the writer behind would wait out its bound
+                        log.warning("write queue: could not drop an abandoned place: %s", exc)
+
+
+class WriteQueue:
+    """The FIFO of writers for one SQLite file in this process; get it with :func:`for_database`.
+
+    ``with queue.turn() as turn:`` waits for this writer's turn (``turn.queued``) or, past the
+    bounded wait or when the queue is off, yields a fallback turn at once (``not turn.queued``).
+    """
+
+    def __init__(
+        self,
+        db_path: str | os.PathLike[str],
+        *,
+        wait_timeout: float | None = None,
+        lock_path: str | os.PathLike[str] | None = None,
+        enabled: bool | None = None,
+    ) -> None:
+        self.db_path = Path(db_path)
+        self.lock_path = (
+            Path(lock_path) if lock_path is not None else Path(f"{db_path}-writer.lock")
+        )
+        if wait_timeout is None:
+            wait_timeout = float(os.environ.get(ENV_WAIT, DEFAULT_WAIT_TIMEOUT_S))
+        self.wait_timeout = wait_timeout
+        if enabled is None:
+            enabled = os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
+        self._wanted = enabled
+        self._reset()
+        _LIVE.add(self)
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._pool_lock = threading.Lock()
+        self._free: list[_Descriptor] = []  # idle, ready for the next waiter
+        self._parked: list[_Descriptor] = []  # a helper still waits for an abandoned turn
+        self._opened: list[int] = []  # every descriptor this process opened on the lock file
+        self._stats_lock = threading.Lock()
+        self._stats = QueueStats(enabled=self._wanted)
+        self._enabled = self._wanted and sys.platform.startswith("linux")
+        if self._wanted and not self._enabled:
+            self._disable(f"{sys.platform} has no open-file-description locks")
+
+    def _after_fork(self) -> None:
+        """In a child: forget (and close) the parent's descriptors; the parent keeps its locks."""
+        for fd in self._opened:
+            with suppress(OSError):
+                os.close(fd)
+        self._reset()
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def stats(self) -> QueueStats:
+        """A copy of this process's counters for this file."""
+        with self._stats_lock:
+            snapshot = QueueStats(**{**self._stats.__dict__})
+            snapshot.fallback_reasons = dict(self._stats.fallback_reasons)
+            snapshot.enabled = self._enabled
+            return snapshot
+
+    def tickets(self) -> tuple[int, int]:
+        """``(issued, served)`` as recorded in the lock file (for tests and diagnostics)."""
+        fd = os.open(self.lock_path, os.O_RDONLY)
+        try:
+            return self._read_header(fd)
+        finally:
+            os.close(fd)
+
+    # -- the turn ----------------------------------------------------------------------------
+
+    @contextmanager
+    def turn(self) -> Iterator[Turn]:
+        """This writer's turn: FIFO across processes and threads, bounded wait, then fallback."""
+        if os.getpid() != self._pid:  # a fork the hook did not see (should not happen)
+            self._after_fork()
+        if not self._enabled:
+            yield Turn(queued=False, reason="disabled")
+            return
+        began = time.monotonic()
+        descriptor = self._borrow()
+        if descriptor is None:
+            turn = Turn(queued=False, reason="no lock file descriptor")
+            self._account(turn)
+            yield turn
+            return
+        own: list[int] = []  # my ticket's byte, once locked
+        try:
+            try:
+                turn = self._enter(descriptor, began, own)
+            except QueueUnavailable as error:
+                self._disable(str(error))
+                turn = Turn(queued=False, reason="unavailable")
+            except OSError as error:  # the queue only orders writers: never fail a write for it
+                log.warning(
+                    "%s: write queue error, this writer falls back: %s", self.db_path, error
+                )
+                turn = Turn(queued=False, reason=f"error {error.errno}")
+            turn.waited = time.monotonic() - began if descriptor.blocked else 0.0
+            self._account(turn)
+            granted = time.monotonic()
+            yield turn
+        finally:
+            for byte in own:
+                os.pwrite(descriptor.fd, struct.pack("<Q", byte), 16)  # the line moved
+                _unlock(descriptor.fd, byte, 1)
+            self._give_back(descriptor)
+        if turn.queued:
+            held = time.monotonic() - granted
+            with self._stats_lock:
+                self._stats.hold_seconds += held
+
+    def _enter(self, descriptor: _Descriptor, began: float, own: list[int]) -> Turn:
+        fd = descriptor.fd
+        descriptor.blocked = False
+        if not descriptor.lock_within(0, 8, self.wait_timeout - (time.monotonic() - began)):
+            return Turn(queued=False, reason="ticket mutex wait timed out")
+        try:
+            issued, served = self._read_header(fd)
+            ticket = issued
+            while not _lock(fd, self._slot(ticket), 1, wait=False):
+                ticket += 1  # a writer stuck since SLOTS tickets ago still holds it: skip
+            own.append(self._slot(ticket))
+            os.pwrite(fd, struct.pack("<Q", ticket + 1), 0)
+        finally:
+            _unlock(fd, 0, 8)
+        turn = Turn(queued=True, depth=max(0, issued - served - 1) if issued else 0)
+        if issued:
+            predecessor = self._slot(issued - 1)
+
+            def moved() -> bytes:  # the last head's ticket and the last byte released
+                return os.pread(fd, 16, 8)
+
+            if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
+                turn.queued, turn.reason = False, "wait timed out"
+                return turn  # still holding my byte: the writers behind me stay in order
+            _unlock(fd, predecessor, 1)
+        os.pwrite(fd, struct.pack("<Q", ticket), 8)
+        return turn
+
+    @staticmethod
+    def _slot(ticket: int) -> int:
+        return SLOTS_AT + ticket % SLOTS
+
+    @staticmethod
+    def _read_header(fd: int) -> tuple[int, int]:
+        raw = os.pread(fd, _HEADER.size, 0)
+        if len(raw) < _HEADER.size:
+            raw = raw.ljust(_HEADER.size, b"\0")
+        issued, served = _HEADER.unpack(raw)
+        return issued, served
+
+    # -- descriptors ---------------------------------------------------------------------------
+
+    def _borrow(self) -> _Descriptor | None:
+        with self._pool_lock:
+            if self._free:
+                return self._free.pop()
+            for descriptor in self._parked:
+                if not descriptor.pending:  # its abandoned wait has ended
+                    self._parked.remove(descriptor)
+                    return descriptor
+            if len(self._opened) >= MAX_DESCRIPTORS:
+                return None
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as error:
+                self._disable(f"cannot open {self.lock_path}: {error.strerror}")
+                return None
+            self._opened.append(fd)
+            return _Descriptor(fd)
+
+    def _give_back(self, descriptor: _Descriptor) -> None:
+        with self._pool_lock:
+            if descriptor.fd not in self._opened:
+                return  # from before a fork: never reuse a parent's descriptor
+            if descriptor.pending:
+                self._parked.append(descriptor)
+            else:
+                self._free.append(descriptor)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _account(self, turn: Turn) -> None:
+        with self._stats_lock:
+            stats = self._stats
+            if turn.queued:
+                stats.turns += 1
+            else:
+                stats.fallbacks += 1
+                stats.fallback_reasons[turn.reason] = stats.fallback_reasons.get(turn.reason, 0) + 1
+            if turn.waited > 0:
+                stats.waits += 1
+                stats.wait_seconds += turn.waited
+                stats.max_wait_seconds = max(stats.max_wait_seconds, turn.waited)
+            stats.max_depth = max(stats.max_depth, turn.depth)
+        if not turn.queued and turn.reason != "disabled":
+            log.debug("%s: write queue fallback (%s) after %.0f ms; %s", self.db_path,
+                      turn.reason, turn.waited * 1000, self._stats)  # fmt: skip
+
+    def _disable(self, why: str) -> None:
+        if self._enabled or self._wanted:
+            log.warning("%s: fair writer queue off (%s); writers wait in SQLite's busy handler",
+                        self.db_path, why)  # fmt: skip
+        self._enabled = False
+        self._wanted = False
+
+
+_LIVE: weakref.WeakSet[WriteQueue] = weakref.WeakSet()
+_REGISTRY: dict[tuple[int, str], WriteQueue] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def for_database(db_path: str | os.PathLike[str]) -> WriteQueue:
+    """This process's queue for the SQLite file ``db_path`` (one per file per process)."""
+    key = (os.getpid(), os.fspath(db_path))
+    queue = _REGISTRY.get(key)
+    if queue is None:
+        with _REGISTRY_LOCK:
+            queue = _REGISTRY.get(key)
+            if queue is None:
+                queue = _REGISTRY[key] = WriteQueue(db_path)
+    return queue
+
+
+def _after_fork_in_child() -> None:
+    global _REGISTRY_LOCK
+    _REGISTRY_LOCK = threading.Lock()
+    _REGISTRY.clear()
+    for queue in list(_LIVE):
+        queue._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
