@@ -59,6 +59,44 @@ def create_trigram_index() -> bool:
     return True
 
 
+#: The first SQLite release with FTS5's trigram tokenizer.
+TRIGRAM_SQLITE = (3, 34, 0)
+
+
+def trigram_supported(sqlite_version: str) -> bool:
+    """Whether a SQLite of this version (``sqlite_version()``) has the trigram tokenizer."""
+    parts = tuple(int(p) for p in sqlite_version.split(".")[:3] if p.isdigit())
+    return parts >= TRIGRAM_SQLITE
+
+
+def create_cjk_index(bind: sa.Connection) -> bool:
+    """The CJK trigram index, its triggers and its rows (SQLite only). False, creating nothing,
+    when this SQLite has no trigram tokenizer: a trigger naming a trigram table would make every
+    insert fail there with "no such tokenizer"."""
+    if bind.dialect.name != "sqlite":
+        return False
+    version = str(bind.exec_driver_sql("SELECT sqlite_version()").scalar())
+    if not trigram_supported(version):
+        log.warning(
+            "SQLite %s has no trigram tokenizer (needs 3.34+): CJK search will scan", version
+        )
+        return False
+    missing = not sa.inspect(bind).has_table(ddl.CJK_TABLE)
+    bind.exec_driver_sql(ddl.SQLITE_CJK_TABLE)
+    for trigger in ddl.SQLITE_CJK_TRIGGERS:
+        bind.exec_driver_sql(trigger)
+    if missing:
+        for statement in ddl.SQLITE_CJK_REBUILD:
+            bind.exec_driver_sql(statement)
+    return True
+
+
+def drop_cjk_index(bind: sa.Connection) -> None:
+    if bind.dialect.name == "sqlite":
+        for statement in ddl.SQLITE_CJK_DROP:
+            bind.exec_driver_sql(statement)
+
+
 def drop_full_text() -> None:
     if _is_sqlite():
         for statement in ddl.SQLITE_FTS_DROP:
@@ -154,6 +192,9 @@ class _SqliteTableState:
         if self.table == "messages" and sa.inspect(bind).has_table(ddl.FTS_TABLE):
             for trigger in ddl.SQLITE_FTS_TRIGGERS:
                 op.execute(sa.text(trigger))
+        if self.table == "messages" and sa.inspect(bind).has_table(ddl.CJK_TABLE):
+            for trigger in ddl.SQLITE_CJK_TRIGGERS:
+                bind.exec_driver_sql(trigger)
         for name, sql in self.indexes:  # the stored SQL verbatim (no bind-parameter parsing)
             bind.exec_driver_sql(f'DROP INDEX IF EXISTS "{name}"')
             bind.exec_driver_sql(sql)

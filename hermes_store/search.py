@@ -25,6 +25,7 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 
 from hermes_store import ddl, fastpath
+from hermes_store.errors import InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 
@@ -51,15 +52,9 @@ _TRAILING_OPERATOR = re.compile(r"(?:^|\s+)(?:AND|OR|NOT)$")
 _JOINED_TERM = re.compile(r"\b(\w+(?:[.-]\w+)+)\b")
 _PLACEHOLDER = re.compile("\x00Q(\\d+)\x00")
 
-_CJK_RANGES = (
-    (0x4E00, 0x9FFF),  # CJK unified ideographs
-    (0x3400, 0x4DBF),  # extension A
-    (0x20000, 0x2A6DF),  # extension B
-    (0x3000, 0x303F),  # CJK symbols and punctuation
-    (0x3040, 0x309F),  # hiragana
-    (0x30A0, 0x30FF),  # katakana
-    (0xAC00, 0xD7AF),  # hangul syllables
-)
+#: Chinese, Japanese kana, Korean hangul, CJK punctuation and the other scripts written without
+#: spaces (Thai, Lao, Myanmar, Khmer): the same ranges the CJK index's triggers test.
+_CJK_RANGES = ddl.UNSEGMENTED_RANGES
 
 
 def sanitize_fts5_query(query: str) -> str:
@@ -91,7 +86,8 @@ def sanitize_fts5_query(query: str) -> str:
 
 
 def contains_cjk(text: str) -> bool:
-    """True when any character is Chinese, Japanese kana, Korean hangul or CJK punctuation."""
+    """True when any character is Chinese, Japanese kana, Korean hangul, CJK punctuation or of
+    another script written without spaces (see ``ddl.UNSEGMENTED_RANGES``)."""
     return any(lo <= ord(ch) <= hi for ch in text for lo, hi in _CJK_RANGES)
 
 
@@ -265,17 +261,37 @@ def positive_pieces(items: Sequence[Item]) -> list[str]:
 
 # -- search ---------------------------------------------------------------------------------------
 
+#: The orders ``search_messages`` offers: ``rank`` (the contract's, best first), ``newest`` and
+#: ``oldest`` (by timestamp, then id).
+SORTS = ("rank", "newest", "oldest")
+#: ``rank`` scores at most this many matches, the newest by id: BM25 of every match of a word in
+#: a quarter of a million messages took 0.4 s at 1M. Fewer matches are ranked exactly.
+RANK_WINDOW = 5_000
+#: Longer contents get their snippet from a bounded window around the first match, computed
+#: here: FTS5's snippet() and ts_headline() walk every occurrence (quadratic in FTS5: a 256 KB
+#: log repeating the word took 50 s).
+SNIPPET_INLINE_CHARS = 2_000
+SNIPPET_TOKENS = 40
+#: How far around the first match the bounded snippet looks (characters).
+_SNIPPET_REACH = 1_000
+#: At most this many trigrams of one CJK fragment go into the index query (evenly spread).
+_TRIGRAMS_PER_PIECE = 6
+
 _FTS = sa.table(ddl.FTS_TABLE, sa.column("rowid"), sa.column("rank"))
 _FTS_MATCH = sa.literal_column(ddl.FTS_TABLE).op("MATCH")
 _FTS_SNIPPET: ColumnClause[Any] = sa.literal_column(
     f"snippet({ddl.FTS_TABLE}, 0, '>>>', '<<<', '...', 40)"
 )
+_CJK = sa.table(ddl.CJK_TABLE, sa.column("rowid"))
+_CJK_MATCH = sa.literal_column(ddl.CJK_TABLE).op("MATCH")
+_CJK_DOCS = sa.table(ddl.CJK_DOCSIZE, sa.column("id"))
 _FTS_QUERY_ERRORS = ("fts5:", "no such column", "unterminated string", "unknown special query")
 # FTS5 barewords: ASCII letters, digits, "_", 0x1A and anything beyond ASCII; plus the spaces
 # FTS5 skips and the prefix star. Anything else outside quotes is syntax (":" "-" "." ...).
 _FTS5_PLAIN = re.compile(r"[A-Za-z0-9_\x1a \t\n\r*\u0080-\U0010ffff]*")
 _ASCII_WORDS = re.compile(r'[A-Za-z0-9 \t\n\r*"]*')
 _UNUSABLE = re.compile("[\x00\ud800-\udfff]")  # NUL and lone surrogates: no engine takes them
+_TOKEN = re.compile(r"[^\W_]+")
 
 _PG_CONFIG: ColumnClause[Any] = sa.literal_column("'simple'::regconfig")
 # The stored tsvector column (not in the ORM models: the migrations own it), GIN-indexed.
@@ -293,15 +309,21 @@ def search_messages(
     role_filter: Sequence[str] | None,
     limit: int,
     offset: int,
+    sort: str = "rank",
 ) -> list[dict[str, Any]]:
-    """Messages matching ``query``, best rank first, with snippet and same-session context.
+    """Messages matching ``query`` in ``sort`` order, with snippet and same-session context.
 
     Syntax never reaches the caller: a query FTS5 cannot parse is re-run with every term quoted.
-    When the full-text path finds nothing at all, a substring match (newest first) takes over:
-    on SQLite for CJK queries, for queries with punctuation or non-ASCII letters and for terms
-    without letters or digits (``->``); on PostgreSQL always, since its parser keeps paths,
-    e-mails and URLs whole. Errors other than FTS5 syntax propagate.
+    A query with CJK (or another unsegmented script) is a substring match, so a word inside a
+    longer run is found wherever it occurs; on SQLite the CJK trigram index narrows it to its
+    candidates (newest first for ``rank``: substring matches carry no score). Otherwise, when
+    the full-text path finds nothing at all, a substring match takes over: on SQLite for
+    queries with punctuation or non-ASCII letters and for terms without letters or digits
+    (``->``); on PostgreSQL always, since its parser keeps paths, e-mails and URLs whole.
+    Errors other than FTS5 syntax propagate.
     """
+    if sort not in SORTS:
+        raise InvalidInputError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
     limit, offset = max(0, int(limit)), max(0, int(offset))
     if not query or not query.strip() or limit == 0:
         return []
@@ -315,19 +337,31 @@ def search_messages(
         return []
     filters = _filters(source_filter, exclude_sources, role_filter)
     sqlite = conn.dialect.name == "sqlite"
-    full_text = _sqlite_full_text if sqlite else _pg_full_text
-    rows = full_text(conn, sanitized, items, filters, limit, offset)
-    if not rows:
-        fallback = (
-            rows is None  # nothing a tokenizer could index: '->', '!=', '""'
-            or not sqlite
-            or contains_cjk(query)
-            or not _ASCII_WORDS.fullmatch(sanitized)
-        )
-        if offset and rows is not None and full_text(conn, sanitized, items, filters, 1, 0):
-            fallback = False  # the full-text result set exists; this page is past its end
-        if fallback:
-            rows = _substring_search(conn, items, filters, limit, offset, ilike=not sqlite)
+    page = _Page(limit, offset, sort)
+    rows: list[dict[str, Any]] | None
+    restriction = cjk_restriction(items) if contains_cjk(sanitized) else None
+    if restriction is not None or (not sqlite and contains_cjk(sanitized)):
+        if sqlite and not _has_cjk_index(conn):
+            restriction = None  # an older SQLite, or downgraded: scan
+        rows = _substring_search(conn, items, filters, page, ilike=not sqlite, within=restriction)
+    else:
+        full_text = _sqlite_full_text if sqlite else _pg_full_text
+        rows = full_text(conn, sanitized, items, filters, page)
+        if not rows:
+            fallback = (
+                rows is None  # nothing a tokenizer could index: '->', '!=', '""'
+                or not sqlite
+                or contains_cjk(query)
+                or not _ASCII_WORDS.fullmatch(sanitized)
+            )
+            if (
+                offset
+                and rows is not None
+                and full_text(conn, sanitized, items, filters, _Page(1, 0, sort))
+            ):
+                fallback = False  # the full-text result set exists; this page is past its end
+            if fallback:
+                rows = _substring_search(conn, items, filters, page, ilike=not sqlite)
     if not rows:
         return []
     if "context_content" in rows[0]:  # the page statement carried the context columns
@@ -338,6 +372,16 @@ def search_messages(
     for row in rows:
         row["context"] = contexts.get(row["id"], [])
     return rows
+
+
+@dataclass(frozen=True)
+class _Page:
+    limit: int
+    offset: int
+    sort: str
+
+    def params(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}_limit": self.limit, f"{prefix}_offset": self.offset}
 
 
 def _clip(query: str) -> str:
@@ -384,39 +428,51 @@ def _columns(snippet: ColumnElement[Any]) -> tuple[ColumnElement[Any], ...]:
     )
 
 
+def _long_content() -> ColumnElement[Any]:
+    """The content of a message too long for the engine's own snippet, else NULL."""
+    return sa.case(
+        (func.length(M.c.content) > SNIPPET_INLINE_CHARS, M.c.content), else_=sa.null()
+    ).label("long_content")
+
+
+def _short(snippet: ColumnElement[Any]) -> ColumnElement[Any]:
+    """The engine's snippet only for contents short enough that it stays cheap."""
+    return sa.case((func.length(M.c.content) <= SNIPPET_INLINE_CHARS, snippet), else_=sa.null())
+
+
 def _sqlite_full_text(
     conn: Connection,
     sanitized: str,
     items: list[Item],
     filters: list[ColumnElement[bool]],
-    limit: int,
-    offset: int,
+    page: _Page,
 ) -> list[dict[str, Any]] | None:
-    """FTS5 MATCH ordered by ``rank`` alone, which FTS5 serves itself (no sorter, so snippet()
-    runs only for the rows returned). None when no term has anything to index."""
+    """FTS5 MATCH; the page is cut first (for ``rank``, among the newest RANK_WINDOW matches,
+    BM25 being exact below that) and snippets are computed for its rows only. None when no term
+    has anything to index."""
     terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
     if not terms:
         return None
-    statement = _fts_statement()
-    if filters:
-        statement = statement.where(*filters)
+    statement = _fts_statement(page.sort, tuple(filters))
 
     def run(params: dict[str, Any]) -> list[dict[str, Any]]:
         if filters:
-            return _dicts(conn.execute(statement, params))
-        return fastpath.rows(conn, statement, params)  # built once: run on the driver
+            rows = _dicts(conn.execute(statement, params))
+        else:
+            rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
+        return _bounded_snippets(rows, terms)
 
-    page = {"fts_limit": limit, "fts_offset": offset}
+    params = {**page.params("fts"), "fts_window": max(RANK_WINDOW, page.limit + page.offset)}
     quoted = fts5_query(terms)
     if quoted != sanitized and _FTS5_PLAIN.fullmatch(_QUOTED_PHRASE.sub(" ", sanitized)):
         try:  # the seed's query, when FTS5 can read it
-            return run({"fts_query": sanitized, **page})
+            return run({"fts_query": sanitized, **params})
         except sa.exc.OperationalError as error:
             if not str(error.orig).startswith(_FTS_QUERY_ERRORS):
                 raise
             log.debug("FTS5 rejected %r (%s); retrying with quoted terms", sanitized, error.orig)
     try:
-        return run({"fts_query": quoted, **page})
+        return run({"fts_query": quoted, **params})
     except sa.exc.OperationalError as error:
         if not str(error.orig).startswith(_FTS_QUERY_ERRORS):
             raise
@@ -426,17 +482,62 @@ def _sqlite_full_text(
         return None
 
 
+def _fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) -> Select[Any]:
+    if not filters:
+        return _fts_statement_unfiltered(sort)
+    return _build_fts_statement(sort, filters)
+
+
 @functools.cache
-def _fts_statement() -> Select[Any]:
-    """The FTS5 page query, built once (its construction cost more than a rare word's search);
-    filters, when there are any, are added per call."""
+def _fts_statement_unfiltered(sort: str) -> Select[Any]:
+    """Built once per order: its construction cost more than a rare word's search."""
+    return _build_fts_statement(sort, ())
+
+
+def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) -> Select[Any]:
+    """The page of ids first (for ``rank``: the newest RANK_WINDOW matches by rowid, which FTS5
+    yields in order, then their ``rank``), then the columns and snippets of its rows."""
+    match = _FTS_MATCH(sa.bindparam("fts_query"))
+    limit = sa.bindparam("fts_limit", type_=sa.Integer)
+    offset = sa.bindparam("fts_offset", type_=sa.Integer)
+    source = _FTS.join(M, M.c.id == _FTS.c.rowid)
+    if filters:
+        source = source.join(S, S.c.id == M.c.session_id)
+    if sort == "rank":
+        window = (
+            select(_FTS.c.rowid.label("id"), _FTS.c.rank.label("score"))
+            .select_from(source if filters else _FTS)
+            .where(match, *filters)
+            .order_by(_FTS.c.rowid.desc())
+            .limit(sa.bindparam("fts_window", type_=sa.Integer))
+            .subquery("window")
+        )
+        order: tuple[Any, ...] = (window.c.score, window.c.id)
+        hits = select(window.c.id, window.c.score).order_by(*order)
+    else:
+        direction = sa.desc if sort == "newest" else sa.asc
+        hits = (
+            select(M.c.id, M.c.timestamp)
+            .select_from(source)
+            .where(match, *filters)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
+        )
+    paged = hits.limit(limit).offset(offset).subquery("page")
+    if sort == "rank":
+        outer_order: tuple[Any, ...] = (paged.c.score, paged.c.id)
+    else:
+        direction = sa.desc if sort == "newest" else sa.asc
+        outer_order = (direction(paged.c.timestamp), direction(paged.c.id))
+    # The outer statement matches again, by rowid, so snippet() has its match to mark.
     return (
-        select(*_columns(_FTS_SNIPPET))
-        .select_from(_FTS.join(M, M.c.id == _FTS.c.rowid).join(S, S.c.id == M.c.session_id))
-        .where(_FTS_MATCH(sa.bindparam("fts_query")))
-        .order_by(_FTS.c.rank)
-        .limit(sa.bindparam("fts_limit", type_=sa.Integer))
-        .offset(sa.bindparam("fts_offset", type_=sa.Integer))
+        select(*_columns(_short(_FTS_SNIPPET)), _long_content())
+        .select_from(
+            paged.join(M, M.c.id == paged.c.id)
+            .join(S, S.c.id == M.c.session_id)
+            .join(_FTS, _FTS.c.rowid == paged.c.id)
+        )
+        .where(match)
+        .order_by(*outer_order)
     )
 
 
@@ -445,39 +546,62 @@ def _pg_full_text(
     sanitized: str,
     items: list[Item],
     filters: list[ColumnElement[bool]],
-    limit: int,
-    offset: int,
+    page: _Page,
 ) -> list[dict[str, Any]] | None:
-    """tsquery against the stored, GIN-indexed tsvector, ranked by ``ts_rank``; the page is cut
-    first and ``ts_headline`` runs only for its rows."""
+    """tsquery against the stored, GIN-indexed tsvector, ranked by ``ts_rank`` among the newest
+    RANK_WINDOW matches; the page is cut first and ``ts_headline`` runs only for its rows (and
+    only for contents of at most SNIPPET_INLINE_CHARS)."""
     terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
     if not terms:
         return None
     query = func.to_tsquery(_PG_CONFIG, sa.bindparam("tsquery", tsquery(terms), type_=sa.Text))
-    rank = func.ts_rank(_PG_VECTOR, query)
-    page = (
-        select(M.c.id, rank.label("rank"))
-        .select_from(M.join(S, S.c.id == M.c.session_id))
-        .where(_PG_VECTOR.op("@@")(query), *filters)
-        .order_by(sa.desc("rank"), M.c.id.desc())
-        .limit(limit)
-        .offset(offset)
-        .subquery("page")
-    )
+    matching = M.join(S, S.c.id == M.c.session_id)
+    if page.sort == "rank":
+        window = (
+            select(M.c.id)
+            .select_from(matching)
+            .where(_PG_VECTOR.op("@@")(query), *filters)
+            .order_by(M.c.id.desc())
+            .limit(max(RANK_WINDOW, page.limit + page.offset))
+            .subquery("window")
+        )
+        rank = func.ts_rank(_PG_VECTOR, query)
+        hits = (
+            select(M.c.id, rank.label("rank"), M.c.timestamp)
+            .select_from(window.join(M, M.c.id == window.c.id))
+            .order_by(sa.desc("rank"), M.c.id.desc())
+        )
+    else:
+        direction = sa.desc if page.sort == "newest" else sa.asc
+        hits = (
+            select(M.c.id, sa.literal(0.0).label("rank"), M.c.timestamp)
+            .select_from(matching)
+            .where(_PG_VECTOR.op("@@")(query), *filters)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
+        )
+    paged = hits.limit(page.limit).offset(page.offset).subquery("page")
+    if page.sort == "rank":
+        order: tuple[Any, ...] = (paged.c.rank.desc(), paged.c.id.desc())
+    else:
+        direction = sa.desc if page.sort == "newest" else sa.asc
+        order = (direction(paged.c.timestamp), direction(paged.c.id))
     headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
     statement = (
         select(
-            *_columns(headline),
+            *_columns(_short(headline)),
+            _long_content(),
             func.left(M.c.content, _PG_EDGE_CHARS).label("head"),
             func.right(M.c.content, _PG_EDGE_CHARS).label("tail"),
         )
-        .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
-        .order_by(page.c.rank.desc(), page.c.id.desc())
+        .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
+        .order_by(*order)
     )
     rows = _dicts(conn.execute(statement))
     for row in rows:
-        row["snippet"] = _mark_cuts(row["snippet"] or "", row.pop("head"), row.pop("tail"))
-    return rows
+        head, tail = row.pop("head"), row.pop("tail")
+        if row["snippet"] is not None:
+            row["snippet"] = _mark_cuts(row["snippet"], head, tail)
+    return _bounded_snippets(rows, terms)
 
 
 def _mark_cuts(headline: str, head: str, tail: str) -> str:
@@ -493,54 +617,206 @@ def _dicts(result: Result[Any]) -> list[dict[str, Any]]:
     return [dict(row._mapping) for row in result]
 
 
+# -- bounded snippets -----------------------------------------------------------------------------
+
+
+def _bounded_snippets(rows: list[dict[str, Any]], terms: Sequence[Item]) -> list[dict[str, Any]]:
+    """Fill the snippet of each row whose content was too long for the engine's snippet."""
+    patterns: list[re.Pattern[str]] | None = None
+    for row in rows:
+        content = row.pop("long_content", None)
+        if content is None:
+            if row["snippet"] is None:
+                row["snippet"] = ""
+            continue
+        if patterns is None:
+            patterns = _term_patterns(terms)
+        row["snippet"] = bounded_snippet(content, patterns)
+    return rows
+
+
+def _term_patterns(items: Sequence[Item]) -> list[re.Pattern[str]]:
+    """A case-insensitive pattern per positive term: its words in order, separated by anything
+    that is not a letter or digit (as the tokenizers see them), a prefix term open at its end."""
+    patterns = []
+    negated = False
+    for item in items:
+        if isinstance(item, str):
+            negated = item == "NOT"
+            continue
+        words = _TOKEN.findall(item.words)
+        if words and not negated:
+            body = r"[\W_]+".join(re.escape(w) for w in words)
+            end = "" if item.prefix else r"(?![^\W_])"
+            patterns.append(re.compile(r"(?<![^\W_])" + body + end, re.IGNORECASE))
+        negated = False
+    return patterns
+
+
+def bounded_snippet(content: str, patterns: Sequence[re.Pattern[str]]) -> str:
+    """FTS5's snippet shape (``>>>match<<<`` in about SNIPPET_TOKENS tokens, ``...`` where cut)
+    from a window around the FIRST match: the cost is the search for that match plus a window
+    of a few kilobytes, however long or repetitive the content."""
+    found = [m for p in patterns if (m := p.search(content))]
+    start = min((m.start() for m in found), default=0)
+    lo = max(0, start - _SNIPPET_REACH)
+    hi = min(len(content), start + _SNIPPET_REACH * 2)
+    window = content[lo:hi]
+    tokens = list(_TOKEN.finditer(window))
+    if not tokens:
+        return window[:SUBSTRING_SNIPPET_CHARS]
+    first = next((i for i, t in enumerate(tokens) if t.start() + lo >= start), 0)
+    begin = max(0, first - SNIPPET_TOKENS // 4)
+    end = min(len(tokens), begin + SNIPPET_TOKENS)
+    begin = max(0, end - SNIPPET_TOKENS)
+    cut_lo = lo + tokens[begin].start() if begin > 0 or lo > 0 else 0
+    cut_hi = lo + tokens[end - 1].end()
+    whole_end = end == len(tokens) and hi == len(content)
+    if whole_end:
+        cut_hi = len(content)
+    text = content[cut_lo:cut_hi]
+    marks = sorted(
+        {(m.start(), m.end()) for p in patterns for m in p.finditer(text)}, key=lambda s: s[0]
+    )
+    out, at = [], 0
+    for a, b in marks:
+        if a < at:
+            continue
+        out += [text[at:a], ">>>", text[a:b], "<<<"]
+        at = b
+    out.append(text[at:])
+    return ("..." if cut_lo > 0 else "") + "".join(out) + ("" if whole_end else "...")
+
+
+# -- substring search and the CJK index -----------------------------------------------------------
+
+#: What narrows a substring query to the CJK index: a MATCH expression over trigrams, ALL (any
+#: row the index holds: a fragment shorter than a trigram) or None (rows outside it may match).
+ALL_CJK = "\x00all"
+
+
+def cjk_restriction(items: Sequence[Item]) -> str | None:
+    """The FTS5 query on the CJK trigram index whose hits include every message matching
+    ``items`` (each still checked with LIKE), ALL_CJK, or None when the index cannot narrow it."""
+
+    def leaf(term: Term) -> str | None:
+        if not contains_cjk(term.words):
+            return None
+        grams = [g for piece in term.pieces for g in _trigrams(piece)]
+        return " AND ".join(grams) if grams else ALL_CJK
+
+    def all_of(parts: list[str | None]) -> str | None:
+        exprs = [p for p in parts if p is not None and p != ALL_CJK]
+        if exprs:
+            return exprs[0] if len(exprs) == 1 else " AND ".join(f"({e})" for e in exprs)
+        return ALL_CJK if ALL_CJK in parts else None
+
+    def any_of(parts: list[str | None]) -> str | None:
+        if None in parts:
+            return None
+        if ALL_CJK in parts:
+            return ALL_CJK
+        exprs = [p for p in parts if p is not None]
+        return exprs[0] if len(exprs) == 1 else " OR ".join(f"({e})" for e in exprs)
+
+    return fold(items, leaf, all_of, any_of, lambda _part: None)
+
+
+def _trigrams(piece: str) -> list[str]:
+    """Quoted trigrams of a fragment, at most _TRIGRAMS_PER_PIECE of them, spread from its
+    first to its last (a fragment shorter than three characters has none)."""
+    count = len(piece) - 2
+    if count <= 0:
+        return []
+    if count <= _TRIGRAMS_PER_PIECE:
+        starts = list(range(count))
+    else:
+        step = (count - 1) / (_TRIGRAMS_PER_PIECE - 1)
+        starts = sorted({round(i * step) for i in range(_TRIGRAMS_PER_PIECE)})
+    return ['"' + piece[i : i + 3].replace('"', '""') + '"' for i in starts]
+
+
+def _has_cjk_index(conn: Connection) -> bool:
+    return bool(
+        fastpath.rows(conn, _CJK_PRESENT, {"name": ddl.CJK_TABLE})
+    )
+
+
+_CJK_PRESENT = select(sa.literal_column("1").label("present")).select_from(
+    sa.table("sqlite_master", sa.column("name"))
+).where(sa.column("name") == sa.bindparam("name"))
+
+
+def _within(restriction: str | None) -> ColumnElement[bool] | None:
+    if restriction is None:
+        return None
+    if restriction == ALL_CJK:
+        return M.c.id.in_(select(_CJK_DOCS.c.id))
+    return M.c.id.in_(select(_CJK.c.rowid).where(_CJK_MATCH(sa.bindparam("cjk_query"))))
+
+
 def _substring_search(
     conn: Connection,
     items: list[Item],
     filters: list[ColumnElement[bool]],
-    limit: int,
-    offset: int,
+    page: _Page,
     *,
     ilike: bool,
+    within: str | None = None,
 ) -> list[dict[str, Any]]:
-    """LIKE/ILIKE on the raw fragments, newest first; snippets of ~120 characters around the
-    first fragment found (PostgreSQL's trigram index serves ILIKE when pg_trgm is there).
+    """LIKE/ILIKE on the raw fragments, newest first for ``rank``; snippets of ~120 characters
+    around the first fragment found. ``within`` narrows the rows to the CJK index's candidates
+    (SQLite); PostgreSQL's trigram index serves ILIKE when pg_trgm is there.
 
     The usual query, one term of one fragment (a CJK word), runs a statement built once with
     the pattern bound; on SQLite the statement also carries the same-session context."""
     sqlite = not ilike
-    params: dict[str, Any] = {"sub_limit": limit, "sub_offset": offset}
+    params: dict[str, Any] = page.params("sub")
+    kind = None if within is None else ("all" if within == ALL_CJK else "match")
+    if kind == "match":
+        params["cjk_query"] = within
     term = items[0] if len(items) == 1 else None
     if isinstance(term, Term) and len(term.pieces) == 1:
         params["pattern"] = "%" + _escape_like(term.pieces[0]) + "%"
         if not filters:  # built once: run on the driver
-            rows = fastpath.rows(conn, _single_substring_statement(sqlite), params)
+            statement = _single_substring_statement(sqlite, page.sort, kind)
+            rows = fastpath.rows(conn, statement, params)
         else:
-            predicate = _single_substring_predicate(sqlite)
-            statement = _substring_statement((predicate, *filters), sqlite=sqlite)
+            predicates = [_single_substring_predicate(sqlite), *filters]
+            narrow = _within(within)
+            if narrow is not None:
+                predicates.append(narrow)
+            statement = _substring_statement(predicates, sqlite=sqlite, sort=page.sort)
             rows = _dicts(conn.execute(statement, params))
     else:
-        predicates = (M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters)
-        rows = _dicts(conn.execute(_substring_statement(predicates, sqlite=sqlite), params))
+        predicates = [M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters]
+        narrow = _within(within)
+        if narrow is not None:
+            predicates.append(narrow)
+        statement = _substring_statement(predicates, sqlite=sqlite, sort=page.sort)
+        rows = _dicts(conn.execute(statement, params))
     pieces = positive_pieces(items)
     for row in rows:
         row["snippet"] = substring_snippet(row["snippet"] or "", pieces)
     return rows
 
 
-def _substring_statement(predicates: Sequence[ColumnElement[bool]], *, sqlite: bool) -> Select[Any]:
-    """Newest first. On SQLite the page of ids is cut first and the outer statement computes
-    the columns (content, same-session context) for its rows only: a sorter fed whole rows
-    would run the context seeks and copy the content for every match."""
+def _substring_statement(
+    predicates: Sequence[ColumnElement[bool]], *, sqlite: bool, sort: str = "rank"
+) -> Select[Any]:
+    """Newest first (oldest first for ``oldest``). On SQLite the page of ids is cut first and
+    the outer statement computes the columns (content, same-session context) for its rows only:
+    a sorter fed whole rows would run the context seeks and copy the content for every match."""
     limit = sa.bindparam("sub_limit", type_=sa.Integer)
     offset = sa.bindparam("sub_offset", type_=sa.Integer)
-    newest = (M.c.timestamp.desc(), M.c.id.desc())
+    direction = sa.asc if sort == "oldest" else sa.desc
     matching = M.join(S, S.c.id == M.c.session_id)
     if not sqlite:
         return (
             select(*_columns(M.c.content))
             .select_from(matching)
             .where(*predicates)
-            .order_by(*newest)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
             .limit(limit)
             .offset(offset)
         )
@@ -548,7 +824,7 @@ def _substring_statement(predicates: Sequence[ColumnElement[bool]], *, sqlite: b
         select(M.c.id, M.c.timestamp)
         .select_from(matching)
         .where(*predicates)
-        .order_by(*newest)
+        .order_by(direction(M.c.timestamp), direction(M.c.id))
         .limit(limit)
         .offset(offset)
         .subquery("page")
@@ -556,7 +832,7 @@ def _substring_statement(predicates: Sequence[ColumnElement[bool]], *, sqlite: b
     return (
         select(*_columns(M.c.content), *_context_columns(sqlite=True))
         .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
-        .order_by(page.c.timestamp.desc(), page.c.id.desc())
+        .order_by(direction(page.c.timestamp), direction(page.c.id))
     )
 
 
@@ -569,10 +845,14 @@ def _single_substring_predicate(sqlite: bool) -> ColumnElement[bool]:
 
 
 @functools.cache
-def _single_substring_statement(sqlite: bool) -> Select[Any]:
-    """The usual substring query (one CJK word), built once: its construction cost as much as
-    running it on a small database."""
-    return _substring_statement((_single_substring_predicate(sqlite),), sqlite=sqlite)
+def _single_substring_statement(sqlite: bool, sort: str, kind: str | None) -> Select[Any]:
+    """The usual substring query (one CJK word), built once per order and narrowing: its
+    construction cost as much as running it on a small database."""
+    predicates = [_single_substring_predicate(sqlite)]
+    narrow = _within(None if kind is None else (ALL_CJK if kind == "all" else "match"))
+    if narrow is not None:
+        predicates.append(narrow)
+    return _substring_statement(predicates, sqlite=sqlite, sort=sort)
 
 
 def substring_snippet(content: str, pieces: Sequence[str]) -> str:

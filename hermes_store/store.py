@@ -693,8 +693,12 @@ class SessionDB:
         role_filter: Sequence[str] | None = None,
         limit: int = 20,
         offset: int = 0,
+        sort: str = "rank",
     ) -> list[RowDict]:
-        """Full-text search with snippets and same-session context; never raises on syntax."""
+        """Full-text search with snippets and same-session context; never raises on syntax.
+
+        ``sort``: ``"rank"`` (best first, the contract's order), ``"newest"`` or ``"oldest"``.
+        """
         with self._read() as conn:
             return search.search_messages(
                 conn,
@@ -704,6 +708,7 @@ class SessionDB:
                 role_filter=role_filter,
                 limit=limit,
                 offset=offset,
+                sort=sort,
             )
 
     @staticmethod
