@@ -52,9 +52,15 @@ _TRAILING_OPERATOR = re.compile(r"(?:^|\s+)(?:AND|OR|NOT)$")
 _JOINED_TERM = re.compile(r"\b(\w+(?:[.-]\w+)+)\b")
 _PLACEHOLDER = re.compile("\x00Q(\\d+)\x00")
 
-#: Chinese, Japanese kana, Korean hangul, CJK punctuation and the other scripts written without
-#: spaces (Thai, Lao, Myanmar, Khmer): the same ranges the CJK index's triggers test.
-_CJK_RANGES = ddl.UNSEGMENTED_RANGES
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),  # CJK unified ideographs
+    (0x3400, 0x4DBF),  # extension A
+    (0x20000, 0x2A6DF),  # extension B
+    (0x3000, 0x303F),  # CJK symbols and punctuation
+    (0x3040, 0x309F),  # hiragana
+    (0x30A0, 0x30FF),  # katakana
+    (0xAC00, 0xD7AF),  # hangul syllables
+)
 
 
 def sanitize_fts5_query(query: str) -> str:
@@ -86,9 +92,14 @@ def sanitize_fts5_query(query: str) -> str:
 
 
 def contains_cjk(text: str) -> bool:
-    """True when any character is Chinese, Japanese kana, Korean hangul, CJK punctuation or of
-    another script written without spaces (see ``ddl.UNSEGMENTED_RANGES``)."""
+    """The seed's test: any character Chinese, Japanese kana, Korean hangul or CJK punctuation."""
     return any(lo <= ord(ch) <= hi for ch in text for lo, hi in _CJK_RANGES)
+
+
+def unsegmented(text: str) -> bool:
+    """Whether any character is of a script written without spaces (CJK, Thai, Khmer...: the
+    ranges the CJK index's triggers test), so words are only findable as substrings."""
+    return any(lo <= ord(ch) <= hi for ch in text for lo, hi in ddl.UNSEGMENTED_RANGES)
 
 
 # -- one parse of the sanitized query, three renderings --------------------------------------------
@@ -339,10 +350,11 @@ def search_messages(
     sqlite = conn.dialect.name == "sqlite"
     page = _Page(limit, offset, sort)
     rows: list[dict[str, Any]] | None
-    restriction = cjk_restriction(items) if contains_cjk(sanitized) else None
-    if restriction is not None or (not sqlite and contains_cjk(sanitized)):
-        if sqlite and not _has_cjk_index(conn):
-            restriction = None  # an older SQLite, or downgraded: scan
+    cjk = unsegmented(sanitized)
+    restriction = cjk_restriction(items) if cjk else None
+    if restriction is not None or (cjk and not sqlite):
+        if not sqlite or not _has_cjk_index(conn):
+            restriction = None  # PostgreSQL's trigram index serves ILIKE; SQLite scans
         rows = _substring_search(conn, items, filters, page, ilike=not sqlite, within=restriction)
     else:
         full_text = _sqlite_full_text if sqlite else _pg_full_text
@@ -700,7 +712,7 @@ def cjk_restriction(items: Sequence[Item]) -> str | None:
     ``items`` (each still checked with LIKE), ALL_CJK, or None when the index cannot narrow it."""
 
     def leaf(term: Term) -> str | None:
-        if not contains_cjk(term.words):
+        if not unsegmented(term.words):
             return None
         grams = [g for piece in term.pieces for g in _trigrams(piece)]
         return " AND ".join(grams) if grams else ALL_CJK
