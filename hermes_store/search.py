@@ -275,6 +275,8 @@ def positive_pieces(items: Sequence[Item]) -> list[str]:
 #: The orders ``search_messages`` offers: ``rank`` (the contract's, best first), ``newest`` and
 #: ``oldest`` (by timestamp, then id).
 SORTS = ("rank", "newest", "oldest")
+#: The Alembic revision that adds the CJK trigram index on SQLite.
+CJK_REVISION = "h7_cjk_index"
 #: ``rank`` scores at most this many matches, the newest by id: BM25 of every match of a word in
 #: a quarter of a million messages took 0.4 s at 1M. Fewer matches are ranked exactly.
 RANK_WINDOW = 5_000
@@ -659,7 +661,7 @@ def _term_patterns(items: Sequence[Item]) -> list[re.Pattern[str]]:
         words = _TOKEN.findall(item.words)
         if words and not negated:
             body = r"[\W_]+".join(re.escape(w) for w in words)
-            end = "" if item.prefix else r"(?![^\W_])"
+            end = r"[^\W_]*" if item.prefix else r"(?![^\W_])"  # FTS5 marks whole tokens
             patterns.append(re.compile(r"(?<![^\W_])" + body + end, re.IGNORECASE))
         negated = False
     return patterns
@@ -749,14 +751,14 @@ def _trigrams(piece: str) -> list[str]:
 
 
 def _has_cjk_index(conn: Connection) -> bool:
-    return bool(
-        fastpath.rows(conn, _CJK_PRESENT, {"name": ddl.CJK_TABLE})
-    )
+    return bool(fastpath.rows(conn, _CJK_PRESENT, {"name": ddl.CJK_TABLE}))
 
 
-_CJK_PRESENT = select(sa.literal_column("1").label("present")).select_from(
-    sa.table("sqlite_master", sa.column("name"))
-).where(sa.column("name") == sa.bindparam("name"))
+_CJK_PRESENT = (
+    select(sa.literal_column("1").label("present"))
+    .select_from(sa.table("sqlite_master", sa.column("name")))
+    .where(sa.column("name") == sa.bindparam("name"))
+)
 
 
 def _within(restriction: str | None) -> ColumnElement[bool] | None:
@@ -993,6 +995,10 @@ def rebuild_index(conn: Connection) -> None:
     if conn.dialect.name == "sqlite":
         for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS, ddl.SQLITE_FTS_REBUILD):
             conn.exec_driver_sql(statement)
+        if _cjk_index_expected(conn):
+            statements = (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS, *ddl.SQLITE_CJK_REBUILD)
+            for statement in statements:
+                conn.exec_driver_sql(statement)
         return
     conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
     conn.exec_driver_sql(ddl.PG_FTS_CREATE)
@@ -1027,18 +1033,9 @@ def check_index(conn: Connection) -> bool:
         if present != 1 + len(ddl.FTS_TRIGGERS):
             log.error("full-text table %s or its triggers are missing", ddl.FTS_TABLE)
             return False
-        statement = (
-            f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('integrity-check', 1)"
-        )
-        try:
-            with conn.begin_nested():
-                conn.exec_driver_sql(statement)
-        except sa.exc.DatabaseError as error:
-            if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
-                raise
-            log.error("full-text index failed its integrity check: %s", error.orig)
+        if not _fts5_integrity(conn, ddl.FTS_TABLE):
             return False
-        return True
+        return _check_cjk_index(conn)
     rows = conn.execute(
         sa.text(
             "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
@@ -1054,6 +1051,85 @@ def check_index(conn: Connection) -> bool:
     broken = sorted(name for name, ok in status.items() if not ok)
     if broken:
         log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
+        return False
+    return True
+
+
+def _fts5_integrity(conn: Connection, table: str) -> bool:
+    """FTS5's 'integrity-check' (against the content table when it has one)."""
+    statement = f"INSERT INTO {table}({table}, rank) VALUES ('integrity-check', 1)"
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(statement)
+    except sa.exc.DatabaseError as error:
+        if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+            raise
+        log.error("full-text index %s failed its integrity check: %s", table, error.orig)
+        return False
+    return True
+
+
+def _cjk_index_expected(conn: Connection) -> bool:
+    """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
+    from hermes_store import migrate, schema_ops
+
+    if not _has_table(conn, "alembic_version"):
+        return False
+    revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+    if revision is None:
+        return False
+    try:
+        chain = {s.revision for s in migrate._scripts().iterate_revisions(revision, "base")}
+    except Exception:
+        return False
+    version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
+    return CJK_REVISION in chain and schema_ops.trigram_supported(version)
+
+
+def _has_table(conn: Connection, name: str) -> bool:
+    return bool(
+        conn.execute(
+            sa.text("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :n"),
+            {"n": name},
+        ).scalar()
+    )
+
+
+def _check_cjk_index(conn: Connection) -> bool:
+    """The CJK index, when present (or due), has its triggers, passes FTS5's check, and holds
+    exactly the messages its triggers select (compared by id)."""
+    present = _has_table(conn, ddl.CJK_TABLE)
+    if not present:
+        if _cjk_index_expected(conn):
+            log.error("the CJK index %s is missing", ddl.CJK_TABLE)
+            return False
+        return True
+    triggers = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+        ).bindparams(sa.bindparam("names", expanding=True)),
+        {"names": list(ddl.CJK_TRIGGERS)},
+    ).scalar_one()
+    if triggers != len(ddl.CJK_TRIGGERS):
+        log.error("triggers of the CJK index %s are missing", ddl.CJK_TABLE)
+        return False
+    if not _fts5_integrity(conn, ddl.CJK_TABLE):
+        return False
+    drift = (
+        conn.execute(
+            sa.text(
+                f"SELECT count(*) FROM (SELECT id FROM messages WHERE content GLOB :glob"
+                f" EXCEPT SELECT id FROM {ddl.CJK_DOCSIZE}) UNION ALL"
+                f" SELECT count(*) FROM (SELECT id FROM {ddl.CJK_DOCSIZE}"
+                f" EXCEPT SELECT id FROM messages WHERE content GLOB :glob)"
+            ),
+            {"glob": ddl.CJK_GLOB},
+        )
+        .scalars()
+        .all()
+    )
+    if any(drift):
+        log.error("the CJK index misses %d messages and holds %d it should not", drift[0], drift[1])
         return False
     return True
 

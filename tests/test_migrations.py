@@ -31,12 +31,12 @@ from tests.migration_checks import (
     HEAD,
     REVISIONS,
     SEED_REVISIONS,
-    V6,
-    cjk_index_ids,
-    cjk_objects,
     TABLES,
+    V6,
     alembic_cli,
     alembic_revision,
+    cjk_index_ids,
+    cjk_objects,
     fts_integrity_check,
     full_text_ids,
     observed,
@@ -373,9 +373,11 @@ def test_cjk_index_revision_up_and_down(tmp_path: Path) -> None:
     finally:
         con.close()
     assert cjk_index_ids(path) == sorted(with_cjk | {102, 103})
-    hits = sqlite3.connect(path).execute(
-        "SELECT rowid FROM messages_cjk WHERE messages_cjk MATCH '\"한국어\"'"
-    ).fetchall()
+    hits = (
+        sqlite3.connect(path)
+        .execute("SELECT rowid FROM messages_cjk WHERE messages_cjk MATCH '\"한국어\"'")
+        .fetchall()
+    )
     assert hits == [(102,)]
 
     assert migrate.downgrade(path, V6) == V6
