@@ -442,18 +442,6 @@ def _columns(snippet: ColumnElement[Any]) -> tuple[ColumnElement[Any], ...]:
     )
 
 
-def _long_content() -> ColumnElement[Any]:
-    """The content of a message too long for the engine's own snippet, else NULL."""
-    return sa.case(
-        (func.length(M.c.content) > SNIPPET_INLINE_CHARS, M.c.content), else_=sa.null()
-    ).label("long_content")
-
-
-def _short(snippet: ColumnElement[Any]) -> ColumnElement[Any]:
-    """The engine's snippet only for contents short enough that it stays cheap."""
-    return sa.case((func.length(M.c.content) <= SNIPPET_INLINE_CHARS, snippet), else_=sa.null())
-
-
 def _sqlite_full_text(
     conn: Connection,
     sanitized: str,
@@ -474,7 +462,17 @@ def _sqlite_full_text(
             rows = _dicts(conn.execute(statement, params))
         else:
             rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
-        return _bounded_snippets(rows, terms)
+
+        def engine(ids: list[int]) -> dict[int, str]:
+            found = fastpath.rows(
+                conn,
+                _fts_snippet_statement(),
+                {"fts_query": params["fts_query"], "ids": ids},
+                expanding=["ids"],
+            )
+            return {row["id"]: row["snippet"] for row in found}
+
+        return _fill_snippets(rows, terms, engine)
 
     params = {**page.params("fts"), "fts_window": max(RANK_WINDOW, page.limit + page.offset)}
     quoted = fts5_query(terms)
@@ -542,16 +540,20 @@ def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) ->
     else:
         direction = sa.desc if sort == "newest" else sa.asc
         outer_order = (direction(paged.c.timestamp), direction(paged.c.id))
-    # The outer statement matches again, by rowid, so snippet() has its match to mark.
+    # The content comes back whole; snippets are made afterwards (see _fill_snippets).
     return (
-        select(*_columns(_short(_FTS_SNIPPET)), _long_content())
-        .select_from(
-            paged.join(M, M.c.id == paged.c.id)
-            .join(S, S.c.id == M.c.session_id)
-            .join(_FTS, _FTS.c.rowid == paged.c.id)
-        )
-        .where(match)
+        select(*_columns(M.c.content))
+        .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
         .order_by(*outer_order)
+    )
+
+
+@functools.cache
+def _fts_snippet_statement() -> Select[Any]:
+    """FTS5's own snippet for the given rows (FTS5 seeks each rowid of the list)."""
+    return select(_FTS.c.rowid.label("id"), _FTS_SNIPPET.label("snippet")).where(
+        _FTS_MATCH(sa.bindparam("fts_query")),
+        _FTS.c.rowid.in_(sa.bindparam("ids", expanding=True)),
     )
 
 
@@ -599,23 +601,25 @@ def _pg_full_text(
     else:
         direction = sa.desc if page.sort == "newest" else sa.asc
         order = (direction(paged.c.timestamp), direction(paged.c.id))
-    headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
     statement = (
-        select(
-            *_columns(_short(headline)),
-            _long_content(),
-            func.left(M.c.content, _PG_EDGE_CHARS).label("head"),
-            func.right(M.c.content, _PG_EDGE_CHARS).label("tail"),
-        )
+        select(*_columns(M.c.content))
         .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
         .order_by(*order)
     )
     rows = _dicts(conn.execute(statement))
-    for row in rows:
-        head, tail = row.pop("head"), row.pop("tail")
-        if row["snippet"] is not None:
-            row["snippet"] = _mark_cuts(row["snippet"], head, tail)
-    return _bounded_snippets(rows, terms)
+    contents = {row["id"]: row["snippet"] or "" for row in rows}
+
+    def engine(ids: list[int]) -> dict[int, str]:
+        headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
+        found = conn.execute(select(M.c.id, headline).where(M.c.id.in_(ids))).all()
+        return {
+            int(i): _mark_cuts(
+                text or "", contents[i][:_PG_EDGE_CHARS], contents[i][-_PG_EDGE_CHARS:]
+            )
+            for i, text in found
+        }
+
+    return _fill_snippets(rows, terms, engine)
 
 
 def _mark_cuts(headline: str, head: str, tail: str) -> str:
@@ -634,18 +638,27 @@ def _dicts(result: Result[Any]) -> list[dict[str, Any]]:
 # -- bounded snippets -----------------------------------------------------------------------------
 
 
-def _bounded_snippets(rows: list[dict[str, Any]], terms: Sequence[Item]) -> list[dict[str, Any]]:
-    """Fill the snippet of each row whose content was too long for the engine's snippet."""
+def _fill_snippets(
+    rows: list[dict[str, Any]],
+    terms: Sequence[Item],
+    engine: Callable[[list[int]], dict[int, str]],
+) -> list[dict[str, Any]]:
+    """Turn each row's content (in ``snippet``) into its snippet: the engine's own (FTS5's
+    snippet(), ts_headline) for contents of at most SNIPPET_INLINE_CHARS, one statement for the
+    page; a bounded window around the first match for longer ones."""
+    short = [row["id"] for row in rows if len(row["snippet"] or "") <= SNIPPET_INLINE_CHARS]
+    made = engine(short) if short else {}
     patterns: list[re.Pattern[str]] | None = None
     for row in rows:
-        content = row.pop("long_content", None)
-        if content is None:
-            if row["snippet"] is None:
-                row["snippet"] = ""
-            continue
-        if patterns is None:
-            patterns = _term_patterns(terms)
-        row["snippet"] = bounded_snippet(content, patterns)
+        content = row["snippet"] or ""
+        if row["id"] in made:
+            row["snippet"] = made[row["id"]]
+        elif len(content) <= SNIPPET_INLINE_CHARS:
+            row["snippet"] = content  # no match to mark (cannot happen for a full-text hit)
+        else:
+            if patterns is None:
+                patterns = _term_patterns(terms)
+            row["snippet"] = bounded_snippet(content, patterns)
     return rows
 
 
