@@ -10,9 +10,11 @@ text (which neither tokenizer splits into words) and for punctuation-heavy terms
 
 from __future__ import annotations
 
+import codecs
 import functools
 import logging
 import re
+import sqlite3
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -472,7 +474,21 @@ def _sqlite_full_text(
             )
             return {row["id"]: row["snippet"] for row in found}
 
-        return _fill_snippets(rows, terms, engine)
+        raw = conn.connection.driver_connection
+        patterns = _term_patterns(terms)
+        short: list[int] = []
+        for row in rows:
+            prefix, complete = _read_content(raw, row["id"], patterns)
+            if complete and len(prefix) <= SNIPPET_INLINE_CHARS:
+                row["snippet"] = prefix
+                short.append(row["id"])
+            else:
+                row["snippet"] = bounded_snippet(prefix, patterns, complete=complete)
+        made = engine(short) if short else {}
+        for row in rows:
+            if row["id"] in made:
+                row["snippet"] = made[row["id"]]
+        return rows
 
     params = {**page.params("fts"), "fts_window": max(RANK_WINDOW, page.limit + page.offset)}
     quoted = fts5_query(terms)
@@ -540,9 +556,10 @@ def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) ->
     else:
         direction = sa.desc if sort == "newest" else sa.asc
         outer_order = (direction(paged.c.timestamp), direction(paged.c.id))
-    # The content comes back whole; snippets are made afterwards (see _fill_snippets).
+    # No content: it is read afterwards through blob handles, only as far as the snippet needs
+    # (SQLite loads a whole value for any function of it, 50 MB for a pasted log).
     return (
-        select(*_columns(M.c.content))
+        select(*_columns(sa.null()))
         .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
         .order_by(*outer_order)
     )
@@ -662,6 +679,46 @@ def _fill_snippets(
     return rows
 
 
+_BLOB_CHUNK = 64 * 1024
+#: Past this much text without a match (one the tokenizer folded, say), the snippet shows the
+#: beginning of the content instead of reading on.
+_SNIPPET_SEARCH_CHARS = 1 << 20
+
+
+def _read_content(
+    raw: sqlite3.Connection, message_id: int, patterns: Sequence[re.Pattern[str]]
+) -> tuple[str, bool]:
+    """A message's content through a read-only blob handle, in chunks, only as far as a bounded
+    snippet needs (the first match and its window); and whether that is the whole content."""
+    try:
+        blob = raw.blobopen("messages", "content", message_id, readonly=True)
+    except sqlite3.OperationalError as error:
+        if "of type null" not in str(error):
+            raise
+        return "", True
+    with blob:
+        size = len(blob)
+        if size <= SNIPPET_INLINE_CHARS * 4:
+            return blob.read().decode("utf-8", "replace"), True
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text, searched, first = "", 0, None
+        while True:
+            chunk = blob.read(_BLOB_CHUNK)
+            done = blob.tell() >= size or not chunk
+            text += decoder.decode(chunk, final=done)
+            if first is None:
+                start = max(0, searched - 1_000)  # a match across the chunk boundary
+                hits = [m.start() for p in patterns if (m := p.search(text, start))]
+                first = min(hits) if hits else None
+                searched = len(text)
+            if done:
+                return text, True
+            if first is None and len(text) >= _SNIPPET_SEARCH_CHARS:
+                return text, False
+            if first is not None and len(text) >= first + _SNIPPET_REACH * 2:
+                return text, False
+
+
 def _term_patterns(items: Sequence[Item]) -> list[re.Pattern[str]]:
     """A case-insensitive pattern per positive term: its words in order, separated by anything
     that is not a letter or digit (as the tokenizers see them), a prefix term open at its end."""
@@ -680,7 +737,9 @@ def _term_patterns(items: Sequence[Item]) -> list[re.Pattern[str]]:
     return patterns
 
 
-def bounded_snippet(content: str, patterns: Sequence[re.Pattern[str]]) -> str:
+def bounded_snippet(
+    content: str, patterns: Sequence[re.Pattern[str]], *, complete: bool = True
+) -> str:
     """FTS5's snippet shape (``>>>match<<<`` in about SNIPPET_TOKENS tokens, ``...`` where cut)
     from a window around the FIRST match: the cost is the search for that match plus a window
     of a few kilobytes, however long or repetitive the content."""
@@ -698,7 +757,7 @@ def bounded_snippet(content: str, patterns: Sequence[re.Pattern[str]]) -> str:
     begin = max(0, end - SNIPPET_TOKENS)
     cut_lo = lo + tokens[begin].start() if begin > 0 or lo > 0 else 0
     cut_hi = lo + tokens[end - 1].end()
-    whole_end = end == len(tokens) and hi == len(content)
+    whole_end = complete and end == len(tokens) and hi == len(content)
     if whole_end:
         cut_hi = len(content)
     text = content[cut_lo:cut_hi]
@@ -986,9 +1045,90 @@ def _contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]
     """Previous message, the match and next message of the SAME session, by (timestamp, id),
     for a whole page in one query: per match, a primary-key lookup and two seeks on
     idx_messages_session (ids bind as a list)."""
-    statement = _contexts_statement(conn.dialect.name == "sqlite")
+    if conn.dialect.name == "sqlite":
+        return _sqlite_contexts(conn, ids)
+    statement = _contexts_statement(False)
     rows = fastpath.rows(conn, statement, {"ids": ids}, expanding=["ids"])
     return {row["id"]: _folded_context(row) for row in rows}
+
+
+def _sqlite_contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]]]:
+    """The same on SQLite, where any function of a content loads all of it (50 MB for a pasted
+    log, whether it is the match or its neighbour): the seeks return the neighbours' ids, and
+    the first CONTEXT_CHARS characters of each content are read through a blob handle."""
+    rows = fastpath.rows(conn, _sqlite_neighbours_statement(), {"ids": ids}, expanding=["ids"])
+    near = {i for row in rows for i in (row["previous_id"], row["next_id"]) if i is not None}
+    roles = {row["id"]: row["role"] for row in rows}
+    missing = sorted(near - set(roles))
+    if missing:
+        found = fastpath.rows(conn, _roles_statement(), {"ids": missing}, expanding=["ids"])
+        roles.update({row["id"]: row["role"] for row in found})
+    raw = conn.connection.driver_connection
+    out: dict[int, list[dict[str, str]]] = {}
+    for row in rows:
+        context = []
+        for key in ("previous_id", "id", "next_id"):
+            message_id = row[key]
+            if message_id is not None:
+                text = _content_prefix(raw, message_id, CONTEXT_CHARS)
+                context.append({"role": roles[message_id], "content": text})
+        out[row["id"]] = context
+    return out
+
+
+def _content_prefix(raw: sqlite3.Connection, message_id: int, chars: int) -> str:
+    """The first ``chars`` characters of a content ("" for NULL), reading at most 4 bytes each."""
+    try:
+        blob = raw.blobopen("messages", "content", message_id, readonly=True)
+    except sqlite3.OperationalError as error:
+        if "of type null" not in str(error):
+            raise
+        return ""
+    with blob:
+        data = blob.read(chars * 4)
+        complete = blob.tell() >= len(blob)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    return decoder.decode(data, final=complete)[:chars]
+
+
+@functools.cache
+def _sqlite_neighbours_statement() -> Select[Any]:
+    """Per match: its role and the ids of its previous and next message of the same session
+    (seeks on idx_messages_session, which covers timestamp and the rowid)."""
+    near = M.alias("near")
+    same_session = near.c.session_id == M.c.session_id
+    before = or_(
+        near.c.timestamp < M.c.timestamp,
+        and_(near.c.timestamp == M.c.timestamp, near.c.id < M.c.id),
+    )
+    after = or_(
+        near.c.timestamp > M.c.timestamp,
+        and_(near.c.timestamp == M.c.timestamp, near.c.id > M.c.id),
+    )
+    previous = (
+        select(near.c.id)
+        .where(same_session, near.c.timestamp <= M.c.timestamp, before)
+        .order_by(near.c.timestamp.desc(), near.c.id.desc())
+        .limit(1)
+        .correlate(M)
+        .scalar_subquery()
+    )
+    following = (
+        select(near.c.id)
+        .where(same_session, near.c.timestamp >= M.c.timestamp, after)
+        .order_by(near.c.timestamp, near.c.id)
+        .limit(1)
+        .correlate(M)
+        .scalar_subquery()
+    )
+    return select(
+        M.c.id, M.c.role, previous.label("previous_id"), following.label("next_id")
+    ).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
+
+
+@functools.cache
+def _roles_statement() -> Select[Any]:
+    return select(M.c.id, M.c.role).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
 
 
 @functools.cache
