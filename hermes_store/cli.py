@@ -645,6 +645,13 @@ def sessions_prune(app: App, days: float, source: str | None, dry_run: bool) -> 
 )
 @click.option("--role", "roles", multiple=True, help="Only messages of this role (repeatable).")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--sort",
+    type=click.Choice(["rank", "newest", "oldest"]),
+    default="rank",
+    show_default=True,
+    help="Best match first, or by time.",
+)
 @json_option
 @pass_app
 def search(
@@ -654,15 +661,17 @@ def search(
     excluded: tuple[str, ...],
     roles: tuple[str, ...],
     limit: int,
+    sort: str,
     as_json: bool,
 ) -> None:
-    """Full-text search over every message, best match first."""
+    """Full-text search over every message, best match first (or --sort newest/oldest)."""
     hits = app.store().search_messages(
         query,
         source_filter=list(sources) or None,
         exclude_sources=list(excluded) or None,
         role_filter=list(roles) or None,
         limit=limit,
+        sort=sort,
     )
     if as_json:
         _echo_json(hits)

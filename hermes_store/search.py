@@ -474,7 +474,7 @@ def _sqlite_full_text(
             )
             return {row["id"]: row["snippet"] for row in found}
 
-        raw = conn.connection.driver_connection
+        raw = _driver(conn)
         patterns = _term_patterns(terms)
         short: list[int] = []
         for row in rows:
@@ -680,6 +680,15 @@ def _fill_snippets(
 
 
 _BLOB_CHUNK = 64 * 1024
+
+
+def _driver(conn: Connection) -> sqlite3.Connection:
+    """The sqlite3 connection under a SQLite read unit (blob handles live there)."""
+    raw = conn.connection.driver_connection
+    assert isinstance(raw, sqlite3.Connection)
+    return raw
+
+
 #: Past this much text without a match (one the tokenizer folded, say), the snippet shows the
 #: beginning of the content instead of reading on.
 _SNIPPET_SEARCH_CHARS = 1 << 20
@@ -826,7 +835,7 @@ def _has_cjk_index(conn: Connection) -> bool:
     return bool(fastpath.rows(conn, _CJK_PRESENT, {"name": ddl.CJK_TABLE}))
 
 
-_CJK_PRESENT = (
+_CJK_PRESENT: Select[Any] = (
     select(sa.literal_column("1").label("present"))
     .select_from(sa.table("sqlite_master", sa.column("name")))
     .where(sa.column("name") == sa.bindparam("name"))
@@ -1063,7 +1072,7 @@ def _sqlite_contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[st
     if missing:
         found = fastpath.rows(conn, _roles_statement(), {"ids": missing}, expanding=["ids"])
         roles.update({row["id"]: row["role"] for row in found})
-    raw = conn.connection.driver_connection
+    raw = _driver(conn)
     out: dict[int, list[dict[str, str]]] = {}
     for row in rows:
         context = []

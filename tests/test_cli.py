@@ -372,6 +372,17 @@ def test_search_filters_and_cjk(runner: CliRunner, populated: URL) -> None:
     assert run(runner, populated, "search", 'chat-send AND (" OR').exit_code == 0
 
 
+def test_search_sort(runner: CliRunner, populated: URL) -> None:
+    newest = run_json(runner, populated, "search", "the", "--sort", "newest", "--limit", "50")
+    oldest = run_json(runner, populated, "search", "the", "--sort", "oldest", "--limit", "50")
+    assert len(newest) >= 2
+    assert [h["timestamp"] for h in newest] == sorted(
+        (h["timestamp"] for h in newest), reverse=True
+    )
+    assert [h["id"] for h in oldest] == [h["id"] for h in reversed(newest)]
+    assert run(runner, populated, "search", "the", "--sort", "best").exit_code == 2
+
+
 # -- export / import ---------------------------------------------------------------------------
 
 
