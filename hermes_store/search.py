@@ -313,6 +313,8 @@ _PG_CONFIG: ColumnClause[Any] = sa.literal_column("'simple'::regconfig")
 _PG_VECTOR: ColumnClause[Any] = sa.literal_column(f"{M.name}.{ddl.PG_TSV_COLUMN}")
 _PG_HEADLINE = "StartSel=>>>, StopSel=<<<, MaxWords=35, MinWords=15"
 _PG_EDGE_CHARS = 400  # how much of each end of the content tells whether the headline is cut
+#: How much of a content PostgreSQL returns for its snippet: a match past it shows the start.
+_PG_CONTENT_CHARS = 1 << 20
 
 
 def search_messages(
@@ -618,8 +620,10 @@ def _pg_full_text(
     else:
         direction = sa.desc if page.sort == "newest" else sa.asc
         order = (direction(paged.c.timestamp), direction(paged.c.id))
+    # At most _PG_CONTENT_CHARS of each content: PostgreSQL decompresses only that slice.
+    prefix = func.substr(M.c.content, 1, _PG_CONTENT_CHARS)
     statement = (
-        select(*_columns(M.c.content))
+        select(*_columns(prefix))
         .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
         .order_by(*order)
     )
@@ -655,6 +659,10 @@ def _dicts(result: Result[Any]) -> list[dict[str, Any]]:
 # -- bounded snippets -----------------------------------------------------------------------------
 
 
+def _pg_complete(content: str) -> bool:
+    return len(content) < _PG_CONTENT_CHARS
+
+
 def _fill_snippets(
     rows: list[dict[str, Any]],
     terms: Sequence[Item],
@@ -675,7 +683,7 @@ def _fill_snippets(
         else:
             if patterns is None:
                 patterns = _term_patterns(terms)
-            row["snippet"] = bounded_snippet(content, patterns)
+            row["snippet"] = bounded_snippet(content, patterns, complete=_pg_complete(content))
     return rows
 
 
