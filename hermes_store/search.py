@@ -850,12 +850,21 @@ _CJK_PRESENT: Select[Any] = (
 )
 
 
-def _within(restriction: str | None) -> ColumnElement[bool] | None:
-    if restriction is None:
+@dataclass(frozen=True)
+class _Candidates:
+    """Rows of the CJK index to start from: its MATCH hits, or every row it holds."""
+
+    source: Any
+    id: ColumnElement[Any]
+    where: tuple[ColumnElement[bool], ...]
+
+
+def _candidates(kind: str | None) -> _Candidates | None:
+    if kind is None:
         return None
-    if restriction == ALL_CJK:
-        return M.c.id.in_(select(_CJK_DOCS.c.id))
-    return M.c.id.in_(select(_CJK.c.rowid).where(_CJK_MATCH(sa.bindparam("cjk_query"))))
+    if kind == "all":
+        return _Candidates(_CJK_DOCS, _CJK_DOCS.c.id, ())
+    return _Candidates(_CJK, _CJK.c.rowid, (_CJK_MATCH(sa.bindparam("cjk_query")),))
 
 
 def _substring_search(
@@ -886,17 +895,15 @@ def _substring_search(
             rows = fastpath.rows(conn, statement, params)
         else:
             predicates = [_single_substring_predicate(sqlite), *filters]
-            narrow = _within(within)
-            if narrow is not None:
-                predicates.append(narrow)
-            statement = _substring_statement(predicates, sqlite=sqlite, sort=page.sort)
+            statement = _substring_statement(
+                predicates, sqlite=sqlite, sort=page.sort, candidates=_candidates(kind)
+            )
             rows = _dicts(conn.execute(statement, params))
     else:
         predicates = [M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters]
-        narrow = _within(within)
-        if narrow is not None:
-            predicates.append(narrow)
-        statement = _substring_statement(predicates, sqlite=sqlite, sort=page.sort)
+        statement = _substring_statement(
+            predicates, sqlite=sqlite, sort=page.sort, candidates=_candidates(kind)
+        )
         rows = _dicts(conn.execute(statement, params))
     pieces = positive_pieces(items)
     for row in rows:
@@ -905,11 +912,19 @@ def _substring_search(
 
 
 def _substring_statement(
-    predicates: Sequence[ColumnElement[bool]], *, sqlite: bool, sort: str = "rank"
+    predicates: Sequence[ColumnElement[bool]],
+    *,
+    sqlite: bool,
+    sort: str = "rank",
+    candidates: _Candidates | None = None,
 ) -> Select[Any]:
     """Newest first (oldest first for ``oldest``). On SQLite the page of ids is cut first and
     the outer statement computes the columns (content, same-session context) for its rows only:
-    a sorter fed whole rows would run the context seeks and copy the content for every match."""
+    a sorter fed whole rows would run the context seeks and copy the content for every match.
+
+    From the CJK index's ``candidates``, ``rank`` means newest stored first (by id): the index
+    yields its rows in that order, so the page stops after ``limit`` verified matches instead of
+    sorting them all by timestamp (ids follow time, except for imported messages)."""
     limit = sa.bindparam("sub_limit", type_=sa.Integer)
     offset = sa.bindparam("sub_offset", type_=sa.Integer)
     direction = sa.asc if sort == "oldest" else sa.desc
@@ -923,19 +938,31 @@ def _substring_statement(
             .limit(limit)
             .offset(offset)
         )
+    by_id = candidates is not None and sort == "rank"
+    if candidates is not None:
+        matching = candidates.source.join(M, M.c.id == candidates.id).join(
+            S, S.c.id == M.c.session_id
+        )
+        predicates = [*predicates, *candidates.where]
+    order: tuple[Any, ...] = (
+        (candidates.id.desc(),)
+        if by_id and candidates is not None
+        else (direction(M.c.timestamp), direction(M.c.id))
+    )
     page = (
         select(M.c.id, M.c.timestamp)
         .select_from(matching)
         .where(*predicates)
-        .order_by(direction(M.c.timestamp), direction(M.c.id))
+        .order_by(*order)
         .limit(limit)
         .offset(offset)
         .subquery("page")
     )
+    outer = (page.c.id.desc(),) if by_id else (direction(page.c.timestamp), direction(page.c.id))
     return (
         select(*_columns(M.c.content), *_context_columns(sqlite=True))
         .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
-        .order_by(direction(page.c.timestamp), direction(page.c.id))
+        .order_by(*outer)
     )
 
 
@@ -951,11 +978,12 @@ def _single_substring_predicate(sqlite: bool) -> ColumnElement[bool]:
 def _single_substring_statement(sqlite: bool, sort: str, kind: str | None) -> Select[Any]:
     """The usual substring query (one CJK word), built once per order and narrowing: its
     construction cost as much as running it on a small database."""
-    predicates = [_single_substring_predicate(sqlite)]
-    narrow = _within(None if kind is None else (ALL_CJK if kind == "all" else "match"))
-    if narrow is not None:
-        predicates.append(narrow)
-    return _substring_statement(predicates, sqlite=sqlite, sort=sort)
+    return _substring_statement(
+        [_single_substring_predicate(sqlite)],
+        sqlite=sqlite,
+        sort=sort,
+        candidates=_candidates(kind),
+    )
 
 
 def substring_snippet(content: str, pieces: Sequence[str]) -> str:
