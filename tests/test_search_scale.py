@@ -224,3 +224,34 @@ def test_original_store_writes_into_the_cjk_index(tmp_path: Path) -> None:
         assert again.check_search_index()
     finally:
         again.close()
+
+
+def test_check_and_rebuild_cover_the_cjk_index(sqlite_store: SessionDB) -> None:
+    """doctor's check finds a CJK index out of step (a trigger gone, a message written
+    meanwhile); rebuild_search_index puts the trigger back and indexes exactly the CJK rows."""
+    store = sqlite_store
+    store.create_session("s", "cli")
+    add(store, "s", ("user", "数据库迁移"), ("user", "plain"), t=T0)
+    assert store.check_search_index()
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("DROP TRIGGER messages_cjk_insert")
+    assert not store.check_search_index()  # a trigger is missing
+    [late] = add(store, "s", ("user", "新的数据库连接"), t=T0 + 10)
+    store.rebuild_search_index()
+    assert store.check_search_index()
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO messages_cjk(messages_cjk, rowid, content) VALUES ('delete', ?, ?)",
+            (late, "新的数据库连接"),
+        )
+    assert not store.check_search_index()  # the index misses a CJK message
+    store.rebuild_search_index()
+    assert store.check_search_index()
+    assert late in ids(store.search_messages("数据库连接"))
+    con = sqlite3.connect(store.engine.url.database or "")
+    try:
+        indexed = [i for (i,) in con.execute("SELECT id FROM messages_cjk_docsize ORDER BY id")]
+        cjk = [i for (i,) in con.execute("SELECT id FROM messages WHERE content != 'plain'")]
+    finally:
+        con.close()
+    assert indexed == cjk
