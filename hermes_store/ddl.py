@@ -160,22 +160,22 @@ SQLITE_CJK_TABLE = (
     f"CREATE VIRTUAL TABLE IF NOT EXISTS {CJK_TABLE} USING fts5(\n"
     "    content,\n    content='',\n    detail='none',\n    tokenize='trigram'\n)"
 )
-_CJK_NEW = f"new.content GLOB '{CJK_GLOB}'"
-_CJK_OLD = f"old.content GLOB '{CJK_GLOB}'"
+CJK_NEW_MATCHES = f"new.content GLOB '{CJK_GLOB}'"
+CJK_OLD_MATCHES = f"old.content GLOB '{CJK_GLOB}'"
 SQLITE_CJK_TRIGGERS = (
     f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_insert AFTER INSERT ON messages
-WHEN {_CJK_NEW} BEGIN
+WHEN {CJK_NEW_MATCHES} BEGIN
     INSERT INTO {CJK_TABLE}(rowid, content) VALUES (new.id, new.content);
 END""",
     f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_delete AFTER DELETE ON messages
-WHEN {_CJK_OLD} BEGIN
+WHEN {CJK_OLD_MATCHES} BEGIN
     INSERT INTO {CJK_TABLE}({CJK_TABLE}, rowid, content) VALUES ('delete', old.id, old.content);
 END""",
     f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_update AFTER UPDATE ON messages
-WHEN {_CJK_OLD} OR {_CJK_NEW} BEGIN
+WHEN {CJK_OLD_MATCHES} OR {CJK_NEW_MATCHES} BEGIN
     INSERT INTO {CJK_TABLE}({CJK_TABLE}, rowid, content)
-        SELECT 'delete', old.id, old.content WHERE {_CJK_OLD};
-    INSERT INTO {CJK_TABLE}(rowid, content) SELECT new.id, new.content WHERE {_CJK_NEW};
+        SELECT 'delete', old.id, old.content WHERE {CJK_OLD_MATCHES};
+    INSERT INTO {CJK_TABLE}(rowid, content) SELECT new.id, new.content WHERE {CJK_NEW_MATCHES};
 END""",
 )
 SQLITE_CJK_DROP = (

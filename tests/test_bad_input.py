@@ -475,6 +475,7 @@ SQL_INTERPOLATION_ALLOWED = {
     ("ddl.py", "name"): "loop over the constant FTS_TRIGGERS",
     ("schema_ops.py", "name"): "index name read from sqlite_master, quoted",
     ("search.py", "name"): "to_regclass() of the constant index names",
+    ("search.py", "table"): "ddl.FTS_TABLE or ddl.CJK_TABLE, from the callers of _fts5_integrity",
     ("cli.py", "sequence"): "pg_get_serial_sequence('messages', 'id'): a quoted catalog name",
 }
 
