@@ -160,8 +160,14 @@ SQLITE_CJK_TABLE = (
     f"CREATE VIRTUAL TABLE IF NOT EXISTS {CJK_TABLE} USING fts5(\n"
     "    content,\n    content='',\n    detail='none',\n    tokenize='trigram'\n)"
 )
-CJK_NEW_MATCHES = f"new.content GLOB '{CJK_GLOB}'"
-CJK_OLD_MATCHES = f"old.content GLOB '{CJK_GLOB}'"
+#: The GLOB walks the text against every range (60 µs for 165 characters); comparing its
+#: byte and character lengths first (0.5 µs) skips it for ASCII text, which has no such character.
+CJK_NEW_MATCHES = (
+    f"length(CAST(new.content AS BLOB)) > length(new.content) AND new.content GLOB '{CJK_GLOB}'"
+)
+CJK_OLD_MATCHES = (
+    f"length(CAST(old.content AS BLOB)) > length(old.content) AND old.content GLOB '{CJK_GLOB}'"
+)
 SQLITE_CJK_TRIGGERS = (
     f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_insert AFTER INSERT ON messages
 WHEN {CJK_NEW_MATCHES} BEGIN
@@ -172,7 +178,7 @@ WHEN {CJK_OLD_MATCHES} BEGIN
     INSERT INTO {CJK_TABLE}({CJK_TABLE}, rowid, content) VALUES ('delete', old.id, old.content);
 END""",
     f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_update AFTER UPDATE ON messages
-WHEN {CJK_OLD_MATCHES} OR {CJK_NEW_MATCHES} BEGIN
+WHEN ({CJK_OLD_MATCHES}) OR ({CJK_NEW_MATCHES}) BEGIN
     INSERT INTO {CJK_TABLE}({CJK_TABLE}, rowid, content)
         SELECT 'delete', old.id, old.content WHERE {CJK_OLD_MATCHES};
     INSERT INTO {CJK_TABLE}(rowid, content) SELECT new.id, new.content WHERE {CJK_NEW_MATCHES};

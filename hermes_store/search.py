@@ -281,7 +281,7 @@ SORTS = ("rank", "newest", "oldest")
 CJK_REVISION = "h7_cjk_index"
 #: ``rank`` scores at most this many matches, the newest by id: BM25 of every match of a word in
 #: a quarter of a million messages took 0.4 s at 1M. Fewer matches are ranked exactly.
-RANK_WINDOW = 5_000
+RANK_WINDOW = 2_000
 #: Longer contents get their snippet from a bounded window around the first match, computed
 #: here: FTS5's snippet() and ts_headline() walk every occurrence (quadratic in FTS5: a 256 KB
 #: log repeating the word took 50 s).
@@ -471,7 +471,7 @@ def _sqlite_full_text(
             found = fastpath.rows(
                 conn,
                 _fts_snippet_statement(),
-                {"fts_query": params["fts_query"], "ids": ids},
+                {"fts_query": params["fts_query"], "ids": ids, "lo": min(ids), "hi": max(ids)},
                 expanding=["ids"],
             )
             return {row["id"]: row["snippet"] for row in found}
@@ -569,10 +569,15 @@ def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) ->
 
 @functools.cache
 def _fts_snippet_statement() -> Select[Any]:
-    """FTS5's own snippet for the given rows (FTS5 seeks each rowid of the list)."""
-    return select(_FTS.c.rowid.label("id"), _FTS_SNIPPET.label("snippet")).where(
+    """FTS5's own snippet for the given rows: one pass over the match's rowid range, which
+    FTS5 serves (``rowid + 0`` keeps the id list from becoming one fresh seek per id, each
+    re-opening a common word's whole doclist: 20 ms a page at 1M messages, 0.4 ms this way)."""
+    rowid = _FTS.c.rowid
+    return select(rowid.label("id"), _FTS_SNIPPET.label("snippet")).where(
         _FTS_MATCH(sa.bindparam("fts_query")),
-        _FTS.c.rowid.in_(sa.bindparam("ids", expanding=True)),
+        rowid >= sa.bindparam("lo", type_=sa.Integer),
+        rowid <= sa.bindparam("hi", type_=sa.Integer),
+        (rowid + 0).in_(sa.bindparam("ids", expanding=True)),
     )
 
 
