@@ -7,6 +7,7 @@ messages written without spaces (one FTS5 token per run, so CJK search needs its
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class Corpus:
         rng = random.Random(self.seed)
         vocabulary = _vocabulary(rng)
         weights = [1.0 / (rank + 1) ** 1.1 for rank in range(len(vocabulary))]
+        # choices() accumulates plain weights on every call (4,000 of them per message): the
+        # same cumulative weights, computed once, draw the same words 20x faster.
+        cumulative = list(itertools.accumulate(weights))
         sessions = max(1, self.messages // self.per_session)
         rare_every = max(1, self.messages // self.rare_hits)
         made = 0
@@ -99,7 +103,7 @@ class Corpus:
             count = self.messages - made if index == sessions - 1 else self.per_session
             texts = []
             for _ in range(count):
-                texts.append(self._content(rng, vocabulary, weights, made % rare_every == 0))
+                texts.append(self._content(rng, vocabulary, cumulative, made % rare_every == 0))
                 made += 1
             source = rng.choices([s for s, _ in SOURCES], [w for _, w in SOURCES])[0]
             plan = SessionPlan(
@@ -124,14 +128,14 @@ class Corpus:
 
     @staticmethod
     def _content(
-        rng: random.Random, vocabulary: list[str], weights: list[float], rare: bool
+        rng: random.Random, vocabulary: list[str], cumulative: list[float], rare: bool
     ) -> str:
         if rng.random() < 0.05:  # a Chinese message, no spaces between words
             parts = rng.sample(_CJK_PHRASES, 3)
             if rng.random() < 0.3:
                 parts.insert(1, _CJK_TARGET)
             return "，".join(parts) + "。"
-        words = rng.choices(vocabulary, weights, k=rng.randint(8, 90))
+        words = rng.choices(vocabulary, cum_weights=cumulative, k=rng.randint(8, 90))
         if rng.random() < 0.25:
             words.insert(rng.randrange(len(words) + 1), COMMON_WORD)
         if rng.random() < 0.01:

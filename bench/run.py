@@ -754,6 +754,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     parser.add_argument("--no-load", action="store_true", help="skip the load benchmark")
     parser.add_argument("--workdir", help="folder for the databases (default: a temp folder)")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep a database already built in --workdir (build 1M once, outside the checkout)",
+    )
     args = parser.parse_args(argv)
     sizes = [s.strip().lower() for s in args.sizes.split(",") if s.strip()]
     for size in sizes:
@@ -780,6 +785,11 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         corpora[size] = Corpus(SIZES[size])
         path = work / f"bench-{size}.db"
+        if args.reuse and path.exists():
+            paths[size] = path
+            SessionDB(path).close()  # at head (an older build gains the CJK index here)
+            print(f"reusing {path}", flush=True)
+            continue
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         store = SessionDB(path)
@@ -850,8 +860,13 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.run " + " ".join(shown)
     text = render(report, info, command.strip(), elapsed)
     if args.out != "-":
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        old = out.read_text(encoding="utf-8") if out.exists() else ""
+        begin, end = "<!-- search-scale:begin -->", "<!-- search-scale:end -->"
+        if begin in old and end in old:  # keep bench.search_scale's section
+            text += "\n" + old[old.index(begin) : old.index(end) + len(end)] + "\n"
+        out.write_text(text, encoding="utf-8")
         print(f"wrote {args.out} ({elapsed / 60:.1f} min)")
     failed = [load for load in report.loads if load.errors or not load.totals_ok]
     return 1 if failed else 0

@@ -128,12 +128,81 @@ PG_TRGM_CREATE = (
     f"CREATE INDEX IF NOT EXISTS {PG_TRGM_INDEX} ON messages USING gin (content gin_trgm_ops)"
 )
 
+# --- SQLite: the substring index for CJK and other scripts written without spaces ---
+
+#: Code points of scripts whose words are not separated by spaces: unicode61 makes one token of
+#: a whole run, so a word inside a longer run is only findable as a substring. CJK ideographs
+#: (unified, extensions A to F, compatibility), CJK punctuation, kana, hangul (syllables and
+#: jamo), half-width kana, Thai, Lao, Myanmar and Khmer.
+UNSEGMENTED_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0E00, 0x0EFF),  # Thai, Lao
+    (0x1000, 0x109F),  # Myanmar
+    (0x1100, 0x11FF),  # hangul jamo
+    (0x1780, 0x17FF),  # Khmer
+    (0x3000, 0x30FF),  # CJK symbols and punctuation, hiragana, katakana
+    (0x3130, 0x318F),  # hangul compatibility jamo
+    (0x3400, 0x4DBF),  # CJK extension A
+    (0x4E00, 0x9FFF),  # CJK unified ideographs
+    (0xAC00, 0xD7AF),  # hangul syllables
+    (0xF900, 0xFAFF),  # CJK compatibility ideographs
+    (0xFF65, 0xFF9F),  # half-width katakana
+    (0x20000, 0x2EBEF),  # CJK extensions B to F
+)
+#: A GLOB that is true when a text holds at least one such character. Built-in SQL only, so
+#: the triggers run on any connection, the original store's included.
+CJK_GLOB = "*[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in UNSEGMENTED_RANGES) + "]*"
+CJK_TABLE = "messages_cjk"
+CJK_TRIGGERS = ("messages_cjk_insert", "messages_cjk_delete", "messages_cjk_update")
+#: Contentless (it stores no text, only the index: deletes hand it the old text) and
+#: ``detail='none'`` (no positions: a candidate's text is checked with LIKE anyway), so it costs
+#: a few bytes per trigram of the rows that need it. Trigram tokens need SQLite >= 3.34.
+SQLITE_CJK_TABLE = (
+    f"CREATE VIRTUAL TABLE IF NOT EXISTS {CJK_TABLE} USING fts5(\n"
+    "    content,\n    content='',\n    detail='none',\n    tokenize='trigram'\n)"
+)
+#: The GLOB walks the text against every range (60 µs for 165 characters); comparing its
+#: byte and character lengths first (0.5 µs) skips it for ASCII text, which has no such character.
+CJK_NEW_MATCHES = (
+    f"length(CAST(new.content AS BLOB)) > length(new.content) AND new.content GLOB '{CJK_GLOB}'"
+)
+CJK_OLD_MATCHES = (
+    f"length(CAST(old.content AS BLOB)) > length(old.content) AND old.content GLOB '{CJK_GLOB}'"
+)
+SQLITE_CJK_TRIGGERS = (
+    f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_insert AFTER INSERT ON messages
+WHEN {CJK_NEW_MATCHES} BEGIN
+    INSERT INTO {CJK_TABLE}(rowid, content) VALUES (new.id, new.content);
+END""",
+    f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_delete AFTER DELETE ON messages
+WHEN {CJK_OLD_MATCHES} BEGIN
+    INSERT INTO {CJK_TABLE}({CJK_TABLE}, rowid, content) VALUES ('delete', old.id, old.content);
+END""",
+    f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_update AFTER UPDATE ON messages
+WHEN ({CJK_OLD_MATCHES}) OR ({CJK_NEW_MATCHES}) BEGIN
+    INSERT INTO {CJK_TABLE}({CJK_TABLE}, rowid, content)
+        SELECT 'delete', old.id, old.content WHERE {CJK_OLD_MATCHES};
+    INSERT INTO {CJK_TABLE}(rowid, content) SELECT new.id, new.content WHERE {CJK_NEW_MATCHES};
+END""",
+)
+SQLITE_CJK_DROP = (
+    *(f"DROP TRIGGER IF EXISTS {name}" for name in CJK_TRIGGERS),
+    f"DROP TABLE IF EXISTS {CJK_TABLE}",
+)
+#: A contentless table has no 'rebuild': empty it and index the rows that need it.
+SQLITE_CJK_REBUILD = (
+    f"INSERT INTO {CJK_TABLE}({CJK_TABLE}) VALUES ('delete-all')",
+    f"INSERT INTO {CJK_TABLE}(rowid, content) SELECT id, content FROM messages"
+    f" WHERE content GLOB '{CJK_GLOB}'",
+)
+#: The ids the index holds: FTS5 keeps one row per indexed document in its ``_docsize`` table.
+CJK_DOCSIZE = f"{CJK_TABLE}_docsize"
+
 #: Objects the migrations own that are not in the ORM metadata (autogenerate must ignore them).
-UNMODELLED_TABLES = frozenset({FTS_TABLE, "alembic_version", "sqlite_sequence"})
+UNMODELLED_TABLES = frozenset({FTS_TABLE, CJK_TABLE, "alembic_version", "sqlite_sequence"})
 UNMODELLED_INDEXES = frozenset({PG_FTS_INDEX, PG_TRGM_INDEX})
 UNMODELLED_COLUMNS = frozenset({PG_TSV_COLUMN})
 
 
 def is_fts_shadow_table(name: str) -> bool:
     """FTS5 keeps its index in ``messages_fts_data``, ``_idx``, ``_docsize``, ``_config``."""
-    return name.startswith(f"{FTS_TABLE}_")
+    return name.startswith((f"{FTS_TABLE}_", f"{CJK_TABLE}_"))

@@ -66,6 +66,16 @@ def drop_columns(table: str, *names: str, autoincrement: bool = False) -> None:
     saved.restore(bind)
 
 
+#: The first SQLite release with FTS5's trigram tokenizer.
+TRIGRAM_SQLITE = (3, 34, 0)
+
+
+def trigram_supported(sqlite_version: str) -> bool:
+    """Whether a SQLite of this version (``sqlite_version()``) has the trigram tokenizer."""
+    parts = tuple(int(p) for p in sqlite_version.split(".")[:3] if p.isdigit())
+    return parts >= TRIGRAM_SQLITE
+
+
 def create_optional(description: str, *statements: str) -> bool:
     """Statements a server may refuse (``CREATE EXTENSION pg_trgm`` needs privileges): online
     they run in a savepoint and a refusal is logged, not fatal; offline they are emitted."""

@@ -11,9 +11,11 @@ splits into words) and for punctuation-heavy terms.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import logging
 import re
+import sqlite3
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 
 from hermes_store import ddl, fastpath
+from hermes_store.errors import InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 
@@ -92,8 +95,15 @@ def sanitize_fts5_query(query: str) -> str:
 
 
 def contains_cjk(text: str) -> bool:
-    """True when any character is Chinese, Japanese kana, Korean hangul or CJK punctuation."""
+    """The original store's test: any Chinese character, Japanese kana, Korean hangul or CJK
+    punctuation."""
     return any(lo <= ord(ch) <= hi for ch in text for lo, hi in _CJK_RANGES)
+
+
+def unsegmented(text: str) -> bool:
+    """Whether any character is of a script written without spaces (CJK, Thai, Khmer...: the
+    ranges the CJK index's triggers test), so words are only findable as substrings."""
+    return any(lo <= ord(ch) <= hi for ch in text for lo, hi in ddl.UNSEGMENTED_RANGES)
 
 
 # -- one parse of the sanitized query, three renderings --------------------------------------------
@@ -266,23 +276,47 @@ def positive_pieces(items: Sequence[Item]) -> list[str]:
 
 # -- search ---------------------------------------------------------------------------------------
 
+#: The orders ``search_messages`` offers: ``rank`` (the contract's, best first), ``newest`` and
+#: ``oldest`` (by timestamp, then id).
+SORTS = ("rank", "newest", "oldest")
+#: The Alembic revision that adds the CJK trigram index on SQLite.
+CJK_REVISION = "h7_cjk_index"
+#: ``rank`` scores at most this many matches, the newest by id: BM25 of every match of a word in
+#: a quarter of a million messages took 0.4 s at 1M. Fewer matches are ranked exactly.
+RANK_WINDOW = 2_000
+#: Longer contents get their snippet from a bounded window around the first match, computed
+#: here: FTS5's snippet() and ts_headline() walk every occurrence (quadratic in FTS5: a 256 KB
+#: log repeating the word took 50 s).
+SNIPPET_INLINE_CHARS = 2_000
+SNIPPET_TOKENS = 40
+#: How far around the first match the bounded snippet looks (characters).
+_SNIPPET_REACH = 1_000
+#: At most this many trigrams of one CJK fragment go into the index query (evenly spread).
+_TRIGRAMS_PER_PIECE = 6
+
 _FTS = sa.table(ddl.FTS_TABLE, sa.column("rowid"), sa.column("rank"))
 _FTS_MATCH = sa.literal_column(ddl.FTS_TABLE).op("MATCH")
 _FTS_SNIPPET: ColumnClause[Any] = sa.literal_column(
     f"snippet({ddl.FTS_TABLE}, 0, '>>>', '<<<', '...', 40)"
 )
+_CJK = sa.table(ddl.CJK_TABLE, sa.column("rowid"))
+_CJK_MATCH = sa.literal_column(ddl.CJK_TABLE).op("MATCH")
+_CJK_DOCS = sa.table(ddl.CJK_DOCSIZE, sa.column("id"))
 _FTS_QUERY_ERRORS = ("fts5:", "no such column", "unterminated string", "unknown special query")
 # FTS5 barewords: ASCII letters, digits, "_", 0x1A and anything beyond ASCII; plus the spaces
 # FTS5 skips and the prefix star. Anything else outside quotes is syntax (":" "-" "." ...).
 _FTS5_PLAIN = re.compile(r"[A-Za-z0-9_\x1a \t\n\r*\u0080-\U0010ffff]*")
 _ASCII_WORDS = re.compile(r'[A-Za-z0-9 \t\n\r*"]*')
 _UNUSABLE = re.compile("[\x00\ud800-\udfff]")  # NUL and lone surrogates: no engine takes them
+_TOKEN = re.compile(r"[^\W_]+")
 
 _PG_CONFIG: ColumnClause[Any] = sa.literal_column("'simple'::regconfig")
 # The stored tsvector column (not in the ORM models: the migrations own it), GIN-indexed.
 _PG_VECTOR: ColumnClause[Any] = sa.literal_column(f"{M.name}.{ddl.PG_TSV_COLUMN}")
 _PG_HEADLINE = "StartSel=>>>, StopSel=<<<, MaxWords=35, MinWords=15"
 _PG_EDGE_CHARS = 400  # how much of each end of the content tells whether the headline is cut
+#: How much of a content PostgreSQL returns for its snippet: a match past it shows the start.
+_PG_CONTENT_CHARS = 1 << 20
 
 
 def search_messages(
@@ -294,15 +328,21 @@ def search_messages(
     role_filter: Sequence[str] | None,
     limit: int,
     offset: int,
+    sort: str = "rank",
 ) -> list[dict[str, Any]]:
-    """Messages matching ``query``, best rank first, with snippet and same-session context.
+    """Messages matching ``query`` in ``sort`` order, with snippet and same-session context.
 
     Syntax never reaches the caller: a query FTS5 cannot parse is re-run with every term quoted.
-    When the full-text path finds nothing at all, a substring match (newest first) takes over:
-    on SQLite for CJK queries, for queries with punctuation or non-ASCII letters and for terms
-    without letters or digits (``->``); on PostgreSQL always, since its parser keeps paths,
-    e-mails and URLs whole. Errors other than FTS5 syntax propagate.
+    A query with CJK (or another unsegmented script) is a substring match, so a word inside a
+    longer run is found wherever it occurs; on SQLite the CJK trigram index narrows it to its
+    candidates (newest first for ``rank``: substring matches carry no score). Otherwise, when
+    the full-text path finds nothing at all, a substring match takes over: on SQLite for
+    queries with punctuation or non-ASCII letters and for terms without letters or digits
+    (``->``); on PostgreSQL always, since its parser keeps paths, e-mails and URLs whole.
+    Errors other than FTS5 syntax propagate.
     """
+    if sort not in SORTS:
+        raise InvalidInputError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
     limit, offset = max(0, int(limit)), max(0, int(offset))
     if not query or not query.strip() or limit == 0:
         return []
@@ -316,19 +356,32 @@ def search_messages(
         return []
     filters = _filters(source_filter, exclude_sources, role_filter)
     sqlite = conn.dialect.name == "sqlite"
-    full_text = _sqlite_full_text if sqlite else _pg_full_text
-    rows = full_text(conn, sanitized, items, filters, limit, offset)
-    if not rows:
-        fallback = (
-            rows is None  # nothing a tokenizer could index: '->', '!=', '""'
-            or not sqlite
-            or contains_cjk(query)
-            or not _ASCII_WORDS.fullmatch(sanitized)
-        )
-        if offset and rows is not None and full_text(conn, sanitized, items, filters, 1, 0):
-            fallback = False  # the full-text result set exists; this page is past its end
-        if fallback:
-            rows = _substring_search(conn, items, filters, limit, offset, ilike=not sqlite)
+    page = _Page(limit, offset, sort)
+    rows: list[dict[str, Any]] | None
+    cjk = unsegmented(sanitized)
+    restriction = cjk_restriction(items) if cjk else None
+    if restriction is not None or (cjk and not sqlite):
+        if not sqlite or not _has_cjk_index(conn):
+            restriction = None  # PostgreSQL's trigram index serves ILIKE; SQLite scans
+        rows = _substring_search(conn, items, filters, page, ilike=not sqlite, within=restriction)
+    else:
+        full_text = _sqlite_full_text if sqlite else _pg_full_text
+        rows = full_text(conn, sanitized, items, filters, page)
+        if not rows:
+            fallback = (
+                rows is None  # nothing a tokenizer could index: '->', '!=', '""'
+                or not sqlite
+                or contains_cjk(query)
+                or not _ASCII_WORDS.fullmatch(sanitized)
+            )
+            if (
+                offset
+                and rows is not None
+                and full_text(conn, sanitized, items, filters, _Page(1, 0, sort))
+            ):
+                fallback = False  # the full-text result set exists; this page is past its end
+            if fallback:
+                rows = _substring_search(conn, items, filters, page, ilike=not sqlite)
     if not rows:
         return []
     if "context_content" in rows[0]:  # the page statement carried the context columns
@@ -339,6 +392,16 @@ def search_messages(
     for row in rows:
         row["context"] = contexts.get(row["id"], [])
     return rows
+
+
+@dataclass(frozen=True)
+class _Page:
+    limit: int
+    offset: int
+    sort: str
+
+    def params(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}_limit": self.limit, f"{prefix}_offset": self.offset}
 
 
 def _clip(query: str) -> str:
@@ -390,34 +453,58 @@ def _sqlite_full_text(
     sanitized: str,
     items: list[Item],
     filters: list[ColumnElement[bool]],
-    limit: int,
-    offset: int,
+    page: _Page,
 ) -> list[dict[str, Any]] | None:
-    """FTS5 MATCH ordered by ``rank`` alone, which FTS5 serves itself (no sorter, so snippet()
-    runs only for the rows returned). None when no term has anything to index."""
+    """FTS5 MATCH; the page is cut first (for ``rank``, among the newest RANK_WINDOW matches,
+    BM25 being exact below that) and snippets are computed for its rows only. None when no term
+    has anything to index."""
     terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
     if not terms:
         return None
-    statement = _fts_statement()
-    if filters:
-        statement = statement.where(*filters)
+    statement = _fts_statement(page.sort, tuple(filters))
 
     def run(params: dict[str, Any]) -> list[dict[str, Any]]:
         if filters:
-            return _dicts(conn.execute(statement, params))
-        return fastpath.rows(conn, statement, params)  # built once: run on the driver
+            rows = _dicts(conn.execute(statement, params))
+        else:
+            rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
 
-    page = {"fts_limit": limit, "fts_offset": offset}
+        def engine(ids: list[int]) -> dict[int, str]:
+            found = fastpath.rows(
+                conn,
+                _fts_snippet_statement(),
+                {"fts_query": params["fts_query"], "ids": ids, "lo": min(ids), "hi": max(ids)},
+                expanding=["ids"],
+            )
+            return {row["id"]: row["snippet"] for row in found}
+
+        raw = _driver(conn)
+        patterns = _term_patterns(terms)
+        short: list[int] = []
+        for row in rows:
+            prefix, complete = _read_content(raw, row["id"], patterns)
+            if complete and len(prefix) <= SNIPPET_INLINE_CHARS:
+                row["snippet"] = prefix
+                short.append(row["id"])
+            else:
+                row["snippet"] = bounded_snippet(prefix, patterns, complete=complete)
+        made = engine(short) if short else {}
+        for row in rows:
+            if row["id"] in made:
+                row["snippet"] = made[row["id"]]
+        return rows
+
+    params = {**page.params("fts"), "fts_window": max(RANK_WINDOW, page.limit + page.offset)}
     quoted = fts5_query(terms)
     if quoted != sanitized and _FTS5_PLAIN.fullmatch(_QUOTED_PHRASE.sub(" ", sanitized)):
         try:  # the original store's query, when FTS5 can read it
-            return run({"fts_query": sanitized, **page})
+            return run({"fts_query": sanitized, **params})
         except sa.exc.OperationalError as error:
             if not str(error.orig).startswith(_FTS_QUERY_ERRORS):
                 raise
             log.debug("FTS5 rejected %r (%s); retrying with quoted terms", sanitized, error.orig)
     try:
-        return run({"fts_query": quoted, **page})
+        return run({"fts_query": quoted, **params})
     except sa.exc.OperationalError as error:
         if not str(error.orig).startswith(_FTS_QUERY_ERRORS):
             raise
@@ -427,17 +514,72 @@ def _sqlite_full_text(
         return None
 
 
+def _fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) -> Select[Any]:
+    if not filters:
+        return _fts_statement_unfiltered(sort)
+    return _build_fts_statement(sort, filters)
+
+
 @functools.cache
-def _fts_statement() -> Select[Any]:
-    """The FTS5 page query, built once (its construction cost more than a rare word's search);
-    filters, when there are any, are added per call."""
+def _fts_statement_unfiltered(sort: str) -> Select[Any]:
+    """Built once per order: its construction cost more than a rare word's search."""
+    return _build_fts_statement(sort, ())
+
+
+def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) -> Select[Any]:
+    """The page of ids first (for ``rank``: the newest RANK_WINDOW matches by rowid, which FTS5
+    yields in order, then their ``rank``), then the columns and snippets of its rows."""
+    match = _FTS_MATCH(sa.bindparam("fts_query"))
+    limit = sa.bindparam("fts_limit", type_=sa.Integer)
+    offset = sa.bindparam("fts_offset", type_=sa.Integer)
+    source = _FTS.join(M, M.c.id == _FTS.c.rowid)
+    if filters:
+        source = source.join(S, S.c.id == M.c.session_id)
+    if sort == "rank":
+        window = (
+            select(_FTS.c.rowid.label("id"), _FTS.c.rank.label("score"))
+            .select_from(source if filters else _FTS)
+            .where(match, *filters)
+            .order_by(_FTS.c.rowid.desc())
+            .limit(sa.bindparam("fts_window", type_=sa.Integer))
+            .subquery("window")
+        )
+        order: tuple[Any, ...] = (window.c.score, window.c.id)
+        hits = select(window.c.id, window.c.score).order_by(*order)
+    else:
+        direction = sa.desc if sort == "newest" else sa.asc
+        hits = (
+            select(M.c.id, M.c.timestamp)
+            .select_from(source)
+            .where(match, *filters)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
+        )
+    paged = hits.limit(limit).offset(offset).subquery("page")
+    if sort == "rank":
+        outer_order: tuple[Any, ...] = (paged.c.score, paged.c.id)
+    else:
+        direction = sa.desc if sort == "newest" else sa.asc
+        outer_order = (direction(paged.c.timestamp), direction(paged.c.id))
+    # No content: it is read afterwards through blob handles, only as far as the snippet needs
+    # (SQLite loads a whole value for any function of it, 50 MB for a pasted log).
     return (
-        select(*_columns(_FTS_SNIPPET))
-        .select_from(_FTS.join(M, M.c.id == _FTS.c.rowid).join(S, S.c.id == M.c.session_id))
-        .where(_FTS_MATCH(sa.bindparam("fts_query")))
-        .order_by(_FTS.c.rank)
-        .limit(sa.bindparam("fts_limit", type_=sa.Integer))
-        .offset(sa.bindparam("fts_offset", type_=sa.Integer))
+        select(*_columns(sa.null()))
+        .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
+        .order_by(*outer_order)
+    )
+
+
+@functools.cache
+def _fts_snippet_statement() -> Select[Any]:
+    """FTS5's own snippet for the given rows: one pass over the match's rowid range, which
+    FTS5 serves (``rowid + 0`` keeps the id list from becoming one fresh seek per id, each
+    re-opening a common word's whole doclist: 20 ms a page at 1M messages, 0.4 ms this way)."""
+    rowid = _FTS.c.rowid
+    return select(rowid.label("id"), _FTS_SNIPPET.label("snippet")).where(
+        _FTS_MATCH(sa.bindparam("fts_query")),
+        rowid >= sa.bindparam("lo", type_=sa.Integer),
+        rowid <= sa.bindparam("hi", type_=sa.Integer),
+        (rowid + 0).in_(sa.bindparam("ids", expanding=True)),
     )
 
 
@@ -446,39 +588,66 @@ def _pg_full_text(
     sanitized: str,
     items: list[Item],
     filters: list[ColumnElement[bool]],
-    limit: int,
-    offset: int,
+    page: _Page,
 ) -> list[dict[str, Any]] | None:
-    """tsquery against the stored, GIN-indexed tsvector, ranked by ``ts_rank``; the page is cut
-    first and ``ts_headline`` runs only for its rows."""
+    """tsquery against the stored, GIN-indexed tsvector, ranked by ``ts_rank`` among the newest
+    RANK_WINDOW matches; the page is cut first and ``ts_headline`` runs only for its rows (and
+    only for contents of at most SNIPPET_INLINE_CHARS)."""
     terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
     if not terms:
         return None
     query = func.to_tsquery(_PG_CONFIG, sa.bindparam("tsquery", tsquery(terms), type_=sa.Text))
-    rank = func.ts_rank(_PG_VECTOR, query)
-    page = (
-        select(M.c.id, rank.label("rank"))
-        .select_from(M.join(S, S.c.id == M.c.session_id))
-        .where(_PG_VECTOR.op("@@")(query), *filters)
-        .order_by(sa.desc("rank"), M.c.id.desc())
-        .limit(limit)
-        .offset(offset)
-        .subquery("page")
-    )
-    headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
-    statement = (
-        select(
-            *_columns(headline),
-            func.left(M.c.content, _PG_EDGE_CHARS).label("head"),
-            func.right(M.c.content, _PG_EDGE_CHARS).label("tail"),
+    matching = M.join(S, S.c.id == M.c.session_id)
+    if page.sort == "rank":
+        window = (
+            select(M.c.id)
+            .select_from(matching)
+            .where(_PG_VECTOR.op("@@")(query), *filters)
+            .order_by(M.c.id.desc())
+            .limit(max(RANK_WINDOW, page.limit + page.offset))
+            .subquery("window")
         )
-        .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
-        .order_by(page.c.rank.desc(), page.c.id.desc())
+        rank = func.ts_rank(_PG_VECTOR, query)
+        hits = (
+            select(M.c.id, rank.label("rank"), M.c.timestamp)
+            .select_from(window.join(M, M.c.id == window.c.id))
+            .order_by(sa.desc("rank"), M.c.id.desc())
+        )
+    else:
+        direction = sa.desc if page.sort == "newest" else sa.asc
+        hits = (
+            select(M.c.id, sa.literal(0.0).label("rank"), M.c.timestamp)
+            .select_from(matching)
+            .where(_PG_VECTOR.op("@@")(query), *filters)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
+        )
+    paged = hits.limit(page.limit).offset(page.offset).subquery("page")
+    if page.sort == "rank":
+        order: tuple[Any, ...] = (paged.c.rank.desc(), paged.c.id.desc())
+    else:
+        direction = sa.desc if page.sort == "newest" else sa.asc
+        order = (direction(paged.c.timestamp), direction(paged.c.id))
+    # At most _PG_CONTENT_CHARS of each content: PostgreSQL decompresses only that slice.
+    prefix = func.substr(M.c.content, 1, _PG_CONTENT_CHARS)
+    statement = (
+        select(*_columns(prefix))
+        .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
+        .order_by(*order)
     )
     rows = _dicts(conn.execute(statement))
-    for row in rows:
-        row["snippet"] = _mark_cuts(row["snippet"] or "", row.pop("head"), row.pop("tail"))
-    return rows
+    contents = {row["id"]: row["snippet"] or "" for row in rows}
+
+    def engine(ids: list[int]) -> dict[int, str]:
+        headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
+        found = conn.execute(select(M.c.id, headline).where(M.c.id.in_(ids))).all()
+        return {
+            int(i): _mark_cuts(
+                text or "", contents[i][:_PG_EDGE_CHARS], contents[i][-_PG_EDGE_CHARS:]
+            )
+            for i, text in found
+        }
+
+    return _fill_snippets(rows, terms, engine)
 
 
 def _mark_cuts(headline: str, head: str, tail: str) -> str:
@@ -494,70 +663,313 @@ def _dicts(result: Result[Any]) -> list[dict[str, Any]]:
     return [dict(row._mapping) for row in result]
 
 
+# -- bounded snippets -----------------------------------------------------------------------------
+
+
+def _pg_complete(content: str) -> bool:
+    return len(content) < _PG_CONTENT_CHARS
+
+
+def _fill_snippets(
+    rows: list[dict[str, Any]],
+    terms: Sequence[Item],
+    engine: Callable[[list[int]], dict[int, str]],
+) -> list[dict[str, Any]]:
+    """Turn each row's content (in ``snippet``) into its snippet: the engine's own (FTS5's
+    snippet(), ts_headline) for contents of at most SNIPPET_INLINE_CHARS, one statement for the
+    page; a bounded window around the first match for longer ones."""
+    short = [row["id"] for row in rows if len(row["snippet"] or "") <= SNIPPET_INLINE_CHARS]
+    made = engine(short) if short else {}
+    patterns: list[re.Pattern[str]] | None = None
+    for row in rows:
+        content = row["snippet"] or ""
+        if row["id"] in made:
+            row["snippet"] = made[row["id"]]
+        elif len(content) <= SNIPPET_INLINE_CHARS:
+            row["snippet"] = content  # no match to mark (cannot happen for a full-text hit)
+        else:
+            if patterns is None:
+                patterns = _term_patterns(terms)
+            row["snippet"] = bounded_snippet(content, patterns, complete=_pg_complete(content))
+    return rows
+
+
+_BLOB_CHUNK = 64 * 1024
+
+
+def _driver(conn: Connection) -> sqlite3.Connection:
+    """The sqlite3 connection under a SQLite read unit (blob handles live there)."""
+    raw = conn.connection.driver_connection
+    assert isinstance(raw, sqlite3.Connection)
+    return raw
+
+
+#: Past this much text without a match (one the tokenizer folded, say), the snippet shows the
+#: beginning of the content instead of reading on.
+_SNIPPET_SEARCH_CHARS = 1 << 20
+
+
+def _read_content(
+    raw: sqlite3.Connection, message_id: int, patterns: Sequence[re.Pattern[str]]
+) -> tuple[str, bool]:
+    """A message's content through a read-only blob handle, in chunks, only as far as a bounded
+    snippet needs (the first match and its window); and whether that is the whole content."""
+    try:
+        blob = raw.blobopen("messages", "content", message_id, readonly=True)
+    except sqlite3.OperationalError as error:
+        if "of type null" not in str(error):
+            raise
+        return "", True
+    with blob:
+        size = len(blob)
+        if size <= SNIPPET_INLINE_CHARS * 4:
+            return blob.read().decode("utf-8", "replace"), True
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text, searched, first = "", 0, None
+        while True:
+            chunk = blob.read(_BLOB_CHUNK)
+            done = blob.tell() >= size or not chunk
+            text += decoder.decode(chunk, final=done)
+            if first is None:
+                start = max(0, searched - 1_000)  # a match across the chunk boundary
+                hits = [m.start() for p in patterns if (m := p.search(text, start))]
+                first = min(hits) if hits else None
+                searched = len(text)
+            if done:
+                return text, True
+            if first is None and len(text) >= _SNIPPET_SEARCH_CHARS:
+                return text, False
+            if first is not None and len(text) >= first + _SNIPPET_REACH * 2:
+                return text, False
+
+
+def _term_patterns(items: Sequence[Item]) -> list[re.Pattern[str]]:
+    """A case-insensitive pattern per positive term: its words in order, separated by anything
+    that is not a letter or digit (as the tokenizers see them), a prefix term open at its end."""
+    patterns = []
+    negated = False
+    for item in items:
+        if isinstance(item, str):
+            negated = item == "NOT"
+            continue
+        words = _TOKEN.findall(item.words)
+        if words and not negated:
+            body = r"[\W_]+".join(re.escape(w) for w in words)
+            end = r"[^\W_]*" if item.prefix else r"(?![^\W_])"  # FTS5 marks whole tokens
+            patterns.append(re.compile(r"(?<![^\W_])" + body + end, re.IGNORECASE))
+        negated = False
+    return patterns
+
+
+def bounded_snippet(
+    content: str, patterns: Sequence[re.Pattern[str]], *, complete: bool = True
+) -> str:
+    """FTS5's snippet shape (``>>>match<<<`` in about SNIPPET_TOKENS tokens, ``...`` where cut)
+    from a window around the FIRST match: the cost is the search for that match plus a window
+    of a few kilobytes, however long or repetitive the content."""
+    found = [m for p in patterns if (m := p.search(content))]
+    start = min((m.start() for m in found), default=0)
+    lo = max(0, start - _SNIPPET_REACH)
+    hi = min(len(content), start + _SNIPPET_REACH * 2)
+    window = content[lo:hi]
+    tokens = list(_TOKEN.finditer(window))
+    if not tokens:
+        return window[:SUBSTRING_SNIPPET_CHARS]
+    first = next((i for i, t in enumerate(tokens) if t.start() + lo >= start), 0)
+    begin = max(0, first - SNIPPET_TOKENS // 4)
+    end = min(len(tokens), begin + SNIPPET_TOKENS)
+    begin = max(0, end - SNIPPET_TOKENS)
+    cut_lo = lo + tokens[begin].start() if begin > 0 or lo > 0 else 0
+    cut_hi = lo + tokens[end - 1].end()
+    whole_end = complete and end == len(tokens) and hi == len(content)
+    if whole_end:
+        cut_hi = len(content)
+    text = content[cut_lo:cut_hi]
+    marks = sorted(
+        {(m.start(), m.end()) for p in patterns for m in p.finditer(text)}, key=lambda s: s[0]
+    )
+    out, at = [], 0
+    for a, b in marks:
+        if a < at:
+            continue
+        out += [text[at:a], ">>>", text[a:b], "<<<"]
+        at = b
+    out.append(text[at:])
+    return ("..." if cut_lo > 0 else "") + "".join(out) + ("" if whole_end else "...")
+
+
+# -- substring search and the CJK index -----------------------------------------------------------
+
+#: What narrows a substring query to the CJK index: a MATCH expression over trigrams, ALL (any
+#: row the index holds: a fragment shorter than a trigram) or None (rows outside it may match).
+ALL_CJK = "\x00all"
+
+
+def cjk_restriction(items: Sequence[Item]) -> str | None:
+    """The FTS5 query on the CJK trigram index whose hits include every message matching
+    ``items`` (each still checked with LIKE), ALL_CJK, or None when the index cannot narrow it."""
+
+    def leaf(term: Term) -> str | None:
+        if not unsegmented(term.words):
+            return None
+        grams = [g for piece in term.pieces for g in _trigrams(piece)]
+        return " AND ".join(grams) if grams else ALL_CJK
+
+    def all_of(parts: list[str | None]) -> str | None:
+        exprs = [p for p in parts if p is not None and p != ALL_CJK]
+        if exprs:
+            return exprs[0] if len(exprs) == 1 else " AND ".join(f"({e})" for e in exprs)
+        return ALL_CJK if ALL_CJK in parts else None
+
+    def any_of(parts: list[str | None]) -> str | None:
+        if None in parts:
+            return None
+        if ALL_CJK in parts:
+            return ALL_CJK
+        exprs = [p for p in parts if p is not None]
+        return exprs[0] if len(exprs) == 1 else " OR ".join(f"({e})" for e in exprs)
+
+    return fold(items, leaf, all_of, any_of, lambda _part: None)
+
+
+def _trigrams(piece: str) -> list[str]:
+    """Quoted trigrams of a fragment, at most _TRIGRAMS_PER_PIECE of them, spread from its
+    first to its last (a fragment shorter than three characters has none)."""
+    count = len(piece) - 2
+    if count <= 0:
+        return []
+    if count <= _TRIGRAMS_PER_PIECE:
+        starts = list(range(count))
+    else:
+        step = (count - 1) / (_TRIGRAMS_PER_PIECE - 1)
+        starts = sorted({round(i * step) for i in range(_TRIGRAMS_PER_PIECE)})
+    return ['"' + piece[i : i + 3].replace('"', '""') + '"' for i in starts]
+
+
+def _has_cjk_index(conn: Connection) -> bool:
+    return bool(fastpath.rows(conn, _CJK_PRESENT, {"name": ddl.CJK_TABLE}))
+
+
+_CJK_PRESENT: Select[Any] = (
+    select(sa.literal_column("1").label("present"))
+    .select_from(sa.table("sqlite_master", sa.column("name")))
+    .where(sa.column("name") == sa.bindparam("name"))
+)
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """Rows of the CJK index to start from: its MATCH hits, or every row it holds."""
+
+    source: Any
+    id: ColumnElement[Any]
+    where: tuple[ColumnElement[bool], ...]
+
+
+def _candidates(kind: str | None) -> _Candidates | None:
+    if kind is None:
+        return None
+    if kind == "all":
+        return _Candidates(_CJK_DOCS, _CJK_DOCS.c.id, ())
+    return _Candidates(_CJK, _CJK.c.rowid, (_CJK_MATCH(sa.bindparam("cjk_query")),))
+
+
 def _substring_search(
     conn: Connection,
     items: list[Item],
     filters: list[ColumnElement[bool]],
-    limit: int,
-    offset: int,
+    page: _Page,
     *,
     ilike: bool,
+    within: str | None = None,
 ) -> list[dict[str, Any]]:
-    """LIKE/ILIKE on the raw fragments, newest first; snippets of ~120 characters around the
-    first fragment found (PostgreSQL's trigram index serves ILIKE when pg_trgm is there).
+    """LIKE/ILIKE on the raw fragments, newest first for ``rank``; snippets of ~120 characters
+    around the first fragment found. ``within`` narrows the rows to the CJK index's candidates
+    (SQLite); PostgreSQL's trigram index serves ILIKE when pg_trgm is there.
 
     The usual query, one term of one fragment (a CJK word), runs a statement built once with
     the pattern bound; on SQLite the statement also carries the same-session context."""
     sqlite = not ilike
-    params: dict[str, Any] = {"sub_limit": limit, "sub_offset": offset}
+    params: dict[str, Any] = page.params("sub")
+    kind = None if within is None else ("all" if within == ALL_CJK else "match")
+    if kind == "match":
+        params["cjk_query"] = within
     term = items[0] if len(items) == 1 else None
     if isinstance(term, Term) and len(term.pieces) == 1:
         params["pattern"] = "%" + _escape_like(term.pieces[0]) + "%"
         if not filters:  # built once: run on the driver
-            rows = fastpath.rows(conn, _single_substring_statement(sqlite), params)
+            statement = _single_substring_statement(sqlite, page.sort, kind)
+            rows = fastpath.rows(conn, statement, params)
         else:
-            predicate = _single_substring_predicate(sqlite)
-            statement = _substring_statement((predicate, *filters), sqlite=sqlite)
+            predicates = [_single_substring_predicate(sqlite), *filters]
+            statement = _substring_statement(
+                predicates, sqlite=sqlite, sort=page.sort, candidates=_candidates(kind)
+            )
             rows = _dicts(conn.execute(statement, params))
     else:
-        predicates = (M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters)
-        rows = _dicts(conn.execute(_substring_statement(predicates, sqlite=sqlite), params))
+        predicates = [M.c.content.is_not(None), substring_predicate(items, ilike=ilike), *filters]
+        statement = _substring_statement(
+            predicates, sqlite=sqlite, sort=page.sort, candidates=_candidates(kind)
+        )
+        rows = _dicts(conn.execute(statement, params))
     pieces = positive_pieces(items)
     for row in rows:
         row["snippet"] = substring_snippet(row["snippet"] or "", pieces)
     return rows
 
 
-def _substring_statement(predicates: Sequence[ColumnElement[bool]], *, sqlite: bool) -> Select[Any]:
-    """Newest first. On SQLite the page of ids is cut first and the outer statement computes
-    the columns (content, same-session context) for its rows only: a sorter fed whole rows
-    would run the context seeks and copy the content for every match."""
+def _substring_statement(
+    predicates: Sequence[ColumnElement[bool]],
+    *,
+    sqlite: bool,
+    sort: str = "rank",
+    candidates: _Candidates | None = None,
+) -> Select[Any]:
+    """Newest first (oldest first for ``oldest``). On SQLite the page of ids is cut first and
+    the outer statement computes the columns (content, same-session context) for its rows only:
+    a sorter fed whole rows would run the context seeks and copy the content for every match.
+
+    From the CJK index's ``candidates``, ``rank`` means newest stored first (by id): the index
+    yields its rows in that order, so the page stops after ``limit`` verified matches instead of
+    sorting them all by timestamp (ids follow time, except for imported messages)."""
     limit = sa.bindparam("sub_limit", type_=sa.Integer)
     offset = sa.bindparam("sub_offset", type_=sa.Integer)
-    newest = (M.c.timestamp.desc(), M.c.id.desc())
+    direction = sa.asc if sort == "oldest" else sa.desc
     matching = M.join(S, S.c.id == M.c.session_id)
     if not sqlite:
         return (
             select(*_columns(M.c.content))
             .select_from(matching)
             .where(*predicates)
-            .order_by(*newest)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
             .limit(limit)
             .offset(offset)
         )
+    by_id = candidates is not None and sort == "rank"
+    if candidates is not None:
+        matching = candidates.source.join(M, M.c.id == candidates.id).join(
+            S, S.c.id == M.c.session_id
+        )
+        predicates = [*predicates, *candidates.where]
+    order: tuple[Any, ...] = (
+        (candidates.id.desc(),)
+        if by_id and candidates is not None
+        else (direction(M.c.timestamp), direction(M.c.id))
+    )
     page = (
         select(M.c.id, M.c.timestamp)
         .select_from(matching)
         .where(*predicates)
-        .order_by(*newest)
+        .order_by(*order)
         .limit(limit)
         .offset(offset)
         .subquery("page")
     )
+    outer = (page.c.id.desc(),) if by_id else (direction(page.c.timestamp), direction(page.c.id))
     return (
         select(*_columns(M.c.content), *_context_columns(sqlite=True))
         .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
-        .order_by(page.c.timestamp.desc(), page.c.id.desc())
+        .order_by(*outer)
     )
 
 
@@ -570,10 +982,15 @@ def _single_substring_predicate(sqlite: bool) -> ColumnElement[bool]:
 
 
 @functools.cache
-def _single_substring_statement(sqlite: bool) -> Select[Any]:
-    """The usual substring query (one CJK word), built once: its construction cost as much as
-    running it on a small database."""
-    return _substring_statement((_single_substring_predicate(sqlite),), sqlite=sqlite)
+def _single_substring_statement(sqlite: bool, sort: str, kind: str | None) -> Select[Any]:
+    """The usual substring query (one CJK word), built once per order and narrowing: its
+    construction cost as much as running it on a small database."""
+    return _substring_statement(
+        [_single_substring_predicate(sqlite)],
+        sqlite=sqlite,
+        sort=sort,
+        candidates=_candidates(kind),
+    )
 
 
 def substring_snippet(content: str, pieces: Sequence[str]) -> str:
@@ -680,9 +1097,90 @@ def _contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]
     """Previous message, the match and next message of the SAME session, by (timestamp, id),
     for a whole page in one query: per match, a primary-key lookup and two seeks on
     idx_messages_session (ids bind as a list)."""
-    statement = _contexts_statement(conn.dialect.name == "sqlite")
+    if conn.dialect.name == "sqlite":
+        return _sqlite_contexts(conn, ids)
+    statement = _contexts_statement(False)
     rows = fastpath.rows(conn, statement, {"ids": ids}, expanding=["ids"])
     return {row["id"]: _folded_context(row) for row in rows}
+
+
+def _sqlite_contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]]]:
+    """The same on SQLite, where any function of a content loads all of it (50 MB for a pasted
+    log, whether it is the match or its neighbour): the seeks return the neighbours' ids, and
+    the first CONTEXT_CHARS characters of each content are read through a blob handle."""
+    rows = fastpath.rows(conn, _sqlite_neighbours_statement(), {"ids": ids}, expanding=["ids"])
+    near = {i for row in rows for i in (row["previous_id"], row["next_id"]) if i is not None}
+    roles = {row["id"]: row["role"] for row in rows}
+    missing = sorted(near - set(roles))
+    if missing:
+        found = fastpath.rows(conn, _roles_statement(), {"ids": missing}, expanding=["ids"])
+        roles.update({row["id"]: row["role"] for row in found})
+    raw = _driver(conn)
+    out: dict[int, list[dict[str, str]]] = {}
+    for row in rows:
+        context = []
+        for key in ("previous_id", "id", "next_id"):
+            message_id = row[key]
+            if message_id is not None:
+                text = _content_prefix(raw, message_id, CONTEXT_CHARS)
+                context.append({"role": roles[message_id], "content": text})
+        out[row["id"]] = context
+    return out
+
+
+def _content_prefix(raw: sqlite3.Connection, message_id: int, chars: int) -> str:
+    """The first ``chars`` characters of a content ("" for NULL), reading at most 4 bytes each."""
+    try:
+        blob = raw.blobopen("messages", "content", message_id, readonly=True)
+    except sqlite3.OperationalError as error:
+        if "of type null" not in str(error):
+            raise
+        return ""
+    with blob:
+        data = blob.read(chars * 4)
+        complete = blob.tell() >= len(blob)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    return decoder.decode(data, final=complete)[:chars]
+
+
+@functools.cache
+def _sqlite_neighbours_statement() -> Select[Any]:
+    """Per match: its role and the ids of its previous and next message of the same session
+    (seeks on idx_messages_session, which covers timestamp and the rowid)."""
+    near = M.alias("near")
+    same_session = near.c.session_id == M.c.session_id
+    before = or_(
+        near.c.timestamp < M.c.timestamp,
+        and_(near.c.timestamp == M.c.timestamp, near.c.id < M.c.id),
+    )
+    after = or_(
+        near.c.timestamp > M.c.timestamp,
+        and_(near.c.timestamp == M.c.timestamp, near.c.id > M.c.id),
+    )
+    previous = (
+        select(near.c.id)
+        .where(same_session, near.c.timestamp <= M.c.timestamp, before)
+        .order_by(near.c.timestamp.desc(), near.c.id.desc())
+        .limit(1)
+        .correlate(M)
+        .scalar_subquery()
+    )
+    following = (
+        select(near.c.id)
+        .where(same_session, near.c.timestamp >= M.c.timestamp, after)
+        .order_by(near.c.timestamp, near.c.id)
+        .limit(1)
+        .correlate(M)
+        .scalar_subquery()
+    )
+    return select(
+        M.c.id, M.c.role, previous.label("previous_id"), following.label("next_id")
+    ).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
+
+
+@functools.cache
+def _roles_statement() -> Select[Any]:
+    return select(M.c.id, M.c.role).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
 
 
 @functools.cache
@@ -702,6 +1200,10 @@ def rebuild_index(conn: Connection) -> None:
     if conn.dialect.name == "sqlite":
         for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS, ddl.SQLITE_FTS_REBUILD):
             conn.exec_driver_sql(statement)
+        if _cjk_index_expected(conn):
+            statements = (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS, *ddl.SQLITE_CJK_REBUILD)
+            for statement in statements:
+                conn.exec_driver_sql(statement)
         return
     conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
     conn.exec_driver_sql(ddl.PG_FTS_CREATE)
@@ -736,18 +1238,9 @@ def check_index(conn: Connection) -> bool:
         if present != 1 + len(ddl.FTS_TRIGGERS):
             log.error("full-text table %s or its triggers are missing", ddl.FTS_TABLE)
             return False
-        statement = (
-            f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('integrity-check', 1)"
-        )
-        try:
-            with conn.begin_nested():
-                conn.exec_driver_sql(statement)
-        except sa.exc.DatabaseError as error:
-            if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
-                raise
-            log.error("full-text index failed its integrity check: %s", error.orig)
+        if not _fts5_integrity(conn, ddl.FTS_TABLE):
             return False
-        return True
+        return _check_cjk_index(conn)
     rows = conn.execute(
         sa.text(
             "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
@@ -763,6 +1256,85 @@ def check_index(conn: Connection) -> bool:
     broken = sorted(name for name, ok in status.items() if not ok)
     if broken:
         log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
+        return False
+    return True
+
+
+def _fts5_integrity(conn: Connection, table: str) -> bool:
+    """FTS5's 'integrity-check' (against the content table when it has one)."""
+    statement = f"INSERT INTO {table}({table}, rank) VALUES ('integrity-check', 1)"
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(statement)
+    except sa.exc.DatabaseError as error:
+        if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+            raise
+        log.error("full-text index %s failed its integrity check: %s", table, error.orig)
+        return False
+    return True
+
+
+def _cjk_index_expected(conn: Connection) -> bool:
+    """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
+    from hermes_store import migrate, schema_ops
+
+    if not _has_table(conn, "alembic_version"):
+        return False
+    revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+    if revision is None:
+        return False
+    try:
+        chain = {s.revision for s in migrate._scripts().iterate_revisions(revision, "base")}
+    except Exception:
+        return False
+    version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
+    return CJK_REVISION in chain and schema_ops.trigram_supported(version)
+
+
+def _has_table(conn: Connection, name: str) -> bool:
+    return bool(
+        conn.execute(
+            sa.text("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :n"),
+            {"n": name},
+        ).scalar()
+    )
+
+
+def _check_cjk_index(conn: Connection) -> bool:
+    """The CJK index, when present (or due), has its triggers, passes FTS5's check, and holds
+    exactly the messages its triggers select (compared by id)."""
+    present = _has_table(conn, ddl.CJK_TABLE)
+    if not present:
+        if _cjk_index_expected(conn):
+            log.error("the CJK index %s is missing", ddl.CJK_TABLE)
+            return False
+        return True
+    triggers = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+        ).bindparams(sa.bindparam("names", expanding=True)),
+        {"names": list(ddl.CJK_TRIGGERS)},
+    ).scalar_one()
+    if triggers != len(ddl.CJK_TRIGGERS):
+        log.error("triggers of the CJK index %s are missing", ddl.CJK_TABLE)
+        return False
+    if not _fts5_integrity(conn, ddl.CJK_TABLE):
+        return False
+    drift = (
+        conn.execute(
+            sa.text(
+                f"SELECT count(*) FROM (SELECT id FROM messages WHERE content GLOB :glob"
+                f" EXCEPT SELECT id FROM {ddl.CJK_DOCSIZE}) UNION ALL"
+                f" SELECT count(*) FROM (SELECT id FROM {ddl.CJK_DOCSIZE}"
+                f" EXCEPT SELECT id FROM messages WHERE content GLOB :glob)"
+            ),
+            {"glob": ddl.CJK_GLOB},
+        )
+        .scalars()
+        .all()
+    )
+    if any(drift):
+        log.error("the CJK index misses %d messages and holds %d it should not", drift[0], drift[1])
         return False
     return True
 

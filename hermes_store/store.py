@@ -782,8 +782,12 @@ class SessionDB:
         role_filter: Sequence[str] | None = None,
         limit: int = 20,
         offset: int = 0,
+        sort: str = "rank",
     ) -> list[RowDict]:
-        """Full-text search with snippets and same-session context; never raises on syntax."""
+        """Full-text search with snippets and same-session context; never raises on syntax.
+
+        ``sort``: ``"rank"`` (best first, the contract's order), ``"newest"`` or ``"oldest"``.
+        """
         validate.text("query", query, optional=True)
         source_filter = validate.names("source_filter", source_filter)
         exclude_sources = validate.names("exclude_sources", exclude_sources)
@@ -798,6 +802,7 @@ class SessionDB:
                 role_filter=role_filter,
                 limit=limit,
                 offset=offset,
+                sort=sort,
             )
 
     @staticmethod

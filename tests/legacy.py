@@ -431,8 +431,10 @@ SIGNATURE_TABLES = ("schema_version", "sessions", "messages")
 
 
 def _ignored_table(name: str) -> bool:
-    return name in ("alembic_version", "sqlite_sequence") or name.startswith(
-        ("messages_fts_", "sqlite_stat")
+    """Bookkeeping tables, FTS shadow tables, and hermes_store's CJK index (not the seed's
+    schema: its presence is checked on its own, see ``migration_checks.cjk_objects``)."""
+    return name in ("alembic_version", "sqlite_sequence", "messages_cjk") or name.startswith(
+        ("messages_fts_", "messages_cjk_", "sqlite_stat")
     )
 
 
@@ -492,7 +494,7 @@ def schema_signature(path: str | Path, *, trigger_sql: bool = False) -> dict[str
         triggers = {
             n: _norm_sql(s or "")
             for t, n, tbl, s in master
-            if t == "trigger" and not _ignored_table(tbl)
+            if t == "trigger" and not _ignored_table(tbl) and not n.startswith("messages_cjk_")
         }
         sig["triggers"] = triggers if trigger_sql else sorted(triggers)
         fts_sql = table_sql.get("messages_fts")

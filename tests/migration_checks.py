@@ -24,7 +24,9 @@ from tests import legacy
 from tests.conftest import is_sqlite
 
 REPO = Path(__file__).resolve().parent.parent
-REVISIONS = (
+#: The revisions matching the seed's schema_version 1..6, then hermes_store's own (which keep
+#: schema_version at 6, so the original store still opens the file).
+SEED_REVISIONS = (
     "v1_base",
     "v2_finish_reason",
     "v3_session_title",
@@ -32,7 +34,10 @@ REVISIONS = (
     "v5_billing_columns",
     "v6_reasoning_columns",
 )
+REVISIONS = (*SEED_REVISIONS, "h7_cjk_index")
+V6 = SEED_REVISIONS[-1]
 HEAD = REVISIONS[-1]
+CJK_OBJECTS = {"messages_cjk", "messages_cjk_delete", "messages_cjk_insert", "messages_cjk_update"}
 TABLES = ("sessions", "messages")
 FTS_TRIGGERS = ["messages_fts_delete", "messages_fts_insert", "messages_fts_update"]
 
@@ -145,3 +150,25 @@ def alembic_cli(
     return subprocess.run(
         [*argv, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+def cjk_objects(path: Path) -> set[str]:
+    """Names of the CJK trigram table and its triggers in a SQLite file (not its shadows)."""
+    con = sqlite3.connect(path)
+    try:
+        rows = con.execute(
+            "SELECT name FROM sqlite_master WHERE name LIKE 'messages_cjk%' AND name NOT IN"
+            " (SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'messages_cjk_%')"
+        ).fetchall()
+    finally:
+        con.close()
+    return {name for (name,) in rows}
+
+
+def cjk_index_ids(path: Path) -> list[int]:
+    """The message ids the CJK trigram index holds (one _docsize row per indexed message)."""
+    con = sqlite3.connect(path)
+    try:
+        return [i for (i,) in con.execute("SELECT id FROM messages_cjk_docsize ORDER BY id")]
+    finally:
+        con.close()

@@ -27,14 +27,18 @@ from hermes_store import (
     SchemaTooNewError,
     SessionDB,
     UnrecognizedSchemaError,
+    search,
 )
 from tests import legacy, proc_workers
 from tests.conftest import reset_pg, url_string
 from tests.migration_checks import (
+    CJK_OBJECTS,
     FTS_TRIGGERS,
     HEAD,
     alembic_cli,
     alembic_revision,
+    cjk_index_ids,
+    cjk_objects,
     file_state,
     fts_integrity_check,
     full_text_ids,
@@ -125,6 +129,15 @@ def test_adopts_legacy_file(tmp_path: Path, version: int, later_columns: bool, h
     assert legacy.schema_signature(path, trigger_sql=True) == seed_v6_signature(tmp_path)
     assert full_text_ids(url, "zebracorn") == [6]
     fts_integrity_check(path)
+    # Stamped at the matching v-revision, then upgraded through h7_cjk_index: the old CJK
+    # messages are in the CJK index, schema_version still 6.
+    with_cjk = [
+        row["id"][1]
+        for row in after["messages"]
+        if row["content"][1] and search.unsegmented(row["content"][1])
+    ]
+    assert with_cjk and cjk_objects(path) == CJK_OBJECTS
+    assert cjk_index_ids(path) == with_cjk
 
     new_id = assert_seed_can_use(path)
     assert schema_version(url) == 6 and alembic_revision(url) == HEAD
@@ -132,6 +145,7 @@ def test_adopts_legacy_file(tmp_path: Path, version: int, later_columns: bool, h
     db = SessionDB(path)  # and back in hermes_store, the seed's message is there
     try:
         assert [m["id"] for m in db.get_messages(legacy.S_TG)][-1] == new_id
+        assert db.check_search_index()
     finally:
         db.close()
 

@@ -376,6 +376,17 @@ def test_search_filters_and_cjk(runner: CliRunner, populated: URL) -> None:
     assert run(runner, populated, "search", 'chat-send AND (" OR').exit_code == 0
 
 
+def test_search_sort(runner: CliRunner, populated: URL) -> None:
+    newest = run_json(runner, populated, "search", "the", "--sort", "newest", "--limit", "50")
+    oldest = run_json(runner, populated, "search", "the", "--sort", "oldest", "--limit", "50")
+    assert len(newest) >= 2
+    assert [h["timestamp"] for h in newest] == sorted(
+        (h["timestamp"] for h in newest), reverse=True
+    )
+    assert [h["id"] for h in oldest] == [h["id"] for h in reversed(newest)]
+    assert run(runner, populated, "search", "the", "--sort", "best").exit_code == 2
+
+
 # -- export / import ---------------------------------------------------------------------------
 
 
@@ -654,9 +665,7 @@ def test_db_commands_adopt_a_legacy_file(runner: CliRunner, tmp_path: Path) -> N
 
     result = run(runner, path, "db", "upgrade")
     assert result.exit_code == 0, result.output
-    assert (
-        "Adopted" in result.stdout and "v3_session_title -> v6_reasoning_columns" in result.stdout
-    )
+    assert "Adopted" in result.stdout and "v3_session_title -> h7_cjk_index" in result.stdout
     info = run_json(runner, path, "db", "current")
     assert info["at_head"] is True and info["schema_version"] == 6 and info["legacy"] is False
     assert run(runner, path, "db", "check").exit_code == 0

@@ -192,3 +192,22 @@ def test_a_minimal_hand_written_ini_works(tmp_path: Path) -> None:
     assert sql.returncode == 0, sql.stderr
     assert "CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts" in sql.stdout
     assert not (tmp_path / "home").exists()  # offline: the default database was not touched
+
+
+def test_the_runtime_ddl_matches_the_revisions() -> None:
+    """``ddl.py`` (adoption, repair, rebuild at run time) builds exactly what the revisions
+    built: the revisions' own SQL contains the runtime statements verbatim."""
+    from hermes_store import ddl
+
+    sqlite = offline_sql(OFFLINE_URLS["sqlite"], "head")
+    for statement in (
+        ddl.SQLITE_FTS_TABLE,
+        *ddl.SQLITE_FTS_TRIGGERS,
+        ddl.SQLITE_CJK_TABLE,
+        *ddl.SQLITE_CJK_TRIGGERS,
+        ddl.SQLITE_CJK_REBUILD[1],
+    ):
+        assert statement in sqlite, statement[:60]
+    postgresql = offline_sql(OFFLINE_URLS["postgresql"], "head")
+    for statement in (ddl.PG_FTS_COLUMN_CREATE, ddl.PG_FTS_CREATE, ddl.PG_TRGM_CREATE):
+        assert statement in postgresql, statement[:60]

@@ -21,17 +21,22 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 import hermes_store
-from hermes_store import ddl, migrate
+from hermes_store import ddl, migrate, schema_ops, search
 from hermes_store.models import Base
 from tests import legacy
 from tests.conftest import is_sqlite, url_string
 from tests.migration_checks import (
+    CJK_OBJECTS,
     FTS_TRIGGERS,
     HEAD,
     REVISIONS,
+    SEED_REVISIONS,
     TABLES,
+    V6,
     alembic_cli,
     alembic_revision,
+    cjk_index_ids,
+    cjk_objects,
     fts_integrity_check,
     full_text_ids,
     observed,
@@ -134,6 +139,9 @@ def check_full_text(url: URL, tmp_path: Path, version: int) -> None:
     if is_sqlite(url):
         path = sqlite_path(url)
         fts_integrity_check(path)
+        # The CJK index exists exactly at h7_cjk_index (this SQLite has the trigram tokenizer).
+        at_head = alembic_revision(url) == HEAD
+        assert cjk_objects(path) == (CJK_OBJECTS if at_head else set())
         reference = tmp_path / f"seed_v{version}.db"
         if not reference.exists():
             legacy.build_legacy_db(reference, version, rows=False)
@@ -161,8 +169,9 @@ def no_env_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # -- the history ------------------------------------------------------------------------------
 
 
-def test_single_head_and_six_steps() -> None:
-    """One head; the chain from base is exactly the seed's six versions, in order."""
+def test_single_head_and_one_linear_chain() -> None:
+    """One head; the chain from base is the seed's six versions, in order, then the CJK index;
+    only the six carry a schema_version."""
     scripts = ScriptDirectory(migrate.script_location())
     assert scripts.get_heads() == [HEAD]
     assert migrate.head_revision() == HEAD
@@ -170,7 +179,7 @@ def test_single_head_and_six_steps() -> None:
     assert chain == list(reversed(REVISIONS))
     downs = [scripts.get_revision(r).down_revision for r in REVISIONS]
     assert downs == [None, *REVISIONS[:-1]]
-    assert [migrate.revision_for_version(v) for v in range(1, 7)] == list(REVISIONS)
+    assert [migrate.revision_for_version(v) for v in range(1, 7)] == list(SEED_REVISIONS)
 
 
 def test_base_to_head_to_base(empty_url: URL, tmp_path: Path, no_env_url: None) -> None:
@@ -319,6 +328,85 @@ def test_head_schema_is_the_seeds_v6(tmp_path: Path) -> None:
     assert mine["autoincrement"]["messages"] is True
     assert sorted(mine["triggers"]) == FTS_TRIGGERS
     assert len(mine["indexes"]) == 5
+    # Plus hermes_store's own CJK index, which the signature leaves out.
+    assert cjk_objects(ours) == CJK_OBJECTS
+
+
+def test_cjk_index_revision_up_and_down(tmp_path: Path) -> None:
+    """h7_cjk_index indexes exactly the rows with CJK (or other unsegmented scripts) already
+    there, follows inserts, deletes and updates through its triggers, keeps schema_version 6,
+    and its downgrade leaves the seed's v6 schema with nothing of it behind."""
+    path = tmp_path / "state.db"
+    url = sa.make_url(f"sqlite:///{path}")
+    migrate.upgrade(path, V6)
+    insert_legacy_rows(url, 6)
+    con = sqlite3.connect(path)
+    with_cjk = {
+        i
+        for i, content in con.execute("SELECT id, content FROM messages")
+        if content and search.unsegmented(content)
+    }
+    con.close()
+    assert with_cjk, "the legacy rows must hold some CJK for this test to mean anything"
+
+    assert migrate.upgrade(path) == HEAD
+    assert schema_version(url) == 6
+    assert cjk_objects(path) == CJK_OBJECTS
+    assert cjk_index_ids(path) == sorted(with_cjk)
+    con = sqlite3.connect(path)
+    try:
+        rows = [
+            (101, "今天的数据库迁移很顺利"),
+            (102, "plain english only"),
+            (103, "สวัสดีครับ"),
+            (104, "ラーメンを食べたい"),
+        ]
+        con.executemany(
+            "INSERT INTO messages (id, session_id, role, content, timestamp)"
+            " VALUES (?, ?, 'user', ?, 3.0)",
+            [(i, legacy.S_ROOT, text) for i, text in rows],
+        )
+        con.execute("UPDATE messages SET content = 'now english' WHERE id = 101")
+        con.execute("UPDATE messages SET content = '한국어로 바꿈' WHERE id = 102")
+        con.execute("DELETE FROM messages WHERE id = 104")
+        con.commit()
+    finally:
+        con.close()
+    assert cjk_index_ids(path) == sorted(with_cjk | {102, 103})
+    hits = (
+        sqlite3.connect(path)
+        .execute("SELECT rowid FROM messages_cjk WHERE messages_cjk MATCH '\"한국어\"'")
+        .fetchall()
+    )
+    assert hits == [(102,)]
+
+    assert migrate.downgrade(path, V6) == V6
+    assert schema_version(url) == 6
+    assert cjk_objects(path) == set()
+    con = sqlite3.connect(path)
+    try:
+        left = con.execute("SELECT name FROM sqlite_master WHERE name LIKE '%cjk%'").fetchall()
+    finally:
+        con.close()
+    assert left == []
+    seed = tmp_path / "seed.db"
+    legacy.build_from_ddl(seed)
+    assert legacy.schema_signature(path, trigger_sql=True) == legacy.schema_signature(
+        seed, trigger_sql=True
+    )
+    # And back up: the index is rebuilt from the rows as they are now.
+    assert migrate.upgrade(path) == HEAD
+    assert cjk_index_ids(path) == sorted(with_cjk | {102, 103})
+
+
+def test_trigram_gate_by_sqlite_version() -> None:
+    """The CJK index is only created where FTS5 has the trigram tokenizer (SQLite 3.34+): a
+    trigger naming a trigram table would make every insert fail on an older SQLite."""
+    assert not schema_ops.trigram_supported("3.31.1")
+    assert not schema_ops.trigram_supported("3.33.0")
+    assert schema_ops.trigram_supported("3.34.0")
+    assert schema_ops.trigram_supported("3.40.1")
+    assert schema_ops.trigram_supported(sqlite3.sqlite_version)
 
 
 def test_models_create_all_matches_migrations(tmp_path: Path) -> None:
@@ -377,14 +465,14 @@ def test_alembic_check_reports_no_drift(empty_url: URL, no_env_url: None) -> Non
 
 
 def test_cli_heads_and_history(tmp_path: Path) -> None:
-    """``alembic heads`` shows the one head; ``alembic history`` the six steps, newest first."""
+    """``alembic heads`` shows the one head; ``alembic history`` every step, newest first."""
     heads = alembic_cli("heads", env_url=None, tmp_path=tmp_path)
     assert heads.returncode == 0, heads.stderr
     assert heads.stdout.split() == [HEAD, "(head)"]
     history = alembic_cli("history", env_url=None, tmp_path=tmp_path)
     assert history.returncode == 0, history.stderr
     lines = history.stdout.strip().splitlines()
-    assert len(lines) == 6
+    assert len(lines) == len(REVISIONS)
     expected_edges = ["<base> -> v1_base"] + [
         f"{a} -> {b}" for a, b in itertools.pairwise(REVISIONS)
     ]

@@ -26,6 +26,13 @@ from hermes_store.cli.output import (
 )
 @click.option("--role", "roles", multiple=True, help="Only messages of this role (repeatable).")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--sort",
+    type=click.Choice(["rank", "newest", "oldest"]),
+    default="rank",
+    show_default=True,
+    help="Best match first, or by time.",
+)
 @format_option
 @pass_app
 def search(
@@ -35,6 +42,7 @@ def search(
     excluded: tuple[str, ...],
     roles: tuple[str, ...],
     limit: int,
+    sort: str,
     fmt: str | None,
     as_json: bool,
 ) -> None:
@@ -44,6 +52,7 @@ def search(
     Examples:
       hermes-store search "deploy script" --role user
       hermes-store search migration --source cli --source telegram --limit 5
+      hermes-store search 数据库 --sort newest
       hermes-store search 迁移 --format tsv | cut -f2
     """
     chosen = chosen_format(fmt, as_json)
@@ -53,6 +62,7 @@ def search(
         exclude_sources=list(excluded) or None,
         role_filter=list(roles) or None,
         limit=limit,
+        sort=sort,
     )
     if chosen != "table":
         columns = [
