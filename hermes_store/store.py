@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import and_, delete, func, or_, select, update
@@ -44,6 +44,14 @@ from hermes_store.errors import (
 from hermes_store.migrate import ensure_head
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
+from hermes_store.rows import (
+    ConversationTurn,
+    ExportRecord,
+    MessageRow,
+    SearchHit,
+    SessionListRow,
+    SessionRow,
+)
 from hermes_store.uow import RetryPolicy, StoreStats, UnitOfWork
 
 if TYPE_CHECKING:
@@ -324,10 +332,10 @@ class SessionDB:
         statement = update(S).where(S.c.id == session_id).values(system_prompt=system_prompt)
         self.uow.run(lambda conn: conn.execute(statement))
 
-    def get_session(self, session_id: str) -> RowDict | None:
+    def get_session(self, session_id: str) -> SessionRow | None:
         validate.text("session_id", session_id)
         found = self.uow.read_rows(_SESSION_BY_ID, {"sid": session_id})
-        return found[0] if found else None
+        return cast(SessionRow, found[0]) if found else None
 
     def resolve_session_id(self, session_id_or_prefix: str) -> str | None:
         """The exact id, else the one session whose id starts with the prefix (else None)."""
@@ -426,11 +434,11 @@ class SessionDB:
         title: str | None = self.uow.read_scalar(_TITLE_BY_ID, {"sid": session_id})
         return title
 
-    def get_session_by_title(self, title: str) -> RowDict | None:
+    def get_session_by_title(self, title: str) -> SessionRow | None:
         validate.text("title", title)
         with self._read() as conn:
             row = conn.execute(select(S).where(S.c.title == title)).first()
-        return _row_dict(row) if row else None
+        return cast(SessionRow, _row_dict(row)) if row else None
 
     def resolve_session_by_title(self, title: str) -> str | None:
         """The newest "title #N" variant when any exists, else the exact title, else None."""
@@ -663,7 +671,7 @@ class SessionDB:
 
     def get_messages(
         self, session_id: str, *, limit: int | None = None, after_id: int | None = None
-    ) -> list[RowDict]:
+    ) -> list[MessageRow]:
         """Row dicts by ``(timestamp, id)``, ``tool_calls`` decoded (bad JSON gives ``[]``).
 
         ``limit`` and ``after_id`` page through very long sessions by keyset: pass the last
@@ -674,9 +682,9 @@ class SessionDB:
         validate.integer("after_id", after_id, optional=True)
         statement = _messages_statement(after_id is not None, limit is not None)
         params = {"sid": session_id, "after": after_id, "lim": limit}
-        return _decode_tool_calls(self.uow.read_rows(statement, params))
+        return cast(list[MessageRow], _decode_tool_calls(self.uow.read_rows(statement, params)))
 
-    def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[RowDict]:
+    def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[MessageRow]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
         validate.text("session_id", session_id)
         validate.integer("page_size", page_size, minimum=1)
@@ -688,11 +696,11 @@ class SessionDB:
                 return
             after = page[-1]["id"]
 
-    def get_messages_as_conversation(self, session_id: str) -> list[RowDict]:
+    def get_messages_as_conversation(self, session_id: str) -> list[ConversationTurn]:
         """The session in OpenAI chat format (role, content and the tool/reasoning extras)."""
         validate.text("session_id", session_id)
-        conversation = []
-        for row in self.get_messages(session_id):
+        conversation: list[RowDict] = []
+        for row in cast(list[RowDict], self.get_messages(session_id)):
             message: RowDict = {"role": row["role"], "content": row["content"]}
             for key in ("tool_call_id", "tool_name", "tool_calls"):
                 if row[key]:
@@ -704,7 +712,7 @@ class SessionDB:
                     if row[key]:
                         message[key] = _from_json(row[key], None, key, row["id"])
             conversation.append(message)
-        return conversation
+        return cast(list[ConversationTurn], conversation)
 
     def clear_messages(self, session_id: str) -> None:
         """Delete the session's messages and reset its counters; token figures stay."""
@@ -736,7 +744,7 @@ class SessionDB:
 
     def search_sessions(
         self, source: str | None = None, limit: int = 20, offset: int = 0
-    ) -> list[RowDict]:
+    ) -> list[SessionRow]:
         """Row dicts, newest first, children included, no preview."""
         validate.text("source", source, optional=True)
         validate.page(limit, offset)
@@ -746,7 +754,7 @@ class SessionDB:
         if source is not None:
             statement = statement.where(S.c.source == source)
         with self._read() as conn:
-            return [_row_dict(row) for row in conn.execute(statement)]
+            return [cast(SessionRow, _row_dict(row)) for row in conn.execute(statement)]
 
     def list_sessions_rich(
         self,
@@ -756,7 +764,7 @@ class SessionDB:
         offset: int = 0,
         include_children: bool = False,
         project_compression_tips: bool = True,
-    ) -> list[RowDict]:
+    ) -> list[SessionListRow]:
         """Sessions with ``preview`` and ``last_active``, newest first, in one query."""
         validate.text("source", source, optional=True)
         exclude_sources = validate.names("exclude_sources", exclude_sources)
@@ -764,14 +772,17 @@ class SessionDB:
         validate.flag("include_children", include_children)
         validate.flag("project_compression_tips", project_compression_tips)
         with self._read() as conn:
-            return listing.list_sessions_rich(
-                conn,
-                source=source,
-                exclude_sources=exclude_sources,
-                limit=limit,
-                offset=offset,
-                include_children=include_children,
-                project_compression_tips=project_compression_tips,
+            return cast(
+                list[SessionListRow],
+                listing.list_sessions_rich(
+                    conn,
+                    source=source,
+                    exclude_sources=exclude_sources,
+                    limit=limit,
+                    offset=offset,
+                    include_children=include_children,
+                    project_compression_tips=project_compression_tips,
+                ),
             )
 
     def search_messages(
@@ -783,7 +794,7 @@ class SessionDB:
         limit: int = 20,
         offset: int = 0,
         sort: str = "rank",
-    ) -> list[RowDict]:
+    ) -> list[SearchHit]:
         """Full-text search with snippets and same-session context; never raises on syntax.
 
         ``sort``: ``"rank"`` (best first, the contract's order), ``"newest"`` or ``"oldest"``.
@@ -794,15 +805,18 @@ class SessionDB:
         role_filter = validate.names("role_filter", role_filter)
         validate.lenient_page(limit, offset)
         with self._read() as conn:
-            return search.search_messages(
-                conn,
-                query,
-                source_filter=source_filter,
-                exclude_sources=exclude_sources,
-                role_filter=role_filter,
-                limit=limit,
-                offset=offset,
-                sort=sort,
+            return cast(
+                list[SearchHit],
+                search.search_messages(
+                    conn,
+                    query,
+                    source_filter=source_filter,
+                    exclude_sources=exclude_sources,
+                    role_filter=role_filter,
+                    limit=limit,
+                    offset=offset,
+                    sort=sort,
+                ),
             )
 
     @staticmethod
@@ -851,19 +865,21 @@ class SessionDB:
 
     # -- export -----------------------------------------------------------------------------
 
-    def export_session(self, session_id: str) -> RowDict | None:
+    def export_session(self, session_id: str) -> ExportRecord | None:
         validate.text("session_id", session_id)
         session = self.get_session(session_id)
         if session is None:
             return None
         return {**session, "messages": self.get_messages(session_id)}
 
-    def export_all(self, source: str | None = None) -> list[RowDict]:
+    def export_all(self, source: str | None = None) -> list[ExportRecord]:
         """Every session (children included), newest first, each with its messages."""
         validate.text("source", source, optional=True)
         return list(self.iter_export(source))
 
-    def iter_export(self, source: str | None = None, *, page_size: int = 200) -> Iterator[RowDict]:
+    def iter_export(
+        self, source: str | None = None, *, page_size: int = 200
+    ) -> Iterator[ExportRecord]:
         """:meth:`export_all` as a stream: one session (and its messages) in memory at a time.
 
         Each page of ``page_size`` sessions is read in one transaction (a consistent snapshot
@@ -886,7 +902,9 @@ class SessionDB:
             with self.uow.reading() as conn:
                 page = [_row_dict(row) for row in conn.execute(statement)]
                 for session in page:
-                    yield {**session, "messages": _fetch_messages(conn, session["id"])}
+                    yield cast(
+                        ExportRecord, {**session, "messages": _fetch_messages(conn, session["id"])}
+                    )
             if len(page) < page_size:
                 return
             last = (page[-1]["started_at"], page[-1]["id"])

@@ -29,6 +29,7 @@ from hermes_store.engine import sqlite_file
 from hermes_store.errors import HermesStoreError, InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
+from hermes_store.rows import ExportRecord
 from hermes_store.store import SessionDB
 
 RowDict = dict[str, Any]
@@ -105,7 +106,7 @@ def write_export(handle: IO[str], records: Iterable[RowDict]) -> Iterator[RowDic
 
 def export_records(
     db: SessionDB, *, session_id: str | None = None, sources: Iterable[str] = ()
-) -> tuple[Iterator[RowDict], int]:
+) -> tuple[Iterator[ExportRecord], int]:
     """The records to export and how many: one session, the given sources', or all."""
     if session_id is not None:
         record = db.export_session(session_id)
@@ -114,7 +115,7 @@ def export_records(
     if not wanted:
         return db.iter_export(), db.session_count()
 
-    def chained() -> Iterator[RowDict]:
+    def chained() -> Iterator[ExportRecord]:
         for source in wanted:
             yield from db.iter_export(source)
 

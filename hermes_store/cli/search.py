@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import click
 
 from hermes_store.cli.app import App, pass_app, sources_option
 from hermes_store.cli.output import (
     Column,
+    RowDict,
     chosen_format,
     echo,
     format_option,
@@ -73,7 +76,7 @@ def search(
             Column("timestamp", "timestamp", lambda h: iso(h["timestamp"])),
             Column("snippet", "snippet", lambda h: unmark(h["snippet"] or "")),
         ]
-        print_rows(chosen, columns, hits)
+        print_rows(chosen, columns, cast(list[RowDict], hits))
         return
     for number, hit in enumerate(hits, 1):
         header = click.style(f"{number}. ", bold=True) + click.style(hit["session_id"], fg="cyan")

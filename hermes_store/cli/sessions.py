@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 
@@ -67,11 +67,14 @@ def _list_rows(
     wanted: list[str | None] = [*dict.fromkeys(sources)] or [None]
     rows: list[RowDict] = []
     for source in wanted:
-        rows += store.list_sessions_rich(
-            source=source,
-            exclude_sources=list(excluded) or None,
-            limit=limit,
-            include_children=children,
+        rows += cast(
+            list[RowDict],
+            store.list_sessions_rich(
+                source=source,
+                exclude_sources=list(excluded) or None,
+                limit=limit,
+                include_children=children,
+            ),
         )
     if len(wanted) > 1:
         rows.sort(
@@ -244,7 +247,7 @@ def sessions_show(
             ),
             Column("reasoning", "reasoning", lambda m: m.get("reasoning")),
         ]
-        print_rows(chosen, columns, list(store.iter_messages(session_id)))
+        print_rows(chosen, columns, cast(list[RowDict], list(store.iter_messages(session_id))))
         return
     session = store.get_session(session_id)
     if session is None:
@@ -259,7 +262,7 @@ def sessions_show(
         ("source / model", f"{session['source']} / {session.get('model') or '—'}"),
     ]
     if parent_id:
-        fields.append(("parent", _label(parent, parent_id)))
+        fields.append(("parent", _label(cast(RowDict | None, parent), parent_id)))
     for number, child in enumerate(children):
         fields.append(("children" if number == 0 else "", _label(child, child["id"])))
     ended = when(session.get("ended_at"))
@@ -278,7 +281,7 @@ def sessions_show(
             f" {num(session.get('cache_write_tokens'))} write;"
             f" reasoning {num(session.get('reasoning_tokens'))})",
         ),
-        ("cost", cost(session)),
+        ("cost", cost(cast(RowDict, session))),
     ]
     prompt = session.get("system_prompt")
     if prompt and not system_prompt:
@@ -294,7 +297,7 @@ def sessions_show(
         echo(prompt)
     echo()
     for message in store.iter_messages(session_id):
-        _print_message(message, full)
+        _print_message(cast(RowDict, message), full)
 
 
 @sessions.command("rename")
@@ -326,7 +329,7 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     unless --yes, and refuses without a terminal unless --yes."""
     store = app.store()
     session_id = resolve_session(store, ref)
-    session = store.get_session(session_id) or {}
+    session: RowDict = cast(RowDict | None, store.get_session(session_id)) or {}
     label = f"{session_id} ({session.get('title') or 'untitled'}, "
     label += f"{num(session.get('message_count'))} messages)"
     confirm(f"Delete session {label}?", yes=yes, what=f"delete session {session_id}")

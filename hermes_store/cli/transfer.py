@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
+from typing import cast
 
 import click
 
@@ -76,7 +77,8 @@ def export(
         raise click.UsageError("--split writes files into a folder: -o DIR")
     store = app.store()
     session_id = resolve_session(store, session_ref) if session_ref else None
-    records, total = transfer.export_records(store, session_id=session_id, sources=sources)
+    exported, total = transfer.export_records(store, session_id=session_id, sources=sources)
+    records: Iterator[RowDict] = (cast(RowDict, record) for record in exported)
     if redact:
         records = map(redaction.redact_record, records)
     count = messages = 0
