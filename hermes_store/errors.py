@@ -106,6 +106,11 @@ class NotADatabaseError(SchemaError):
     """The file is empty, not SQLite at all, or corrupt; it was left untouched."""
 
 
+class SchemaBehindError(SchemaError):
+    """The database is behind this package's schema and the store was opened with
+    ``migrate="check"``: nothing was changed; run ``hermes-store db upgrade``."""
+
+
 class UnrecognizedSchemaError(SchemaError):
     """The database holds tables whose shape matches no known schema version."""
 

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 #: The files SQLite keeps beside a database while it is (or was) open.
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
+#: The writer queue's lock file beside a database (:mod:`hermes_store.writequeue`); only ever
+#: locked through descriptors held for a process's life, and harmless to leave behind.
+WRITER_LOCK_SUFFIX = "-writer.lock"
 
 
 def sqlite_uri(path: Path, **params: str) -> URL:

@@ -44,6 +44,7 @@ from hermes_store.errors import (
     AccessDeniedError,
     DatabaseLockedError,
     NotADatabaseError,
+    SchemaBehindError,
     SchemaTooNewError,
     UnrecognizedSchemaError,
     is_retryable,
@@ -572,6 +573,37 @@ def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) ->
                 repair(target, retry=retry)
             return
         upgrade(target, "head", retry=retry)
+
+
+def check_head(target: Engine | sa.URL) -> None:
+    """Refuse, changing nothing, a database that is not at head (``migrate="check"``): a
+    missing file, a legacy file, or one at an older revision. Reads without any lock."""
+    head = head_revision()
+    url = target.url if isinstance(target, Engine) else target
+    path = sqlite_file(url)
+    where = str(path) if path is not None else _describe_url(url)
+    with open_errors(where):
+        if path is not None:
+            state = preflight_sqlite(path)
+            if state is None:
+                raise NotADatabaseError(
+                    f"there is no database at {path} (`hermes-store db upgrade` creates one)"
+                )
+        else:
+            assert isinstance(target, Engine), "check_head takes an Engine for servers"
+            with mapped_errors(), target.connect() as conn:
+                state = read_state(conn)
+            check_adoptable(state, where)
+    if state.revision != head:
+        found = state.revision or (
+            f"the original store's schema_version {state.schema_version}"
+            if state.is_legacy
+            else "no schema"
+        )
+        raise SchemaBehindError(
+            f"{where} is at {found}, behind {head}; it was opened without migrating: "
+            'run `hermes-store db upgrade` (or open it with migrate="auto")'
+        )
 
 
 def _create_sqlite_at_head(path: Path) -> None:

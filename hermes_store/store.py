@@ -41,7 +41,7 @@ from hermes_store.errors import (
     TitleInUseError,
     UnknownSessionError,
 )
-from hermes_store.migrate import ensure_head
+from hermes_store.migrate import check_head, ensure_head
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.rows import (
@@ -60,6 +60,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RowDict = dict[str, Any]
+#: How opening treats a database behind head: migrate it (``auto``), refuse it without
+#: changing a byte (``check``: rolling deploys, notebooks, read-only tools), or neither check
+#: nor migrate (``never``).
+MIGRATE_MODES = ("auto", "check", "never")
+
+
+def _bring_to_head(target: Engine | sa.URL, mode: str, retry: RetryPolicy) -> None:
+    if mode == "auto":
+        ensure_head(target, retry=retry)
+    elif mode == "check":
+        check_head(target)
+
+
 _COUNTERS = (
     "input_tokens",
     "output_tokens",
@@ -129,6 +142,9 @@ class SessionDB:
     ``db_path`` is a file path (``None``: ``$HERMES_HOME/state.db``), a URL such as
     ``postgresql+psycopg://host/db``, or an Engine. Opening brings the schema to head,
     adopting files written by the original store; it takes no lock when already at head.
+    ``migrate="check"`` refuses a database behind head with :class:`SchemaBehindError` and
+    changes nothing (old instances during a rolling deploy, notebooks on the live file);
+    ``migrate="never"`` neither checks nor migrates.
     """
 
     MAX_TITLE_LENGTH = titles.MAX_TITLE_LENGTH
@@ -141,8 +157,13 @@ class SessionDB:
         checkpoint_every: int = 50,
         writer_busy_timeout: float | None = None,
         synchronous: str = "full",
+        migrate: str = "auto",
     ) -> None:
         validate.target(db_path)
+        if migrate not in MIGRATE_MODES:
+            raise InvalidInputError(
+                f"migrate must be one of {', '.join(MIGRATE_MODES)}, not {migrate!r}"
+            )
         validate.open_options(retry, checkpoint_every, writer_busy_timeout)
         target: Target = default_db_path() if db_path is None else db_path
         given = target if isinstance(target, Engine) else None
@@ -164,14 +185,14 @@ class SessionDB:
         if path is not None:
             # Brought to head first (without the write lock when already there); then the
             # file's one writer in this process is shared.
-            ensure_head(url, retry=options.retry)
+            _bring_to_head(url, migrate, options.retry)
             self._file = shared.file_key(path)
             self.uow = shared.acquire(
                 self._file, options, lambda: self._make_uow(target, options), str(path)
             )
             self.engine: Engine = self.uow.engine
         else:
-            self.uow, _ = self._make_uow(target, options, migrate=True)
+            self.uow, _ = self._make_uow(target, options, migrate=migrate)
             self.engine = self.uow.engine
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
@@ -180,8 +201,10 @@ class SessionDB:
 
     @staticmethod
     def _make_uow(
-        target: Target, options: shared.StoreOptions, *, migrate: bool = False
+        target: Target, options: shared.StoreOptions, *, migrate: str | None = None
     ) -> tuple[UnitOfWork, bool]:
+        """The engine and unit of work for ``target``; ``migrate``: the open-time mode for a
+        server (SQLite files are brought to head before the shared writer is looked up)."""
         engine = create_engine(
             target,
             writer_busy_timeout=options.writer_busy_timeout,
@@ -190,8 +213,8 @@ class SessionDB:
         )
         owns = not isinstance(target, Engine)
         try:
-            if migrate:
-                ensure_head(engine, retry=options.retry)
+            if migrate is not None:
+                _bring_to_head(engine, migrate, options.retry)
             uow = UnitOfWork(engine, retry=options.retry, checkpoint_every=options.checkpoint_every)
         except BaseException:
             if owns:

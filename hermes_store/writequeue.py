@@ -71,6 +71,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hermes_store import files
+
 log = logging.getLogger(__name__)
 
 #: Linux values, for a fcntl module that does not name them.
@@ -258,7 +260,9 @@ class WriteQueue:
     ) -> None:
         self.db_path = Path(db_path)
         self.lock_path = (
-            Path(lock_path) if lock_path is not None else Path(f"{db_path}-writer.lock")
+            Path(lock_path)
+            if lock_path is not None
+            else Path(f"{db_path}{files.WRITER_LOCK_SUFFIX}")
         )
         if wait_timeout is None:
             wait_timeout = float(os.environ.get(ENV_WAIT, DEFAULT_WAIT_TIMEOUT_S))

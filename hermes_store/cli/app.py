@@ -149,9 +149,11 @@ class App:
         path = sqlite_file(self.url)
         return str(path) if path is not None else self.url.render_as_string(hide_password=True)
 
-    def store(self, *, create: bool = False) -> SessionDB:
+    def store(self, *, create: bool = False, read_only: bool = False) -> SessionDB:
         """The store (opening brings the schema to head); a missing file is an error unless
-        ``create``, so a typo in ``--db`` never leaves an empty database behind."""
+        ``create``, so a typo in ``--db`` never leaves an empty database behind. Commands that
+        only read open it with ``migrate="check"``: a database behind head is refused with the
+        command to run, never upgraded behind the user's back."""
         if self._store is None:
             from hermes_store.engine import sqlite_file
             from hermes_store.errors import NotADatabaseError
@@ -162,7 +164,7 @@ class App:
                 raise NotADatabaseError(
                     f"there is no database at {path} (`hermes-store db upgrade` creates one)"
                 )
-            self._store = SessionDB(self.url)
+            self._store = SessionDB(self.url, migrate="check" if read_only else "auto")
         return self._store
 
     def close(self) -> None:

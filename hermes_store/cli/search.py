@@ -59,7 +59,7 @@ def search(
       hermes-store search 迁移 --format tsv | cut -f2
     """
     chosen = chosen_format(fmt, as_json)
-    hits = app.store().search_messages(
+    hits = app.store(read_only=True).search_messages(
         query,
         source_filter=list(sources) or None,
         exclude_sources=list(excluded) or None,

@@ -114,7 +114,7 @@ def sessions_list(
       hermes-store sessions list | cut -f1,2
     """
     chosen = chosen_format(fmt, as_json)
-    rows = _list_rows(app.store(), sources, excluded, children, limit)
+    rows = _list_rows(app.store(read_only=True), sources, excluded, children, limit)
     if chosen == "table":
         ids = [row["id"] for row in rows]
         shown = {i: i for i in ids} if width() >= FULL_ID_WIDTH else short_ids(ids)
@@ -224,7 +224,7 @@ def sessions_show(
     from hermes_store import listing
 
     chosen = chosen_format(fmt, as_json, piped="table")
-    store = app.store()
+    store = app.store(read_only=True)
     session_id = resolve_session(store, ref)
     if chosen == "json":
         from hermes_store.cli.output import echo_json

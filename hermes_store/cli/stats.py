@@ -96,7 +96,7 @@ def stats(app: App, days: int, sources: tuple[str, ...], fmt: str | None, as_jso
         "by_source": analytics.usage_per_source(source=wanted),
         "by_day": analytics.usage_per_day(since=since.timestamp(), source=wanted),
     }
-    with app.store().uow.connect(write=False) as conn:
+    with app.store(read_only=True).uow.connect(write=False) as conn:
         result = {
             name: [dict(row._mapping) for row in conn.execute(query)]
             for name, query in queries.items()

@@ -75,7 +75,7 @@ def export(
         raise click.UsageError("--split needs --format md")
     if split and output == "-":
         raise click.UsageError("--split writes files into a folder: -o DIR")
-    store = app.store()
+    store = app.store(read_only=True)
     session_id = resolve_session(store, session_ref) if session_ref else None
     exported, total = transfer.export_records(store, session_id=session_id, sources=sources)
     records: Iterator[RowDict] = (cast(RowDict, record) for record in exported)
