@@ -23,7 +23,7 @@ from hermes_store.cli import cli
 from hermes_store.engine import JOURNAL_SIZE_LIMIT_ENV
 from hermes_store.errors import DatabaseLockedError, InvalidInputError
 from tests import legacy
-from tests.conftest import url_string
+from tests.conftest import is_sqlite, url_string
 
 CTX = mp.get_context("fork")
 DEADLINE = 120.0  # a hang guard only: every wait below is on a pipe, an event or a join
@@ -430,11 +430,14 @@ def test_two_retention_jobs_racing_delete_each_session_once(db_url: URL) -> None
     with SessionDB(url) as store:
         assert store.session_count("old") == 1
         assert store.message_count("writer") == len(seen)
-    # The writer got the lock between chunks: it saw the jobs half done, never a whole prune,
-    # and between two of its writes each job deleted one chunk at most.
+    # The writer got in between chunks: it saw the jobs half done, never a whole prune.
     assert any(1 < left < total for left in seen), seen[:20]
-    steps = [before - after for before, after in itertools.pairwise(seen)]
-    assert max(steps) <= 2 * chunk, max(steps)
+    if is_sqlite(db_url):
+        # SQLite has one write lock: between two of the writer's units each job held it for
+        # one chunk at most. (PostgreSQL's writer never waits for the jobs at all, its rows are
+        # not theirs: how much they delete between its writes is CPU scheduling, not locking.)
+        steps = [before - after for before, after in itertools.pairwise(seen)]
+        assert max(steps) <= 2 * chunk, max(steps)
 
 
 def test_secure_delete_and_the_merge_leave_no_pruned_text_in_the_file(tmp_path: Path) -> None:
