@@ -360,7 +360,10 @@ def search_messages(
     rows: list[dict[str, Any]] | None
     cjk = unsegmented(sanitized)
     restriction = cjk_restriction(items) if cjk else None
-    if restriction is not None or (cjk and not sqlite):
+    if cjk:
+        # A word inside a longer CJK run is no token of either full-text index: the whole query
+        # is a substring match, narrowed by SQLite's CJK trigram index where its terms allow
+        # (a CJK part ORed with a Latin word or only negated cannot be narrowed: it scans).
         if not sqlite or not _has_cjk_index(conn):
             restriction = None  # PostgreSQL's trigram index serves ILIKE; SQLite scans
         rows = _substring_search(conn, items, filters, page, ilike=not sqlite, within=restriction)

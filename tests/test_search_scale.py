@@ -255,3 +255,22 @@ def test_check_and_rebuild_cover_the_cjk_index(sqlite_store: SessionDB) -> None:
     finally:
         con.close()
     assert indexed == cjk
+
+
+def test_cjk_inside_a_run_is_found_when_ored_with_a_latin_word_or_only_negated(
+    store: SessionDB,
+) -> None:
+    """A query whose CJK part the trigram index cannot narrow (ORed with a Latin word, or only
+    negated) is still a substring match: CJK inside a longer run is never missed."""
+    store.create_session("s", "cli")
+    a, b, c = add(
+        store,
+        "s",
+        ("user", "我们明天要做数据库迁移"),
+        ("user", "the deploy script is ready"),
+        ("user", "deploy 数据库迁移 first"),
+        t=T0,
+    )
+    assert sorted(ids(store.search_messages("deploy OR 数据"))) == [a, b, c]
+    assert sorted(ids(store.search_messages("数据 OR deploy"))) == [a, b, c]
+    assert ids(store.search_messages("deploy NOT 数据")) == [b]
