@@ -9,13 +9,14 @@ import pytest
 
 from hermes_store import SessionDB, listing
 from hermes_store.models import ChatSession
-from tests.conftest import CONTRACT_BACKENDS
+from tests.conftest import SEARCH_BACKENDS
 from tests.test_search import captured_selects, explain
 
 
-@pytest.fixture(params=CONTRACT_BACKENDS)
+@pytest.fixture(params=SEARCH_BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    """The contract runs on SQLite, PostgreSQL and PostgreSQL behind PgBouncer."""
+    """The contract runs on SQLite (with and without the CJK trigram index), PostgreSQL
+    and PostgreSQL behind PgBouncer."""
     return str(request.param)
 
 

@@ -15,8 +15,16 @@ import pytest
 
 from hermes_store import SessionDB, ddl, search
 from hermes_store.errors import InvalidInputError
+from tests.conftest import SEARCH_BACKENDS
 from tests.seed_store import SeedSessionDB
 from tests.test_search import T0, add, captured_selects, explain, ids
+
+
+@pytest.fixture(params=SEARCH_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """SQLite with and without the CJK trigram index, PostgreSQL, PostgreSQL behind PgBouncer."""
+    return str(request.param)
+
 
 #: A message where the word is a token of its own (full-text search finds it) and messages
 #: where it sits inside a longer run of the same script (only a substring match finds them).
