@@ -380,14 +380,7 @@ class SessionDB:
         validate.text("session_id", session_id)
 
         def unit(conn: Connection) -> bool:
-            if not self._exists(conn, session_id):
-                return False
-            conn.execute(
-                update(S).where(S.c.parent_session_id == session_id).values(parent_session_id=None)
-            )
-            conn.execute(delete(M).where(M.c.session_id == session_id))
-            conn.execute(delete(S).where(S.c.id == session_id))
-            return True
+            return retention.delete_sessions(conn, [session_id])[0] == 1
 
         return self.uow.run(unit)
 
@@ -400,13 +393,8 @@ class SessionDB:
 
         def unit(conn: Connection) -> int:
             doomed = list(conn.scalars(doomed_query))
-            for chunk in _chunks(doomed, 500):
-                conn.execute(
-                    update(S).where(S.c.parent_session_id.in_(chunk)).values(parent_session_id=None)
-                )
-                conn.execute(delete(M).where(M.c.session_id.in_(chunk)))
-                conn.execute(delete(S).where(S.c.id.in_(chunk)))
-            return len(doomed)
+            # What the deletes removed: a session another process deleted meanwhile counts 0.
+            return sum(retention.delete_sessions(conn, chunk)[0] for chunk in _chunks(doomed, 500))
 
         return self.uow.run(unit)
 
