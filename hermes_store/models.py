@@ -37,6 +37,8 @@ NAMING_CONVENTION = {
 Real: Float[float] = REAL().with_variant(postgresql.DOUBLE_PRECISION(), "postgresql")
 #: Message ids: SQLite's rowid alias, a 64-bit identity on PostgreSQL.
 MessageId: Integer = Integer().with_variant(BigInteger(), "postgresql")
+#: Counters the store adds to: 64-bit on both backends (SQLite's INTEGER is 64-bit already).
+Counter: Integer = Integer().with_variant(BigInteger(), "postgresql")
 
 ZERO = text("0")
 
@@ -76,13 +78,13 @@ class ChatSession(Base):
     started_at: Mapped[float] = mapped_column(Real, nullable=False)
     ended_at: Mapped[float | None] = mapped_column(Real)
     end_reason: Mapped[str | None] = mapped_column(Text)
-    message_count: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
-    tool_call_count: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
-    input_tokens: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
-    output_tokens: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
-    cache_read_tokens: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
-    cache_write_tokens: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
-    reasoning_tokens: Mapped[int | None] = mapped_column(Integer, server_default=ZERO)
+    message_count: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
+    tool_call_count: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
+    input_tokens: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
+    output_tokens: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
+    cache_read_tokens: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
+    cache_write_tokens: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
+    reasoning_tokens: Mapped[int | None] = mapped_column(Counter, server_default=ZERO)
     billing_provider: Mapped[str | None] = mapped_column(Text)
     billing_base_url: Mapped[str | None] = mapped_column(Text)
     billing_mode: Mapped[str | None] = mapped_column(Text)
@@ -140,7 +142,7 @@ class Message(Base):
     tool_calls: Mapped[str | None] = mapped_column(Text)
     tool_name: Mapped[str | None] = mapped_column(Text)
     timestamp: Mapped[float] = mapped_column(Real, nullable=False)
-    token_count: Mapped[int | None] = mapped_column(Integer)
+    token_count: Mapped[int | None] = mapped_column(Counter)
     finish_reason: Mapped[str | None] = mapped_column(Text)
     reasoning: Mapped[str | None] = mapped_column(Text)
     reasoning_details: Mapped[str | None] = mapped_column(Text)

@@ -42,6 +42,7 @@ from hermes_store.errors import (
     UnknownSessionError,
 )
 from hermes_store.migrate import check_head, ensure_head
+from hermes_store.models import Counter
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.rows import (
@@ -943,8 +944,8 @@ _BUMP_COUNTERS = (
     update(S)
     .where(S.c.id == sa.bindparam("sid"))
     .values(
-        message_count=S.c.message_count + sa.bindparam("messages", type_=sa.Integer),
-        tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=sa.Integer),
+        message_count=S.c.message_count + sa.bindparam("messages", type_=Counter),
+        tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=Counter),
     )
 )
 
@@ -991,7 +992,7 @@ def _token_statement(absolute: bool) -> sa.Update:
     act = sa.cast(sa.bindparam("p_act", type_=sa.Float), sa.Float)
     values: dict[str, Any] = {}
     for name in _COUNTERS:
-        given = sa.bindparam(f"p_{name}", type_=sa.Integer)
+        given = sa.bindparam(f"p_{name}", type_=Counter)
         values[name] = given if absolute else _checked_add(func.coalesce(S.c[name], zero), given)
     if absolute:
         values["estimated_cost_usd"] = func.coalesce(est, zero)
@@ -1059,7 +1060,7 @@ def _messages_statement(after: bool, limited: bool) -> Select[Any]:
     (keyset) and at most ``:lim`` of them. Built once per shape (the hot read of export)."""
     statement = select(M).where(M.c.session_id == sa.bindparam("sid")).order_by(*_MESSAGE_ORDER)
     if after:
-        after_id = sa.bindparam("after", type_=sa.Integer)
+        after_id = sa.bindparam("after", type_=sa.BigInteger)
         anchor = select(M.c.timestamp).where(M.c.id == after_id).scalar_subquery()
         statement = statement.where(
             M.c.timestamp >= anchor,  # redundant, but it lets the index seek instead of scan

@@ -289,8 +289,8 @@ def test_bad_arguments_raise_invalid_input_and_write_nothing(
 
 
 def test_counter_overflow_is_refused_not_turned_into_a_float(baseline: SessionDB) -> None:
-    """SQLite turned an INTEGER that overflows into a REAL; PostgreSQL's columns are 32-bit."""
-    top = 2**63 - 1 if baseline.is_sqlite else 2**31 - 1
+    """SQLite turned an INTEGER that overflows into a REAL; both backends stop at 64 bits."""
+    top = 2**63 - 1
     baseline.update_token_counts("other", input_tokens=1)  # unknown id: still a no-op
     baseline.create_session("big", "cli")
     baseline.update_token_counts("big", input_tokens=top, output_tokens=-top - 1, absolute=True)

@@ -736,3 +736,17 @@ def test_search_index_maintenance(store: SessionDB, backend: str) -> None:
         assert store.check_search_index() is True
         assert [hit["id"] for hit in store.search_messages("wombat")] == [mid]
         assert store.search_messages("quokka") == []
+
+
+def test_counters_pass_two_to_the_31_on_every_backend(store: SessionDB) -> None:
+    """A long-lived session's cache reads pass 2,147,483,647: the counters keep counting
+    (64-bit on PostgreSQL since h8_pg_bigint_counters; SQLite's INTEGER always was)."""
+    big = 2**31 + 10
+    store.create_session("long", "gateway")
+    store.update_token_counts("long", cache_read_tokens=big, input_tokens=big)
+    store.update_token_counts("long", cache_read_tokens=big, input_tokens=1)
+    store.append_message("long", "user", "a huge prompt", token_count=big)
+    row = store.get_session("long")
+    assert row is not None
+    assert (row["cache_read_tokens"], row["input_tokens"]) == (2 * big, big + 1)
+    assert store.get_messages("long")[0]["token_count"] == big
