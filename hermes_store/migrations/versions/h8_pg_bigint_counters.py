@@ -5,9 +5,9 @@ only moves the Alembic version). On PostgreSQL ``integer`` stops at 2,147,483,64
 session with cache reads passes it, and every later ``update_token_counts`` failed. Each
 ``ALTER TABLE`` rewrites its table and rebuilds its indexes under an ACCESS EXCLUSIVE lock
 (measured: 27 s for 1M messages in 50k sessions, 457 MB, on 2 cores; writers wait meanwhile),
-so the revision sets a ``lock_timeout``: when another transaction holds the table longer than that, the
-upgrade fails cleanly and can be re-run, instead of queueing every gateway behind it. Run it
-once, before rolling out, with ``hermes-store db upgrade``.
+so the revision sets a ``lock_timeout``: when another transaction holds the table longer than
+that, the upgrade fails cleanly and can be re-run, instead of queueing every gateway behind
+it. Run it once, before rolling out, with ``hermes-store db upgrade``.
 
 Revision ID: h8_pg_bigint_counters
 Revises: h7_cjk_index
