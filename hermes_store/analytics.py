@@ -99,12 +99,16 @@ def _usage_columns() -> list[ColumnElement[Any]]:
     def total(column: Any) -> ColumnElement[Any]:
         return func.coalesce(func.sum(column), 0)
 
+    def count_total(column: Any) -> ColumnElement[Any]:
+        # PostgreSQL sums BIGINT counters as NUMERIC (Decimal): keep them integers.
+        return sa.cast(total(column), sa.BigInteger)
+
     columns: list[ColumnElement[Any]] = [
         func.count(ChatSession.id).label("sessions"),
-        total(ChatSession.message_count).label("messages"),
-        total(ChatSession.tool_call_count).label("tool_calls"),
+        count_total(ChatSession.message_count).label("messages"),
+        count_total(ChatSession.tool_call_count).label("tool_calls"),
     ]
-    columns += [total(getattr(ChatSession, name)).label(name) for name in TOKEN_COLUMNS]
+    columns += [count_total(getattr(ChatSession, name)).label(name) for name in TOKEN_COLUMNS]
     columns += [
         sa.cast(total(ChatSession.estimated_cost_usd), sa.Float).label("estimated_cost_usd"),
         sa.cast(total(ChatSession.actual_cost_usd), sa.Float).label("actual_cost_usd"),
