@@ -354,7 +354,14 @@ def install_sqlite_hooks(
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
-        setup_connection(dbapi_connection, record.info, settings, str(engine.url.database))
+        try:
+            setup_connection(dbapi_connection, record.info, settings, str(engine.url.database))
+        except sqlite3.Error as error:
+            # As in the begin hook: raised inside an event, a driver error would escape
+            # SQLAlchemy's wrapping (and the package's error mapping) on raw_connection().
+            raise sa_exc.DBAPIError.instance(
+                "PRAGMA", None, error, sqlite3.Error, dialect=engine.dialect
+            ) from error
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:

@@ -1019,16 +1019,9 @@ def substring_snippet(content: str, pieces: Sequence[str]) -> str:
 
 
 @functools.cache
-def _context_columns(*, sqlite: bool) -> tuple[ColumnElement[Any], ...]:
-    """The match's previous and next message of the same session, by (timestamp, id),
-    as correlated columns (one index seek each, run only for the rows returned: folded into the
-    substring page statement on SQLite, a second statement after the full-text page), plus the
-    match's own clipped content.
-
-    A neighbour comes back as one text value, ``<bytes of role>:<role><content>``, so a
-    single seek yields both fields; NULL when there is no such message. The length is in
-    UTF-8 bytes: SQLite's character ``length()`` stops at a NUL, which SQLite text may hold.
-    """
+def _neighbours() -> tuple[Any, ColumnElement[bool], ColumnElement[bool], ColumnElement[bool]]:
+    """An alias of ``messages`` for a match's neighbours, and the predicates that make one of
+    them the same session's, earlier, or later by ``(timestamp, id)``."""
     near = M.alias("near")
     same_session = near.c.session_id == M.c.session_id
     before = or_(
@@ -1039,6 +1032,20 @@ def _context_columns(*, sqlite: bool) -> tuple[ColumnElement[Any], ...]:
         near.c.timestamp > M.c.timestamp,
         and_(near.c.timestamp == M.c.timestamp, near.c.id > M.c.id),
     )
+    return near, same_session, before, after
+
+
+def _context_columns(*, sqlite: bool) -> tuple[ColumnElement[Any], ...]:
+    """The match's previous and next message of the same session, by (timestamp, id),
+    as correlated columns (one index seek each, run only for the rows returned: folded into the
+    substring page statement on SQLite, a second statement after the full-text page), plus the
+    match's own clipped content.
+
+    A neighbour comes back as one text value, ``<bytes of role>:<role><content>``, so a
+    single seek yields both fields; NULL when there is no such message. The length is in
+    UTF-8 bytes: SQLite's character ``length()`` stops at a NUL, which SQLite text may hold.
+    """
+    near, same_session, before, after = _neighbours()
     role_bytes = (
         func.length(sa.cast(near.c.role, sa.LargeBinary))
         if sqlite
@@ -1150,16 +1157,7 @@ def _content_prefix(raw: sqlite3.Connection, message_id: int, chars: int) -> str
 def _sqlite_neighbours_statement() -> Select[Any]:
     """Per match: its role and the ids of its previous and next message of the same session
     (seeks on idx_messages_session, which covers timestamp and the rowid)."""
-    near = M.alias("near")
-    same_session = near.c.session_id == M.c.session_id
-    before = or_(
-        near.c.timestamp < M.c.timestamp,
-        and_(near.c.timestamp == M.c.timestamp, near.c.id < M.c.id),
-    )
-    after = or_(
-        near.c.timestamp > M.c.timestamp,
-        and_(near.c.timestamp == M.c.timestamp, near.c.id > M.c.id),
-    )
+    near, same_session, before, after = _neighbours()
     previous = (
         select(near.c.id)
         .where(same_session, near.c.timestamp <= M.c.timestamp, before)

@@ -108,12 +108,6 @@ def _check_text(name: str, value: object, *, required: bool = False, nul_ok: boo
         )
 
 
-def _check_number(name: str, value: object, kind: type) -> None:
-    ok = isinstance(value, kind | int) and not isinstance(value, bool)
-    if value is not None and not ok:
-        raise InvalidInputError(f"{name} must be a number, not {type(value).__name__}")
-
-
 def _to_json(name: str, value: Any) -> str | None:
     """JSON text when truthy, NULL when falsy, as the original store writes it; fails before
     writing."""
@@ -523,10 +517,6 @@ class SessionDB:
         )
         validate.token_counts(counts, estimated_cost_usd, actual_cost_usd)
         validate.flag("absolute", absolute)
-        for name, value in counts.items():
-            _check_number(name, value, int)
-        _check_number("estimated_cost_usd", estimated_cost_usd, float)
-        _check_number("actual_cost_usd", actual_cost_usd, float)
         overwrite = {
             "cost_status": cost_status,
             "cost_source": cost_source,
@@ -659,8 +649,6 @@ class SessionDB:
             ("reasoning", reasoning),
         ):
             self._text(name, value)
-        _check_number("token_count", token_count, int)
-        _check_number("timestamp", timestamp, float)
         encoded = {
             "tool_calls": _to_json("tool_calls", tool_calls),
             "reasoning_details": _to_json("reasoning_details", reasoning_details),

@@ -540,11 +540,8 @@ class UnitOfWork:
 
     def _take_reader(self) -> _Reader:
         """This thread's held read connection, else (past the cap) one checked out for a read."""
-        try:  # connecting runs the connect hook's PRAGMAs (a full disk fails there)
-            with mapped_errors():
-                pooled = self.engine.raw_connection()
-        except self._dbapi_error as orig:  # raised inside the hook: not wrapped by SQLAlchemy
-            raise _mapped("connect", None, orig, self._dialect) from orig
+        with mapped_errors():  # connecting runs the connect hook's PRAGMAs (a full disk fails)
+            pooled = self.engine.raw_connection()
         key = next(_reader_keys)
         with self._readers_lock:
             if len(self._readers) >= MAX_HELD_READERS:

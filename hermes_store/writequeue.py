@@ -40,8 +40,7 @@ lock still blocks everyone, as it does today: the queue cannot take SQLite's loc
 Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head meets them in
 SQLite's lock and waits with the writer's busy timeout (1 s), then the jittered retry. Past the
 bounded wait the writers behind it fall back to the same path, so a foreign writer holding the
-lock costs ours what it costs the original store, never a deadlock. (A shorter busy timeout for
-the head, :data:`HEAD_BUSY_TIMEOUT_S`, is defined for a later hot-path tuning and unused.)
+lock costs ours what it costs the original store, never a deadlock.
 
 Where OFD locks are unavailable (not Linux; ``EINVAL``/``ENOSYS``/``ENOLCK``/``EOPNOTSUPP`` from
 ``fcntl``, e.g. some network file systems; a lock file that cannot be created) the queue turns
@@ -83,8 +82,6 @@ F_OFD_SETLKW: int = getattr(fcntl, "F_OFD_SETLKW", 38)
 DEFAULT_WAIT_TIMEOUT_S = 1.0
 #: How often a waiter checks whether the line moved (not the hand-off: the kernel wakes it).
 PROGRESS_TICK_S = 0.1
-#: Busy timeout the Unit of Work gives a queue head (only foreign writers compete with it).
-HEAD_BUSY_TIMEOUT_S = 0.2
 #: Ticket slots: a byte per ticket from SLOTS_AT, reused modulo SLOTS.
 SLOTS_AT = 4096
 SLOTS = 1 << 20
