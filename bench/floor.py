@@ -1,9 +1,9 @@
-"""The floor: raw stdlib sqlite3 running exactly the seed's statements (chapter 7).
+"""The floor: raw stdlib sqlite3 running exactly the original store's statements.
 
-Same pragmas as the seed's connection (7.2.2): WAL, ``foreign_keys=ON``, ``synchronous`` left at
-its default, ``timeout=1.0``, ``isolation_level=None`` with explicit ``BEGIN IMMEDIATE``, and the
-seed's PASSIVE checkpoint after every 50 writes (7.5.3). Search, listing and message loading
-use the seed's re-implementation in ``tests/seed_store.py`` (the same SQL as the seed).
+Same pragmas as the original store's connection: WAL, ``foreign_keys=ON``, ``synchronous`` left
+at its default, ``timeout=1.0``, ``isolation_level=None`` with explicit ``BEGIN IMMEDIATE``, and
+its PASSIVE checkpoint after every 50 writes. Search, listing and message loading use the
+re-implementation of the original store in ``tests/seed_store.py`` (the same SQL).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ INSERT_MESSAGE = (
     " timestamp, token_count, finish_reason, reasoning, reasoning_details, codex_reasoning_items)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-#: The seed's counter update after one message (7.6.2).
+#: The original store's counter update after one message.
 BUMP_COUNTERS = (
     "UPDATE sessions SET message_count = message_count + 1,"
     " tool_call_count = tool_call_count + ? WHERE id = ?"
 )
-#: The same for a batch (the seed has no bulk call; this is the obvious raw equivalent).
+#: The same for a batch (the original store has no bulk call; this is the obvious raw equivalent).
 BUMP_COUNTERS_BY = (
     "UPDATE sessions SET message_count = message_count + ?,"
     " tool_call_count = tool_call_count + ? WHERE id = ?"
@@ -47,7 +47,7 @@ CHECKPOINT_EVERY = 50
 
 
 class Floor:
-    """One raw sqlite3 connection doing what the seed's ``SessionDB`` does, nothing more."""
+    """One raw sqlite3 connection doing what the original's ``SessionDB`` does, nothing more."""
 
     def __init__(self, path: str | Path) -> None:
         self.conn = sqlite3.connect(
@@ -81,7 +81,7 @@ class Floor:
         tool_call_id: str | None = None,
         token_count: int | None = None,
     ) -> int:
-        """The seed's append: JSON first, then BEGIN IMMEDIATE; INSERT; UPDATE; COMMIT."""
+        """The original store's append: JSON first, then BEGIN IMMEDIATE; INSERT; UPDATE; COMMIT."""
         calls_json = json.dumps(tool_calls) if tool_calls else None
         n_calls = (
             0 if tool_calls is None else (len(tool_calls) if isinstance(tool_calls, list) else 1)
@@ -115,7 +115,7 @@ class Floor:
         return int(cursor.lastrowid or 0)
 
     def append_many(self, session_id: str, messages: Sequence[dict[str, Any]]) -> None:
-        """A bulk import the raw way: one transaction, ``executemany`` of the seed's INSERT."""
+        """A bulk import the raw way: one transaction, ``executemany`` of the original's INSERT."""
         now = time.time()
         rows = [
             (
@@ -156,7 +156,7 @@ class Floor:
         return self.conn.execute(BARE_LIKE, (f"%{needle}%", limit, 0)).fetchall()
 
     def iter_export(self) -> Iterator[dict[str, Any]]:
-        """The seed's export loop, streamed: each session row, then its messages."""
+        """The original store's export loop, streamed: each session row, then its messages."""
         sessions = self.conn.execute("SELECT * FROM sessions ORDER BY started_at DESC").fetchall()
         names = [d[0] for d in self.conn.execute("SELECT * FROM sessions LIMIT 0").description]
         for row in sessions:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from hermes_store import ddl, files, migrate
+from hermes_store import ddl, files, fulltext, migrate
 from hermes_store.engine import create_private_file, sqlite_file
 from hermes_store.errors import HermesStoreError, InvalidInputError
 
@@ -220,9 +220,7 @@ def check_snapshot(path: Path) -> list[str]:
             )
         connection.execute("BEGIN")
         try:
-            connection.execute(
-                f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('integrity-check', 1)"
-            )
+            connection.execute(fulltext.integrity_statement(ddl.FTS_TABLE))
         except sqlite3.DatabaseError as error:
             problems.append(f"full-text index: {error}")
         finally:

@@ -10,12 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import sqlalchemy as sa
 from sqlalchemy import func, select
 from sqlalchemy.engine import URL, Connection
 
-from hermes_store import ddl, files, migrate
-from hermes_store import search as search_index
+from hermes_store import ddl, files, fulltext, migrate
 from hermes_store.engine import sqlite_file
 from hermes_store.errors import HermesStoreError, mapped_errors, open_errors
 from hermes_store.models import messages_table as M
@@ -136,7 +134,7 @@ def _wal_file_check(path: Path, mode: str) -> Check:
 
 def _postgresql_checks(conn: Connection) -> list[Check]:
     version = conn.exec_driver_sql("SHOW server_version").scalar()
-    trigram = conn.scalar(sa.text("SELECT to_regclass(:name)"), {"name": ddl.PG_TRGM_INDEX})
+    trigram = fulltext.POSTGRESQL.has_trigram_index(conn)
     return [
         Check("server", "info", f"PostgreSQL {version}"),
         Check(
@@ -150,19 +148,13 @@ def _postgresql_checks(conn: Connection) -> list[Check]:
 def _index_check(conn: Connection) -> Check:
     """The full-text index is complete and in step with ``messages`` (see search.check_index)."""
     name = "full-text index"
-    if conn.dialect.name == "sqlite":
-        found = conn.scalars(
-            sa.text(
-                "SELECT name FROM sqlite_master "
-                "WHERE name = :t OR (type = 'trigger' AND tbl_name = 'messages')"
-            ),
-            {"t": ddl.FTS_TABLE},
-        )
-        missing = sorted({ddl.FTS_TABLE, *ddl.FTS_TRIGGERS} - set(found))
+    strategy = fulltext.of(conn)
+    if isinstance(strategy, fulltext.SqliteFullText):
+        missing = strategy.present(conn)
         if missing:
             return Check(name, "error", f"missing {', '.join(missing)}: search will miss messages")
     try:
-        ok = search_index.check_index(conn)
+        ok = strategy.check(conn)
     finally:
         conn.rollback()  # SQLite's integrity-check writes nothing but holds the write lock
     if ok:
@@ -248,4 +240,4 @@ def run_doctor(url: URL) -> list[Check]:
 def rebuild_index(url: URL) -> None:
     """Rebuild the full-text index from ``messages`` in one migration transaction."""
     with migrate.migration_connection(url) as conn:
-        search_index.rebuild_index(conn)
+        fulltext.of(conn).rebuild(conn)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from hermes_store import ddl, files, search
+from hermes_store import files, fulltext
 from hermes_store.engine import sqlite_file
 from hermes_store.errors import DatabaseLockedError, InvalidInputError, mapped_errors
 
@@ -97,10 +97,8 @@ def _merge_step(conn: Connection, secure_delete: bool = False) -> bool:
     driver: Any = conn.connection.driver_connection
     before = driver.total_changes
     with secure_deletes(conn, secure_delete):
-        conn.execute(
-            sa.text(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}, rank) VALUES ('merge', :pages)"),
-            {"pages": -MERGE_PAGES},  # negative: merge every segment, as 'optimize' does
-        )
+        # Negative: merge every segment, as 'optimize' does.
+        fulltext.SQLITE.merge_step(conn, -MERGE_PAGES)
     return bool(driver.total_changes - before >= 2)
 
 
@@ -129,15 +127,13 @@ def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: b
     """
     report = report or Report(db.engine.dialect.name, 0)
     if not db.is_sqlite:
-        db.uow.run(_timed(report, search.optimize_index))
+        db.uow.run(_timed(report, fulltext.POSTGRESQL.optimize))
         report.merge_steps += 1
         return 1
     # Writers keep adding small segments, so "no work left" may never come under load: the
     # budget is what merging the index as it stands would take.
     with db.uow.connect(write=False) as conn:
-        leaves = int(
-            conn.exec_driver_sql(f"SELECT count(*) FROM {ddl.FTS_TABLE}_data").scalar() or 0
-        )
+        leaves = fulltext.SQLITE.leaf_pages(conn)
     steps = 0
     for _ in range(min(MAX_STEPS, leaves // MERGE_PAGES + 16)):
         steps += 1

@@ -30,7 +30,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from hermes_store import ddl, files
+from hermes_store import ddl, files, fulltext
 from hermes_store.engine import (
     WRITE_OPTION,
     Target,
@@ -290,12 +290,9 @@ def adopt(conn: Connection) -> DatabaseState:
         # are gone.
         if conn.dialect.name == "sqlite":
             had_fts = ddl.FTS_TABLE in state.tables
-            conn.exec_driver_sql(ddl.SQLITE_FTS_TABLE)
-            for trigger in ddl.SQLITE_FTS_TRIGGERS:
-                conn.exec_driver_sql(trigger)
+            started = time.monotonic()
+            fulltext.SQLITE.create_main(conn, fill=not had_fts)
             if not had_fts:
-                started = time.monotonic()
-                conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
                 log.info(
                     "built the full-text index of the adopted file in %.2f s (under the write "
                     "lock: other writers waited)",
@@ -410,17 +407,9 @@ def find_damage(state: DatabaseState, dialect: str, where: str) -> list[str]:
     damage: list[str] = []
     if state.schema_version != ddl.HEAD_VERSION:
         damage.append(f"schema_version {state.schema_version} (Alembic is at head)")
-    if dialect == "sqlite":
-        if ddl.FTS_TABLE not in state.tables:
-            damage.append(f"no {ddl.FTS_TABLE} table")
-        missing_triggers = set(ddl.FTS_TRIGGERS) - state.triggers
-        if missing_triggers:
-            damage.append(f"missing triggers {sorted(missing_triggers)}")
-    else:
-        if ddl.PG_TSV_COLUMN not in state.columns["messages"]:
-            damage.append(f"no messages.{ddl.PG_TSV_COLUMN} column")
-        if ddl.PG_FTS_INDEX not in state.indexes:
-            damage.append(f"no {ddl.PG_FTS_INDEX} index")
+    damage += fulltext.for_dialect(dialect).damage(
+        state.tables, state.triggers, state.indexes, state.columns["messages"]
+    )
     return damage
 
 
@@ -446,25 +435,9 @@ def repair_at_head(conn: Connection) -> list[str]:
             sa.text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": ddl.HEAD_VERSION}
         )
         done.append(f"set schema_version from {state.schema_version} to {ddl.HEAD_VERSION}")
-    if conn.dialect.name == "sqlite":
-        fts_ok = ddl.FTS_TABLE in state.tables and set(ddl.FTS_TRIGGERS) <= state.triggers
-        if not fts_ok:
-            conn.exec_driver_sql(ddl.SQLITE_FTS_TABLE)
-            for trigger in ddl.SQLITE_FTS_TRIGGERS:
-                conn.exec_driver_sql(trigger)
-            # Rows written while the table or a trigger was missing are not indexed: rebuild.
-            conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
-            done.append(
-                f"recreated {ddl.FTS_TABLE} and its triggers and rebuilt the index "
-                f"(was: {'; '.join(d for d in damage if not d.startswith('schema_version'))})"
-            )
-    else:
-        if ddl.PG_TSV_COLUMN not in state.columns["messages"]:
-            conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
-            done.append(f"recreated the messages.{ddl.PG_TSV_COLUMN} column")
-        if ddl.PG_FTS_INDEX not in state.indexes:
-            conn.exec_driver_sql(ddl.PG_FTS_CREATE)
-            done.append(f"recreated the {ddl.PG_FTS_INDEX} index")
+    done += fulltext.of(conn).repair(
+        conn, state.tables, state.triggers, state.indexes, state.columns["messages"]
+    )
     log.warning("%s was damaged and has been repaired: %s", where, "; ".join(done))
     return done
 

@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection, Result
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 
-from hermes_store import ddl, fastpath
+from hermes_store import ddl, fastpath, fulltext
 from hermes_store.errors import InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
@@ -42,7 +42,6 @@ MAX_ITEMS = 64
 MAX_PIECES = 16
 SUBSTRING_SNIPPET_CHARS = 120
 OPERATORS = frozenset({"AND", "OR", "NOT"})
-SQLITE_CORRUPT = 11  # also the low byte of SQLITE_CORRUPT_VTAB
 
 # -- the original store's sanitizer ----------------------------------------------------------
 
@@ -279,8 +278,6 @@ def positive_pieces(items: Sequence[Item]) -> list[str]:
 #: The orders ``search_messages`` offers: ``rank`` (the contract's, best first), ``newest`` and
 #: ``oldest`` (by timestamp, then id).
 SORTS = ("rank", "newest", "oldest")
-#: The Alembic revision that adds the CJK trigram index on SQLite.
-CJK_REVISION = "h7_cjk_index"
 #: ``rank`` scores at most this many matches, the newest by id: BM25 of every match of a word in
 #: a quarter of a million messages took 0.4 s at 1M. Fewer matches are ranked exactly.
 RANK_WINDOW = 2_000
@@ -1196,153 +1193,17 @@ def _contexts_statement(sqlite: bool) -> Select[Any]:
 
 
 def rebuild_index(conn: Connection) -> None:
-    """Rebuild the full-text index from ``messages`` (FTS5 'rebuild'; PostgreSQL REINDEX),
-    first recreating whatever went missing. Run it in a write transaction."""
-    if conn.dialect.name == "sqlite":
-        for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS, ddl.SQLITE_FTS_REBUILD):
-            conn.exec_driver_sql(statement)
-        if _cjk_index_expected(conn):
-            statements = (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS, *ddl.SQLITE_CJK_REBUILD)
-            for statement in statements:
-                conn.exec_driver_sql(statement)
-        return
-    conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
-    conn.exec_driver_sql(ddl.PG_FTS_CREATE)
-    for name in _pg_existing_indexes(conn):
-        conn.exec_driver_sql(f"REINDEX INDEX {name}")
+    """Rebuild the full-text index from ``messages``, first recreating whatever went missing
+    (see :mod:`hermes_store.fulltext`). Run it in a write transaction."""
+    fulltext.of(conn).rebuild(conn)
 
 
 def optimize_index(conn: Connection) -> None:
-    """Merge the index into its most compact form (FTS5 'optimize'; PostgreSQL: flush the GIN
-    pending lists and refresh the planner's statistics; VACUUM cannot run in a transaction)."""
-    if conn.dialect.name == "sqlite":
-        conn.exec_driver_sql(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}) VALUES ('optimize')")
-        return
-    for name in _pg_existing_indexes(conn):
-        conn.execute(
-            sa.text("SELECT gin_clean_pending_list(CAST(:name AS regclass))"), {"name": name}
-        )
-    conn.exec_driver_sql("ANALYZE messages")
+    """Merge the index into its most compact form (see :mod:`hermes_store.fulltext`)."""
+    fulltext.of(conn).optimize(conn)
 
 
 def check_index(conn: Connection) -> bool:
-    """True when the full-text index is sound. SQLite: FTS5 'integrity-check' against the
-    content table (a write statement: use a write transaction). PostgreSQL (amcheck has no GIN
-    check before 18): the tsvector index, and the trigram index if present, exist and are valid."""
-    if conn.dialect.name == "sqlite":
-        present = conn.execute(
-            sa.text("SELECT count(*) FROM sqlite_master WHERE name IN :names").bindparams(
-                sa.bindparam("names", expanding=True)
-            ),
-            {"names": [ddl.FTS_TABLE, *ddl.FTS_TRIGGERS]},
-        ).scalar_one()
-        if present != 1 + len(ddl.FTS_TRIGGERS):
-            log.error("full-text table %s or its triggers are missing", ddl.FTS_TABLE)
-            return False
-        if not _fts5_integrity(conn, ddl.FTS_TABLE):
-            return False
-        return _check_cjk_index(conn)
-    rows = conn.execute(
-        sa.text(
-            "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
-            " JOIN pg_class c ON c.oid = i.indexrelid"
-            " WHERE c.relname IN (:fts, :trgm) AND pg_table_is_visible(c.oid)"
-        ),
-        {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
-    ).all()
-    status = {str(name): bool(ok) for name, ok in rows}
-    if ddl.PG_FTS_INDEX not in status:
-        log.error("full-text index %s is missing", ddl.PG_FTS_INDEX)
-        return False
-    broken = sorted(name for name, ok in status.items() if not ok)
-    if broken:
-        log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
-        return False
-    return True
-
-
-def _fts5_integrity(conn: Connection, table: str) -> bool:
-    """FTS5's 'integrity-check' (against the content table when it has one)."""
-    statement = f"INSERT INTO {table}({table}, rank) VALUES ('integrity-check', 1)"
-    try:
-        with conn.begin_nested():
-            conn.exec_driver_sql(statement)
-    except sa.exc.DatabaseError as error:
-        if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
-            raise
-        log.error("full-text index %s failed its integrity check: %s", table, error.orig)
-        return False
-    return True
-
-
-def _cjk_index_expected(conn: Connection) -> bool:
-    """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
-    from hermes_store import migrate, schema_ops
-
-    if not _has_table(conn, "alembic_version"):
-        return False
-    revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
-    if revision is None:
-        return False
-    try:
-        chain = {s.revision for s in migrate._scripts().iterate_revisions(revision, "base")}
-    except Exception:
-        return False
-    version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
-    return CJK_REVISION in chain and schema_ops.trigram_supported(version)
-
-
-def _has_table(conn: Connection, name: str) -> bool:
-    return bool(
-        conn.execute(
-            sa.text("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :n"),
-            {"n": name},
-        ).scalar()
-    )
-
-
-def _check_cjk_index(conn: Connection) -> bool:
-    """The CJK index, when present (or due), has its triggers, passes FTS5's check, and holds
-    exactly the messages its triggers select (compared by id)."""
-    present = _has_table(conn, ddl.CJK_TABLE)
-    if not present:
-        if _cjk_index_expected(conn):
-            log.error("the CJK index %s is missing", ddl.CJK_TABLE)
-            return False
-        return True
-    triggers = conn.execute(
-        sa.text(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
-        ).bindparams(sa.bindparam("names", expanding=True)),
-        {"names": list(ddl.CJK_TRIGGERS)},
-    ).scalar_one()
-    if triggers != len(ddl.CJK_TRIGGERS):
-        log.error("triggers of the CJK index %s are missing", ddl.CJK_TABLE)
-        return False
-    if not _fts5_integrity(conn, ddl.CJK_TABLE):
-        return False
-    drift = (
-        conn.execute(
-            sa.text(
-                f"SELECT count(*) FROM (SELECT id FROM messages WHERE content GLOB :glob"
-                f" EXCEPT SELECT id FROM {ddl.CJK_DOCSIZE}) UNION ALL"
-                f" SELECT count(*) FROM (SELECT id FROM {ddl.CJK_DOCSIZE}"
-                f" EXCEPT SELECT id FROM messages WHERE content GLOB :glob)"
-            ),
-            {"glob": ddl.CJK_GLOB},
-        )
-        .scalars()
-        .all()
-    )
-    if any(drift):
-        log.error("the CJK index misses %d messages and holds %d it should not", drift[0], drift[1])
-        return False
-    return True
-
-
-def _pg_existing_indexes(conn: Connection) -> list[str]:
-    names = conn.execute(
-        sa.text("SELECT to_regclass(:fts)::text, to_regclass(:trgm)::text"),
-        {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
-    ).one()
-    return [str(name) for name in names if name is not None]
+    """True when the full-text index is sound (see :mod:`hermes_store.fulltext`); on SQLite a
+    write statement: use a write transaction."""
+    return fulltext.of(conn).check(conn)

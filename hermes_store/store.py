@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -139,7 +139,8 @@ class SessionDB:
     adopting files written by the original store; it takes no lock when already at head.
     ``migrate="check"`` refuses a database behind head with :class:`SchemaBehindError` and
     changes nothing (old instances during a rolling deploy, notebooks on the live file);
-    ``migrate="never"`` neither checks nor migrates.
+    ``migrate="never"`` neither checks nor migrates. ``clock`` (default ``time.time``) gives
+    every timestamp the store writes and the prune cutoff.
     """
 
     MAX_TITLE_LENGTH = titles.MAX_TITLE_LENGTH
@@ -153,8 +154,14 @@ class SessionDB:
         writer_busy_timeout: float | None = None,
         synchronous: str = "full",
         migrate: str = "auto",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         validate.target(db_path)
+        if not callable(clock):
+            raise InvalidInputError(f"clock must be a callable returning seconds, not {clock!r}")
+        #: Every timestamp the store writes (started_at, ended_at, message timestamps) and the
+        #: prune cutoff; injectable so tests order events without sleeping.
+        self.clock = clock
         if migrate not in MIGRATE_MODES:
             raise InvalidInputError(
                 f"migrate must be one of {', '.join(MIGRATE_MODES)}, not {migrate!r}"
@@ -304,7 +311,7 @@ class SessionDB:
             "model_config": config_json,
             "system_prompt": system_prompt,
             "parent_session_id": parent_session_id,
-            "started_at": time.time(),
+            "started_at": self.clock(),
         }
 
         def unit(conn: Connection) -> None:
@@ -323,7 +330,7 @@ class SessionDB:
         self._text("session_id", session_id, required=True)
         self._text("source", source, required=True)
         self._text("model", model)
-        values = {"id": session_id, "source": source, "model": model, "started_at": time.time()}
+        values = {"id": session_id, "source": source, "model": model, "started_at": self.clock()}
         self.uow.run(lambda conn: conn.execute(self._insert_session, values))
 
     def end_session(self, session_id: str, end_reason: str) -> None:
@@ -334,7 +341,7 @@ class SessionDB:
         statement = (
             update(S)
             .where(S.c.id == session_id, S.c.ended_at.is_(None))
-            .values(ended_at=time.time(), end_reason=end_reason)
+            .values(ended_at=self.clock(), end_reason=end_reason)
         )
         self.uow.run(lambda conn: conn.execute(statement))
 
@@ -384,7 +391,9 @@ class SessionDB:
         validate.real("older_than_days", older_than_days, scale=86400.0)
         validate.text("source", source, optional=True)
         self._text("source", source)
-        doomed_query = retention.candidates(retention.Policy.of(older_than_days, source))
+        doomed_query = retention.candidates(
+            retention.Policy.of(older_than_days, source), now=self.clock()
+        )
 
         def unit(conn: Connection) -> int:
             doomed = list(conn.scalars(doomed_query))
@@ -665,7 +674,7 @@ class SessionDB:
             "token_count": token_count,
             "finish_reason": finish_reason,
             "reasoning": reasoning,
-            "timestamp": time.time() if timestamp is None else timestamp,
+            "timestamp": self.clock() if timestamp is None else timestamp,
             **encoded,
         }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,51 @@ CONTRACT_BACKENDS = (*BACKENDS, "pgbouncer")
 #: the revision creates nothing): the search contract must hold with and without it.
 NO_CJK_INDEX = "sqlite-no-cjk-index"
 SEARCH_BACKENDS = (*CONTRACT_BACKENDS, NO_CJK_INDEX)
+
+
+#: Modules whose tests run in-process in well under a second each: their SQLite cases (and
+#: tests without a backend) form the unit tier, ``pytest -m unit``. PostgreSQL and PgBouncer
+#: cases, tests that need the server (``pg_url``) and ``slow`` tests never do; a test elsewhere
+#: joins with an explicit ``@pytest.mark.unit``.
+UNIT_MODULES = frozenset(
+    {
+        "test_analytics",
+        "test_bad_input",
+        "test_clock",
+        "test_engine",
+        "test_hardening_open",
+        "test_listing",
+        "test_migrate_modes",
+        "test_paths",
+        "test_redact",
+        "test_search",
+        "test_store",
+        "test_trajectory",
+        "test_transactions",
+    }
+)
+_SERVER_BACKENDS = frozenset({"postgresql", "pgbouncer"})
+_SERVER_FIXTURES = frozenset({"pg_url", "pg_worker_url"})
+
+
+def _is_unit(item: pytest.Item) -> bool:
+    if item.get_closest_marker("slow") is not None:
+        return False
+    module = getattr(item, "module", None)
+    if module is None or module.__name__.rpartition(".")[2] not in UNIT_MODULES:
+        return False
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    if any(isinstance(value, str) and value in _SERVER_BACKENDS for value in params):
+        return False
+    return not _SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the unit tier (see UNIT_MODULES)."""
+    for item in items:
+        if _is_unit(item):
+            item.add_marker(pytest.mark.unit)
 
 
 def _pg_base_url() -> URL | None:
@@ -98,11 +144,13 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def empty_url(backend: str, pg_worker_url: URL | None, tmp_path: Path) -> URL:
-    """A database with nothing in it (SQLite: a path that does not exist yet)."""
-    _require_backend(backend, pg_worker_url)
+def empty_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> URL:
+    """A database with nothing in it (SQLite: a path that does not exist yet). SQLite cases
+    never touch the PostgreSQL server (the unit tier runs without one)."""
     if backend in ("sqlite", NO_CJK_INDEX):
         return to_url(tmp_path / "state.db")
+    pg_worker_url: URL | None = request.getfixturevalue("pg_worker_url")
+    _require_backend(backend, pg_worker_url)
     assert pg_worker_url is not None
     reset_pg(pg_worker_url)
     return through_pgbouncer(pg_worker_url) if backend == "pgbouncer" else pg_worker_url
@@ -132,17 +180,41 @@ def pg_url(pg_worker_url: URL | None) -> URL:
     return pg_worker_url
 
 
+class FakeClock:
+    """A clock for ``SessionDB(clock=...)``: starts at the real time (so prune cutoffs and
+    "recent" still mean what they say) and moves only by ``tick`` per reading and by
+    :meth:`advance`, so tests order events without sleeping."""
+
+    def __init__(self, start: float | None = None, tick: float = 1e-6) -> None:
+        self.now = time.time() if start is None else start
+        self.tick = tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def advance(self, seconds: float = 1.0) -> float:
+        """Move the clock forward; returns the new time."""
+        self.now += seconds
+        return self.now
+
+
 @pytest.fixture
-def store(db_url: URL) -> Iterator[SessionDB]:
-    db = SessionDB(db_url.render_as_string(hide_password=False))
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(db_url: URL, clock: FakeClock) -> Iterator[SessionDB]:
+    db = SessionDB(db_url.render_as_string(hide_password=False), clock=clock)
     yield db
     db.close()
 
 
 @pytest.fixture
-def sqlite_store(tmp_path: Path) -> Iterator[SessionDB]:
+def sqlite_store(tmp_path: Path, clock: FakeClock) -> Iterator[SessionDB]:
     """A store on a SQLite file only (for SQLite-specific behaviour)."""
-    db = SessionDB(tmp_path / "state.db")
+    db = SessionDB(tmp_path / "state.db", clock=clock)
     yield db
     db.close()
 

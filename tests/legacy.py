@@ -1,6 +1,6 @@
-"""Build SQLite files exactly as the original (seed) ``SessionDB`` left them, v1..v6.
+"""Build SQLite files exactly as the original store's ``SessionDB`` left them, v1..v6.
 
-Test support only, stdlib ``sqlite3`` only. The seed's history (chapter 7.12):
+Test support only, stdlib ``sqlite3`` only. The original store's schema history:
 
 * v1: base ``sessions`` (with input/output tokens, no title, no billing) and ``messages``
 * v2: ``messages.finish_reason``
@@ -11,7 +11,7 @@ Test support only, stdlib ``sqlite3`` only. The seed's history (chapter 7.12):
 
 Files are built the way they really evolved: v1 tables, then each ``ALTER TABLE ... ADD
 COLUMN`` in order, so the physical column order is that of an upgraded file (not the order
-of the v6 ``CREATE TABLE`` in 7.3). FTS5 and the four base indexes exist at every version.
+of the v6 ``CREATE TABLE``). FTS5 and the four base indexes exist at every version.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 HEAD_VERSION = 6
 
-# (column, declaration) of the v1 tables, in the seed's order.
+# (column, declaration) of the v1 tables, in the original store's order.
 V1_SESSIONS: tuple[tuple[str, str], ...] = (
     ("id", "TEXT PRIMARY KEY"),
     ("source", "TEXT NOT NULL"),
@@ -53,7 +53,7 @@ V1_MESSAGES: tuple[tuple[str, str], ...] = (
 )
 
 # version -> ALTER TABLE statements that version ran, as (table, column, type, quoted).
-# The seed quoted the column names in its v5 and v6 loops (``ADD COLUMN "{safe}"``).
+# The original store quoted the column names in its v5 and v6 loops (``ADD COLUMN "{safe}"``).
 VERSION_ALTERS: dict[int, tuple[tuple[str, str, str, bool], ...]] = {
     2: (("messages", "finish_reason", "TEXT", False),),
     3: (("sessions", "title", "TEXT", False),),
@@ -90,7 +90,7 @@ TITLE_INDEX = (
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique "
     "ON sessions(title) WHERE title IS NOT NULL"
 )
-# Seed 7.4.1 / 7.4.2.
+# The original store's indexes and FTS objects.
 FTS_DDL = """
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
     content,
@@ -114,7 +114,7 @@ CREATE TRIGGER IF NOT EXISTS messages_fts_update AFTER UPDATE ON messages BEGIN
 END;
 """
 
-# The seed's v6 schema (7.3.1-7.3.4 and 7.4), in the v6 CREATE TABLE column order.
+# The original store's v6 schema, in the v6 CREATE TABLE column order.
 SEED_V6_DDL = (
     """
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -334,7 +334,7 @@ def _alter(table: str, column: str, decl: str, quoted: bool) -> str:
 def build_legacy_db(
     path: str | Path, version: int, *, rows: bool = True, extra_later_columns: bool = False
 ) -> None:
-    """Create ``path`` as the seed's store left it at schema ``version`` (1..6), WAL mode.
+    """Create ``path`` as the original store's store left it at schema ``version`` (1..6), WAL mode.
 
     ``extra_later_columns``: the shape is ahead of the number (an older build that already
     carried later columns): ``schema_version`` says ``version`` but the file also has the
@@ -431,7 +431,7 @@ SIGNATURE_TABLES = ("schema_version", "sessions", "messages")
 
 
 def _ignored_table(name: str) -> bool:
-    """Bookkeeping tables, FTS shadow tables, and hermes_store's CJK index (not the seed's
+    """Bookkeeping tables, FTS shadow tables, and hermes_store's CJK index (not the original store's
     schema: its presence is checked on its own, see ``migration_checks.cjk_objects``)."""
     return name in ("alembic_version", "sqlite_sequence", "messages_cjk") or name.startswith(
         ("messages_fts_", "messages_cjk_", "sqlite_stat")
@@ -505,7 +505,7 @@ def schema_signature(path: str | Path, *, trigger_sql: bool = False) -> dict[str
 
 
 def build_from_ddl(path: str | Path, ddl: str = SEED_V6_DDL, version: int = HEAD_VERSION) -> None:
-    """Create ``path`` from a DDL script (default: the seed's v6) with its version row."""
+    """Create ``path`` from a DDL script (default: the original store's v6) with its version row."""
     path = Path(path)
     if path.exists():
         raise FileExistsError(path)

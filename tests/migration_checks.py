@@ -24,7 +24,7 @@ from tests import legacy
 from tests.conftest import is_sqlite
 
 REPO = Path(__file__).resolve().parent.parent
-#: The revisions matching the seed's schema_version 1..6, then hermes_store's own (which keep
+#: The revisions matching the original's schema_version 1..6, then hermes_store's own (which keep
 #: schema_version at 6, so the original store still opens the file).
 SEED_REVISIONS = (
     "v1_base",

@@ -1,6 +1,6 @@
 """Realistic queries full of FTS syntax, each with the message it must find (on both backends).
 
-Every query here broke the seed's search (an FTS5 syntax error answered with ``[]``) or is a
+Every query here broke the original's search (an FTS5 syntax error answered with ``[]``) or is a
 shape that tokenizers split in surprising ways: paths, e-mails, URLs, code, shell, markup.
 """
 

@@ -1,13 +1,13 @@
-"""A compact re-implementation of the ORIGINAL seed ``SessionDB`` (hermes_state.py, ch. 7).
+"""A compact re-implementation of the original store's ``SessionDB`` (``hermes_state.py``).
 
 Test/bench baseline only, NOT part of ``hermes_store``: raw stdlib ``sqlite3``, used to
 prove that files written by the package stay readable and writable by the original store,
-and as the raw-sqlite3 baseline in benchmarks. It follows chapter 7 (connection 7.2.2,
-schema 7.3/7.4, writes 7.5, lifecycle 7.6, tokens 7.8, listing 7.10, migrations 7.12) and
-the spec's rules where the chapter elides them (append counters, token COALESCE rules,
-title sanitising). ``end_session`` is the chapter's unconditional UPDATE (the spec's
-"first end wins" is a hermes_store refinement). ``search_messages`` keeps the seed's
-simple behaviour: any FTS5 syntax error gives ``[]`` (CJK queries fall back to LIKE).
+and as the raw-sqlite3 baseline in benchmarks. It follows the original store's connection
+settings, schema, writes, lifecycle, token counters, listing and migrations, and its
+documented rules where its code is not at hand (append counters, token COALESCE rules,
+title sanitising). ``end_session`` is the original unconditional UPDATE ("first end wins"
+is a hermes_store refinement). ``search_messages`` keeps the original store's simple
+behaviour: any FTS5 syntax error gives ``[]`` (CJK queries fall back to LIKE).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ _TITLE_STRIP = re.compile(
 
 
 class SeedSessionDB:
-    """The seed's ``SessionDB`` over one SQLite file (WAL, one connection, manual txns)."""
+    """The original's ``SessionDB`` over one SQLite file (WAL, one connection, manual txns)."""
 
     _WRITE_MAX_RETRIES = 15
     _WRITE_RETRY_MIN_S = 0.020
@@ -112,7 +112,7 @@ class SeedSessionDB:
             raise sqlite3.ProgrammingError("SeedSessionDB is closed")
         return self._conn
 
-    # --- schema (7.12) -------------------------------------------------------------------
+    # --- schema -------------------------------------------------------------------------
 
     def _init_schema(self) -> None:
         """Create the v6 tables if absent, then run the v2..v6 migrations (idempotent)."""
@@ -142,7 +142,7 @@ class SeedSessionDB:
             cur.execute(TITLE_INDEX_SQL)
         cur.executescript(FTS_SQL)
 
-    # --- writes (7.5) --------------------------------------------------------------------
+    # --- writes -------------------------------------------------------------------------
 
     def _execute_write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """BEGIN IMMEDIATE + retry with random jitter on locked/busy; periodic checkpoint."""
@@ -184,7 +184,7 @@ class SeedSessionDB:
             self._conn.close()
             self._conn = None
 
-    # --- sessions (7.6) ------------------------------------------------------------------
+    # --- sessions -----------------------------------------------------------------------
 
     def create_session(self, session_id: str, source: str, model: str | None = None,
                        model_config: dict[str, Any] | None = None,
@@ -230,7 +230,7 @@ class SeedSessionDB:
         row = self.conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
         return dict(row) if row else None
 
-    # --- titles (7.7.3) ------------------------------------------------------------------
+    # --- titles -------------------------------------------------------------------------
 
     @staticmethod
     def sanitize_title(title: str | None) -> str | None:
@@ -257,7 +257,7 @@ class SeedSessionDB:
 
         return self._execute_write(_do)
 
-    # --- tokens (7.8, spec COALESCE rules) -----------------------------------------------
+    # --- tokens -------------------------------------------------------------------------
 
     def update_token_counts(self, session_id: str, input_tokens: int = 0,
                             output_tokens: int = 0, model: str | None = None,
@@ -291,7 +291,7 @@ class SeedSessionDB:
         sql = f"UPDATE sessions SET {', '.join(sets)} WHERE id = ?"
         self._execute_write(lambda c: c.execute(sql, params))
 
-    # --- messages (7.6.2, 7.9) -----------------------------------------------------------
+    # --- messages -----------------------------------------------------------------------
 
     def append_message(self, session_id: str, role: str, content: str | None = None,
                        tool_name: str | None = None, tool_calls: Any = None,
@@ -350,7 +350,7 @@ class SeedSessionDB:
         sql = "SELECT COUNT(*) FROM sessions WHERE source = ?"
         return int(self.conn.execute(sql, (source,)).fetchone()[0])
 
-    # --- search (7.4) --------------------------------------------------------------------
+    # --- search -------------------------------------------------------------------------
 
     @staticmethod
     def _contains_cjk(text: str) -> bool:
@@ -416,7 +416,7 @@ class SeedSessionDB:
         return [{"role": r["role"], "content": (r["content"] or "")[:200]}
                 for r in (prev, me, nxt) if r is not None]  # fmt: skip
 
-    # --- listing (7.10.1) ----------------------------------------------------------------
+    # --- listing ------------------------------------------------------------------------
 
     def list_sessions_rich(self, source: str | None = None,
                            exclude_sources: list[str] | None = None, limit: int = 20,

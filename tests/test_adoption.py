@@ -1,5 +1,5 @@
 """Adoption of ``state.db`` files written by the original store, the refusal of anything else,
-and the two stores sharing one file (files stay readable and writable by the seed's code).
+and the two stores sharing one file (files stay readable and writable by the original store's code).
 
 Each legacy file is built as the original store left it (``tests/legacy.py``) and adopted
 three ways: ``hermes_store.upgrade(path)``, opening ``SessionDB(path)``, and the ``alembic
@@ -93,7 +93,7 @@ def assert_seed_can_use(path: Path) -> int:
     try:
         assert seed.get_session(legacy.S_ROOT)["source"] == "cli"  # type: ignore[index]
         assert [m["id"] for m in seed.search_messages("zebracorn")] == [6]
-        new_id = seed.append_message(legacy.S_TG, "user", "the seed saw a quagga")
+        new_id = seed.append_message(legacy.S_TG, "user", "the original store saw a quagga")
         assert [m["id"] for m in seed.search_messages("quagga")] == [new_id]
     finally:
         seed.close()
@@ -107,7 +107,8 @@ def assert_seed_can_use(path: Path) -> int:
 @pytest.mark.parametrize(("version", "later_columns"), LEGACY_CASES)
 def test_adopts_legacy_file(tmp_path: Path, version: int, later_columns: bool, how: str) -> None:
     """A file at v{version} with rows: nothing lost, new columns at their defaults, version 6,
-    stamped at head, the seed's v6 schema, old content searchable, still usable by the seed."""
+    stamped at head, the original v6 schema, old content searchable, still usable by the
+    original store."""
     path = tmp_path / "state.db"
     legacy.build_legacy_db(path, version, extra_later_columns=later_columns)
     before = legacy.dump_rows(path, typed=True)
@@ -142,7 +143,7 @@ def test_adopts_legacy_file(tmp_path: Path, version: int, later_columns: bool, h
     new_id = assert_seed_can_use(path)
     assert schema_version(url) == 6 and alembic_revision(url) == HEAD
     fts_integrity_check(path)
-    db = SessionDB(path)  # and back in hermes_store, the seed's message is there
+    db = SessionDB(path)  # and back in hermes_store, the original store's message is there
     try:
         assert [m["id"] for m in db.get_messages(legacy.S_TG)][-1] == new_id
         assert db.check_search_index()
@@ -168,7 +169,7 @@ def test_legacy_file_without_fts_is_indexed_on_adoption(tmp_path: Path) -> None:
 
 def test_seed_reads_and_writes_a_hermes_file(tmp_path: Path) -> None:
     """A file created and written by hermes_store is a valid state.db for the original store,
-    and what the seed writes into it is read back by hermes_store."""
+    and what the original store writes into it is read back by hermes_store."""
     path = tmp_path / "state.db"
     db = SessionDB(path)
     try:
@@ -191,7 +192,7 @@ def test_seed_reads_and_writes_a_hermes_file(tmp_path: Path) -> None:
         assert [m["content"] for m in seed.get_messages("h-root")] == ["hello from the ibex", "ok"]
         assert len(seed.search_messages("ibex")) == 1
         seed.create_session("s-child", "telegram", parent_session_id="h-root")
-        seed_id = seed.append_message("s-child", "user", "the seed adds a yak")
+        seed_id = seed.append_message("s-child", "user", "the original store adds a yak")
         seed.set_session_title("s-child", "Seed wrote this")
     finally:
         seed.close()

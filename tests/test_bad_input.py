@@ -479,7 +479,8 @@ SQL_INTERPOLATION_ALLOWED = {
     ("schema_ops.py", "name"): "index name read from sqlite_master, quoted",
     ("search.py", "name"): "to_regclass() of the constant index names",
     ("transfer.py", "sequence"): "pg_get_serial_sequence('messages', 'id'): a quoted catalog name",
-    ("search.py", "table"): "ddl.FTS_TABLE or ddl.CJK_TABLE, from the callers of _fts5_integrity",
+    ("fulltext.py", "table"): "ddl.FTS_TABLE or ddl.CJK_TABLE, from the callers in the package",
+    ("fulltext.py", "name"): "to_regclass() of the constant index names, or a constant",
 }
 
 

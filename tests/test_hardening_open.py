@@ -2,8 +2,8 @@
 WARNING saying what was repaired), or refused clearly; a sound database opens without the lock.
 
 Damage is done for real with raw SQL on real databases: the FTS table or a trigger dropped,
-the seed's ``schema_version`` row set back, a column dropped, PostgreSQL's tsvector and GIN index
-dropped.
+the original's ``schema_version`` row set back, a column dropped, PostgreSQL's tsvector and
+GIN index dropped.
 """
 
 from __future__ import annotations

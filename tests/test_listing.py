@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from hermes_store import SessionDB, listing
 from hermes_store.models import ChatSession
-from tests.conftest import SEARCH_BACKENDS
+from tests.conftest import SEARCH_BACKENDS, FakeClock
 from tests.test_search import captured_selects, explain
 
 
@@ -168,12 +167,14 @@ def test_compression_projection_can_be_switched_off(store: SessionDB) -> None:
     assert all("_lineage_root_id" not in r for r in everything.values())
 
 
-def test_broken_or_branch_only_chains_leave_the_row_alone(store: SessionDB) -> None:
+def test_broken_or_branch_only_chains_leave_the_row_alone(
+    store: SessionDB, clock: FakeClock
+) -> None:
     store.create_session("lonely", "cli")
     store.end_session("lonely", "compression")  # compressed, but no continuation was made
     store.create_session("early", "cli")
     store.create_session("sub", "cli", parent_session_id="early")  # a subagent, not a successor
-    time.sleep(0.01)
+    clock.advance(1)
     store.end_session("early", "compression")
     rows = by_id(store.list_sessions_rich())
     for name in ("lonely", "early"):

@@ -1,5 +1,5 @@
 """The Alembic history v1 -> v6 on real databases: steps up and down with rows, the head schema
-against the seed's v6 DDL, models against migrations, the ``alembic`` command line, ``current``.
+against the original's v6 DDL, models against migrations, the ``alembic`` command line, ``current``.
 
 SQLite files live in ``tmp_path``; PostgreSQL tests use the xdist worker's database.
 """
@@ -134,7 +134,7 @@ def pg_has_trgm(url: URL) -> bool:
 
 
 def check_full_text(url: URL, tmp_path: Path, version: int) -> None:
-    """At ``version``: SQLite's schema (FTS table, triggers, indexes) is the seed's at that
+    """At ``version``: SQLite's schema (FTS table, triggers, indexes) is the original's at that
     version and the FTS index is consistent; PostgreSQL has its GIN full-text index."""
     if is_sqlite(url):
         path = sqlite_path(url)
@@ -170,7 +170,7 @@ def no_env_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_single_head_and_one_linear_chain() -> None:
-    """One head; the chain from base is the seed's six versions, in order, then the CJK index;
+    """One head; the chain from base is the original's six versions, in order, then the CJK index;
     only the six carry a schema_version."""
     scripts = ScriptDirectory(migrate.script_location())
     assert scripts.get_heads() == [HEAD]
@@ -314,7 +314,7 @@ def test_sqlite_downgrade_rebuild_keeps_triggers_indexes_and_sequence(tmp_path: 
 
 
 def test_head_schema_is_the_seeds_v6(tmp_path: Path) -> None:
-    """``upgrade head`` gives the seed's v6: columns with affinity, NOT NULL, defaults, keys,
+    """``upgrade head`` gives the original's v6: columns with affinity, NOT NULL, defaults, keys,
     indexes (columns, order, predicates), the FTS table and its triggers (names and bodies)."""
     ours, seed = tmp_path / "ours.db", tmp_path / "seed.db"
     migrate.upgrade(ours)
@@ -335,7 +335,7 @@ def test_head_schema_is_the_seeds_v6(tmp_path: Path) -> None:
 def test_cjk_index_revision_up_and_down(tmp_path: Path) -> None:
     """h7_cjk_index indexes exactly the rows with CJK (or other unsegmented scripts) already
     there, follows inserts, deletes and updates through its triggers, keeps schema_version 6,
-    and its downgrade leaves the seed's v6 schema with nothing of it behind."""
+    and its downgrade leaves the original store's v6 schema with nothing of it behind."""
     path = tmp_path / "state.db"
     url = sa.make_url(f"sqlite:///{path}")
     migrate.upgrade(path, V6)

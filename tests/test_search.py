@@ -1,4 +1,4 @@
-"""The contract's "Search" section, the sanitizer, CJK and the hardening beyond the seed.
+"""The contract's "Search" section, the sanitizer, CJK and the hardening beyond the original store.
 
 Every test that takes ``store`` runs on SQLite (FTS5) and on PostgreSQL (tsvector + trigram).
 """

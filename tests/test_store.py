@@ -18,7 +18,7 @@ from hermes_store import (
     UnknownSessionError,
 )
 from hermes_store.models import ChatSession, Message
-from tests.conftest import NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.conftest import NO_CJK_INDEX, SEARCH_BACKENDS, FakeClock
 
 
 @pytest.fixture(params=SEARCH_BACKENDS)
@@ -31,8 +31,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 # -- sessions ---------------------------------------------------------------------------------
 
 
-def test_create_session_stores_every_field(store: SessionDB) -> None:
-    before = time.time()
+def test_create_session_stores_every_field(store: SessionDB, clock: FakeClock) -> None:
+    before = clock.advance(5)
     assert (
         store.create_session(
             "s1",
@@ -49,7 +49,7 @@ def test_create_session_stores_every_field(store: SessionDB) -> None:
     assert row["source"] == "cli" and row["model"] == "gpt" and row["user_id"] == "u1"
     assert json.loads(row["model_config"]) == {"temperature": 0.2}
     assert row["system_prompt"] == "be brief"
-    assert before <= row["started_at"] <= time.time()
+    assert before < row["started_at"] <= clock.now
     assert row["message_count"] == 0 and row["tool_call_count"] == 0
     assert row["input_tokens"] == 0 and row["estimated_cost_usd"] is None
     assert set(row) == {c.name for c in ChatSession.__table__.columns}
@@ -188,15 +188,15 @@ def test_prune_sessions_only_old_ended_ones(store: SessionDB) -> None:
     assert store.prune_sessions() == 0
 
 
-def test_compression_tip_follows_only_continuations(store: SessionDB) -> None:
+def test_compression_tip_follows_only_continuations(store: SessionDB, clock: FakeClock) -> None:
     store.create_session("a", "cli")
     store.create_session("subagent", "cli", parent_session_id="a")  # before a ended: ignored
-    time.sleep(0.01)
+    clock.advance(1)
     store.end_session("a", "compression")
-    time.sleep(0.01)
+    clock.advance(1)
     store.create_session("b", "cli", parent_session_id="a")
     store.end_session("b", "compression")
-    time.sleep(0.01)
+    clock.advance(1)
     store.create_session("c", "cli", parent_session_id="b")
     assert store.get_compression_tip("a") == "c"
     assert store.get_compression_tip("b") == "c"
@@ -205,10 +205,12 @@ def test_compression_tip_follows_only_continuations(store: SessionDB) -> None:
     assert store.get_compression_tip("missing") == "missing"
 
 
-def test_compression_tip_ignores_children_started_before_the_end(store: SessionDB) -> None:
+def test_compression_tip_ignores_children_started_before_the_end(
+    store: SessionDB, clock: FakeClock
+) -> None:
     store.create_session("a", "cli")
     store.create_session("early", "cli", parent_session_id="a")
-    time.sleep(0.01)
+    clock.advance(1)
     store.end_session("a", "compression")
     assert store.get_compression_tip("a") == "a"
 
@@ -280,14 +282,16 @@ def test_get_session_by_title_is_exact(store: SessionDB) -> None:
     assert store.get_session_by_title("50x_done") is None
 
 
-def test_resolve_session_by_title_prefers_newest_numbered(store: SessionDB) -> None:
+def test_resolve_session_by_title_prefers_newest_numbered(
+    store: SessionDB, clock: FakeClock
+) -> None:
     store.create_session("orig", "cli")
     store.set_session_title("orig", "proj")
     assert store.resolve_session_by_title("proj") == "orig"
-    time.sleep(0.01)
+    clock.advance(1)
     store.create_session("second", "cli")
     store.set_session_title("second", "proj #2")
-    time.sleep(0.01)
+    clock.advance(1)
     store.create_session("third", "cli")
     store.set_session_title("third", "proj #3")
     store.create_session("other", "cli")
@@ -645,9 +649,9 @@ def test_counts(store: SessionDB) -> None:
 # -- export -----------------------------------------------------------------------------------
 
 
-def test_export_session_and_all(store: SessionDB) -> None:
+def test_export_session_and_all(store: SessionDB, clock: FakeClock) -> None:
     store.create_session("old", "cli")
-    time.sleep(0.01)
+    clock.advance(1)
     store.create_session("kid", "telegram", parent_session_id="old")
     store.append_message("old", "assistant", "x", tool_calls=[{"id": 1}])
     exported = store.export_session("old")
@@ -660,12 +664,12 @@ def test_export_session_and_all(store: SessionDB) -> None:
     assert list(store.iter_export(page_size=1)) == everything
 
 
-def test_search_sessions_newest_first_with_children(store: SessionDB) -> None:
+def test_search_sessions_newest_first_with_children(store: SessionDB, clock: FakeClock) -> None:
     for i, sid in enumerate(("a", "b", "c")):
         store.create_session(
             sid, "cli" if i < 2 else "tg", parent_session_id="a" if sid == "b" else None
         )
-        time.sleep(0.005)
+        clock.advance(1)
     assert [s["id"] for s in store.search_sessions()] == ["c", "b", "a"]
     assert [s["id"] for s in store.search_sessions(source="cli")] == ["b", "a"]
     assert [s["id"] for s in store.search_sessions(limit=1, offset=1)] == ["b"]

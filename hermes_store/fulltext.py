@@ -1,0 +1,389 @@
+"""The full-text index, one strategy per backend: the one place that creates, drops, rebuilds,
+optimizes, checks and repairs it at run time.
+
+SQLite: the original store's external-content FTS5 table ``messages_fts`` with its three sync
+triggers, plus (from ``h7_cjk_index``, where SQLite has trigrams) the contentless trigram table
+``messages_cjk`` for scripts written without spaces. PostgreSQL: the stored ``content_tsv``
+column with its GIN index, and the ``pg_trgm`` index when the extension is there.
+
+The Alembic revisions spell out their own DDL and never call this module: a released revision
+must not change when this code does. Everything else (adoption, repair at open, the doctor,
+``rebuild_search_index``, maintenance, snapshot checks) goes through :func:`for_dialect`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from hermes_store import ddl
+
+log = logging.getLogger(__name__)
+
+#: The revision that added the CJK index (SQLite).
+CJK_REVISION = "h7_cjk_index"
+#: SQLITE_CORRUPT; also the low byte of SQLITE_CORRUPT_VTAB.
+SQLITE_CORRUPT = 11
+
+
+def integrity_statement(table: str) -> str:
+    """FTS5's 'integrity-check' of ``table`` (a write statement that changes nothing)."""
+    return f"INSERT INTO {table}({table}, rank) VALUES ('integrity-check', 1)"
+
+
+def merge_statement(table: str = ddl.FTS_TABLE) -> str:
+    """FTS5's bounded 'merge' (``:pages`` leaf pages of work; negative: every segment)."""
+    return f"INSERT INTO {table}({table}, rank) VALUES ('merge', :pages)"
+
+
+class FullText(Protocol):
+    """What the runtime code asks of a backend's full-text index."""
+
+    dialect: str
+
+    def missing(
+        self, tables: Collection[str], triggers: Collection[str], indexes: Collection[str]
+    ) -> list[str]:
+        """Objects of the index absent from a schema read (names, for messages)."""
+        ...
+
+    def damage(
+        self,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        """What a schema read lacks, described for the repair's log."""
+        ...
+
+    def create(self, conn: Connection) -> None:
+        """Create whatever is missing (idempotent); does not fill the index."""
+        ...
+
+    def drop(self, conn: Connection) -> None:
+        """Drop the index objects (the messages stay)."""
+        ...
+
+    def rebuild(self, conn: Connection) -> None:
+        """Recreate missing objects and rebuild the index from ``messages``."""
+        ...
+
+    def optimize(self, conn: Connection) -> None:
+        """Compact the index."""
+        ...
+
+    def check(self, conn: Connection) -> bool:
+        """True when the index is present and sound (logs what is wrong)."""
+        ...
+
+    def repair(
+        self,
+        conn: Connection,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        """Recreate what is missing, from the data; returns what was done."""
+        ...
+
+
+class SqliteFullText:
+    """FTS5 ``messages_fts`` (the original store's) and the CJK trigram table."""
+
+    dialect = "sqlite"
+
+    def missing(
+        self, tables: Collection[str], triggers: Collection[str], indexes: Collection[str] = ()
+    ) -> list[str]:
+        found = set(tables) | set(triggers)
+        return sorted({ddl.FTS_TABLE, *ddl.FTS_TRIGGERS} - found)
+
+    def damage(
+        self,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str] = (),
+        columns: Collection[str] = (),
+    ) -> list[str]:
+        found: list[str] = []
+        if ddl.FTS_TABLE not in tables:
+            found.append(f"no {ddl.FTS_TABLE} table")
+        missing_triggers = set(ddl.FTS_TRIGGERS) - set(triggers)
+        if missing_triggers:
+            found.append(f"missing triggers {sorted(missing_triggers)}")
+        return found
+
+    def present(self, conn: Connection) -> list[str]:
+        """The objects of the main index missing from the database (read from sqlite_master)."""
+        found = conn.scalars(
+            sa.text(
+                "SELECT name FROM sqlite_master "
+                "WHERE name = :t OR (type = 'trigger' AND tbl_name = 'messages')"
+            ),
+            {"t": ddl.FTS_TABLE},
+        ).all()
+        return self.missing(found, found)
+
+    def create(self, conn: Connection) -> None:
+        for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS):
+            conn.exec_driver_sql(statement)
+        if cjk_index_expected(conn):
+            for statement in (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS):
+                conn.exec_driver_sql(statement)
+
+    def create_main(self, conn: Connection, fill: bool) -> None:
+        """The original store's objects only (adoption: the CJK index comes with h7)."""
+        for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS):
+            conn.exec_driver_sql(statement)
+        if fill:
+            conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
+
+    def drop(self, conn: Connection) -> None:
+        for statement in (*ddl.SQLITE_FTS_DROP, *ddl.SQLITE_CJK_DROP):
+            conn.exec_driver_sql(statement)
+
+    def rebuild(self, conn: Connection) -> None:
+        self.create_main(conn, fill=True)
+        if cjk_index_expected(conn):
+            statements = (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS, *ddl.SQLITE_CJK_REBUILD)
+            for statement in statements:
+                conn.exec_driver_sql(statement)
+
+    def optimize(self, conn: Connection) -> None:
+        conn.exec_driver_sql(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}) VALUES ('optimize')")
+
+    def merge_step(self, conn: Connection, pages: int) -> None:
+        """One bounded FTS5 'merge' of ``pages`` leaf pages (negative: every segment)."""
+        conn.execute(sa.text(merge_statement()), {"pages": pages})
+
+    def leaf_pages(self, conn: Connection) -> int:
+        """Rows of the index's data table: the size of the work a full merge takes."""
+        return int(conn.exec_driver_sql(f"SELECT count(*) FROM {ddl.FTS_TABLE}_data").scalar() or 0)
+
+    def check(self, conn: Connection) -> bool:
+        """FTS5 'integrity-check' against the content table (a write statement: use a write
+        transaction), then the CJK index when present or due."""
+        if self.present(conn):
+            log.error("full-text table %s or its triggers are missing", ddl.FTS_TABLE)
+            return False
+        if not fts5_integrity(conn, ddl.FTS_TABLE):
+            return False
+        return _check_cjk_index(conn)
+
+    def repair(
+        self,
+        conn: Connection,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str] = (),
+        columns: Collection[str] = (),
+    ) -> list[str]:
+        damage = self.damage(tables, triggers)
+        if not damage:
+            return []
+        # Rows written while the table or a trigger was missing are not indexed: rebuild.
+        self.create_main(conn, fill=True)
+        return [
+            f"recreated {ddl.FTS_TABLE} and its triggers and rebuilt the index "
+            f"(was: {'; '.join(damage)})"
+        ]
+
+
+class PostgresFullText:
+    """The stored ``content_tsv`` column, its GIN index and the optional trigram index."""
+
+    dialect = "postgresql"
+
+    def missing(
+        self, tables: Collection[str], triggers: Collection[str], indexes: Collection[str]
+    ) -> list[str]:
+        return [] if ddl.PG_FTS_INDEX in indexes else [ddl.PG_FTS_INDEX]
+
+    def damage(
+        self,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        found: list[str] = []
+        if ddl.PG_TSV_COLUMN not in columns:
+            found.append(f"no messages.{ddl.PG_TSV_COLUMN} column")
+        if ddl.PG_FTS_INDEX not in indexes:
+            found.append(f"no {ddl.PG_FTS_INDEX} index")
+        return found
+
+    def create(self, conn: Connection) -> None:
+        conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
+        conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+
+    def drop(self, conn: Connection) -> None:
+        for name in (ddl.PG_TRGM_INDEX, ddl.PG_FTS_INDEX):
+            conn.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
+        conn.exec_driver_sql(f"ALTER TABLE messages DROP COLUMN IF EXISTS {ddl.PG_TSV_COLUMN}")
+
+    def rebuild(self, conn: Connection) -> None:
+        self.create(conn)
+        for name in self.existing_indexes(conn):
+            conn.exec_driver_sql(f"REINDEX INDEX {name}")
+
+    def optimize(self, conn: Connection) -> None:
+        """Flush the GIN pending lists and refresh the planner's statistics (VACUUM cannot run
+        in a transaction)."""
+        for name in self.existing_indexes(conn):
+            conn.execute(
+                sa.text("SELECT gin_clean_pending_list(CAST(:name AS regclass))"), {"name": name}
+            )
+        conn.exec_driver_sql("ANALYZE messages")
+
+    def check(self, conn: Connection) -> bool:
+        """The tsvector index, and the trigram index if present, exist and are valid (amcheck
+        has no GIN check before PostgreSQL 18)."""
+        rows = conn.execute(
+            sa.text(
+                "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
+                " JOIN pg_class c ON c.oid = i.indexrelid"
+                " WHERE c.relname IN (:fts, :trgm) AND pg_table_is_visible(c.oid)"
+            ),
+            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+        ).all()
+        status = {str(name): bool(ok) for name, ok in rows}
+        if ddl.PG_FTS_INDEX not in status:
+            log.error("full-text index %s is missing", ddl.PG_FTS_INDEX)
+            return False
+        broken = sorted(name for name, ok in status.items() if not ok)
+        if broken:
+            log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
+            return False
+        return True
+
+    def has_trigram_index(self, conn: Connection) -> bool:
+        return (
+            conn.scalar(sa.text("SELECT to_regclass(:name)"), {"name": ddl.PG_TRGM_INDEX})
+            is not None
+        )
+
+    def existing_indexes(self, conn: Connection) -> list[str]:
+        names = conn.execute(
+            sa.text("SELECT to_regclass(:fts)::text, to_regclass(:trgm)::text"),
+            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+        ).one()
+        return [str(name) for name in names if name is not None]
+
+    def repair(
+        self,
+        conn: Connection,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        done: list[str] = []
+        if ddl.PG_TSV_COLUMN not in columns:
+            conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
+            done.append(f"recreated the messages.{ddl.PG_TSV_COLUMN} column")
+        if ddl.PG_FTS_INDEX not in indexes:
+            conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+            done.append(f"recreated the {ddl.PG_FTS_INDEX} index")
+        return done
+
+
+SQLITE = SqliteFullText()
+POSTGRESQL = PostgresFullText()
+
+
+def for_dialect(name: str) -> SqliteFullText | PostgresFullText:
+    """The strategy of a dialect (``conn.dialect.name``)."""
+    if name == "sqlite":
+        return SQLITE
+    if name == "postgresql":
+        return POSTGRESQL
+    raise ValueError(f"no full-text strategy for the {name!r} dialect")
+
+
+def of(conn: Connection) -> SqliteFullText | PostgresFullText:
+    """The strategy of a connection's dialect."""
+    return for_dialect(conn.dialect.name)
+
+
+def fts5_integrity(conn: Connection, table: str) -> bool:
+    """FTS5's 'integrity-check' (against the content table when it has one), in a savepoint."""
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(integrity_statement(table))
+    except sa.exc.DatabaseError as error:
+        if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+            raise
+        log.error("full-text index %s failed its integrity check: %s", table, error.orig)
+        return False
+    return True
+
+
+def cjk_index_expected(conn: Connection) -> bool:
+    """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
+    from hermes_store import migrate, schema_ops
+
+    if not _has_table(conn, "alembic_version"):
+        return False
+    revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+    if revision is None:
+        return False
+    try:
+        chain = {s.revision for s in migrate._scripts().iterate_revisions(revision, "base")}
+    except Exception:  # an unknown revision: not ours to extend
+        return False
+    version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
+    return CJK_REVISION in chain and schema_ops.trigram_supported(version)
+
+
+def _has_table(conn: Connection, name: str) -> bool:
+    return bool(
+        conn.execute(
+            sa.text("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :n"),
+            {"n": name},
+        ).scalar()
+    )
+
+
+def _check_cjk_index(conn: Connection) -> bool:
+    """The CJK index, when present (or due), has its triggers, passes FTS5's check, and holds
+    exactly the messages its triggers select (compared by id)."""
+    if not _has_table(conn, ddl.CJK_TABLE):
+        if cjk_index_expected(conn):
+            log.error("the CJK index %s is missing", ddl.CJK_TABLE)
+            return False
+        return True
+    triggers = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+        ).bindparams(sa.bindparam("names", expanding=True)),
+        {"names": list(ddl.CJK_TRIGGERS)},
+    ).scalar_one()
+    if triggers != len(ddl.CJK_TRIGGERS):
+        log.error("triggers of the CJK index %s are missing", ddl.CJK_TABLE)
+        return False
+    if not fts5_integrity(conn, ddl.CJK_TABLE):
+        return False
+    drift = (
+        conn.execute(
+            sa.text(
+                f"SELECT count(*) FROM (SELECT id FROM messages WHERE content GLOB :glob"
+                f" EXCEPT SELECT id FROM {ddl.CJK_DOCSIZE}) UNION ALL"
+                f" SELECT count(*) FROM (SELECT id FROM {ddl.CJK_DOCSIZE}"
+                f" EXCEPT SELECT id FROM messages WHERE content GLOB :glob)"
+            ),
+            {"glob": ddl.CJK_GLOB},
+        )
+        .scalars()
+        .all()
+    )
+    if any(drift):
+        log.error("the CJK index misses %d messages and holds %d it should not", drift[0], drift[1])
+        return False
+    return True
