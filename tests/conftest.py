@@ -55,7 +55,18 @@ UNIT_MODULES = frozenset(
         "test_transactions",
     }
 )
-_SERVER_BACKENDS = frozenset({"postgresql", "pgbouncer"})
+#: Tests of those modules that take seconds (large data, lock waits): integration tier, as are
+#: all hypothesis tests.
+UNIT_EXCLUDED = (
+    "test_large_database",
+    "test_ten_megabyte",
+    "test_reads_and_searches_answer_or_refuse_cleanly",
+    "test_damaged_database_waits_for_the_lock",
+    "test_message_too_large_for_a_tsvector",
+    "test_to_dataframe_on_every_kind_of_target",
+)
+#: Backends of the unit tier; the CJK-less SQLite variant repeats the search contract.
+_SERVER_BACKENDS = frozenset({"postgresql", "pgbouncer", NO_CJK_INDEX})
 _SERVER_FIXTURES = frozenset({"pg_url", "pg_worker_url"})
 
 
@@ -64,6 +75,10 @@ def _is_unit(item: pytest.Item) -> bool:
         return False
     module = getattr(item, "module", None)
     if module is None or module.__name__.rpartition(".")[2] not in UNIT_MODULES:
+        return False
+    if getattr(item, "originalname", item.name).startswith(UNIT_EXCLUDED):
+        return False
+    if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
         return False
     callspec = getattr(item, "callspec", None)
     params = callspec.params.values() if callspec is not None else ()
