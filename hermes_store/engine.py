@@ -26,7 +26,9 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from hermes_store import files
+from hermes_store import placement as placement_mod
 from hermes_store.errors import EngineSettingsError, InvalidInputError, UnsupportedEngineError
+from hermes_store.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +166,12 @@ def create_engine(
     foreign_keys: bool = True,
     synchronous: str = "full",
     wal_size_limit: int | None = None,
+    placement: Placement | None = None,
     **engine_kwargs: Any,
 ) -> Engine:
     """An Engine for ``target`` with this package's hooks (an Engine given is hooked in place:
-    see :func:`install_sqlite_hooks`).
+    see :func:`install_sqlite_hooks`). ``placement`` (default: the current one, see
+    :mod:`hermes_store.placement`) puts the tables in a schema and names the version table.
 
     Connecting does not create a missing file owner-only: open databases through
     :class:`~hermes_store.SessionDB` or :mod:`hermes_store.migrate`, which do.
@@ -184,6 +188,13 @@ def create_engine(
             )
         return target
     url = to_url(target)
+    where = placement_mod.current() if placement is None else placement
+    where.check_dialect(url.get_backend_name())
+    if not where.is_default:
+        engine_kwargs["execution_options"] = {
+            **engine_kwargs.get("execution_options", {}),
+            **where.execution_options(),
+        }
     if url.get_backend_name() == "sqlite":
         path = sqlite_file(url)
         if path is not None and unreadable_in_wal(path):
@@ -213,6 +224,7 @@ def create_engine(
     engine = sa.create_engine(url, **engine_kwargs)
     if url.get_backend_name() == "postgresql" and engine.dialect.driver == "psycopg":
         install_safe_ping(engine)
+    placement_mod.install(engine, where)
     return engine
 
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from hermes_store import ddl
+from hermes_store import ddl, placement
 
 log = logging.getLogger(__name__)
 
@@ -329,9 +329,10 @@ def cjk_index_expected(conn: Connection) -> bool:
     """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
     from hermes_store import migrate, schema_ops
 
-    if not _has_table(conn, "alembic_version"):
+    version_table = placement.of(conn).version_table
+    if not _has_table(conn, version_table):
         return False
-    revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+    revision = conn.execute(sa.text(f"SELECT version_num FROM {version_table}")).scalar()
     if revision is None:
         return False
     try:

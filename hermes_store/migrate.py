@@ -30,7 +30,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from hermes_store import ddl, files, fulltext
+from hermes_store import ddl, files, fulltext, placement
 from hermes_store.engine import (
     WRITE_OPTION,
     Target,
@@ -72,9 +72,18 @@ def alembic_config(connection: Connection | None = None) -> Config:
     """An Alembic Config that needs no alembic.ini (works from an installed wheel)."""
     config = Config()
     config.set_main_option("script_location", script_location())
+    config.attributes["placement"] = placement.current()
     if connection is not None:
         config.attributes["connection"] = connection
+        config.attributes["placement"] = placement.of(connection)
     return config
+
+
+def _migration_context(conn: Connection) -> MigrationContext:
+    """Alembic's context on ``conn``, with the placement's version table."""
+    where = placement.of(conn)
+    opts = {"version_table": where.version_table, "version_table_schema": where.schema}
+    return MigrationContext.configure(conn, opts=opts)
 
 
 @functools.cache
@@ -106,6 +115,7 @@ class DatabaseState:
 
     tables: set[str] = field(default_factory=set)
     revision: str | None = None
+    version_table: str = placement.DEFAULT_VERSION_TABLE
     schema_version: int | None = None
     columns: dict[str, set[str]] = field(default_factory=dict)
     #: SQLite: the trigger names; PostgreSQL: the index names on ``messages``.
@@ -114,7 +124,7 @@ class DatabaseState:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.tables - ddl.UNMODELLED_TABLES)
+        return not (self.tables - ddl.UNMODELLED_TABLES - {self.version_table})
 
     @property
     def is_legacy(self) -> bool:
@@ -125,6 +135,7 @@ def read_state(conn: Connection) -> DatabaseState:
     """Tables, Alembic revision and the original store's schema_version of the connected
     database."""
     inspector = sa.inspect(conn)
+    where = placement.of(conn)
     triggers: set[str] = set()
     indexes: set[str] = set()
     if conn.dialect.name == "sqlite":
@@ -136,24 +147,32 @@ def read_state(conn: Connection) -> DatabaseState:
         tables = {name for kind, name in rows if kind == "table"}
         triggers = {name for kind, name in rows if kind == "trigger"}
     else:
-        tables = set(inspector.get_table_names())
+        tables = set(inspector.get_table_names(schema=where.schema))
         if "messages" in tables:
             indexes = set(
                 conn.execute(
                     sa.text(
                         "SELECT indexname FROM pg_indexes "
-                        "WHERE schemaname = current_schema() AND tablename = 'messages'"
-                    )
+                        "WHERE schemaname = COALESCE(:schema, current_schema()) "
+                        "AND tablename = 'messages'"
+                    ),
+                    {"schema": where.schema},
                 ).scalars()
             )
-    state = DatabaseState(tables=tables, triggers=triggers, indexes=indexes)
-    if "alembic_version" in tables:
-        state.revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+    state = DatabaseState(
+        tables=tables, triggers=triggers, indexes=indexes, version_table=where.version_table
+    )
+    if where.version_table in tables:
+        state.revision = conn.execute(
+            sa.text(f"SELECT version_num FROM {where.table(where.version_table)}")
+        ).scalar()
     if "schema_version" in tables:
         state.schema_version = conn.execute(sa.text("SELECT version FROM schema_version")).scalar()
     for table in ("sessions", "messages"):
         if table in tables:
-            state.columns[table] = {c["name"] for c in inspector.get_columns(table)}
+            state.columns[table] = {
+                c["name"] for c in inspector.get_columns(table, schema=where.schema)
+            }
     return state
 
 
@@ -181,7 +200,7 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
     if state.is_empty:
         return
     if state.schema_version is None:
-        found = ", ".join(sorted(state.tables - ddl.UNMODELLED_TABLES))
+        found = ", ".join(sorted(state.tables - ddl.UNMODELLED_TABLES - {state.version_table}))
         raise UnrecognizedSchemaError(
             f"{where} holds tables ({found}) but no schema_version: not a Hermes state database"
         )
@@ -285,7 +304,7 @@ def adopt(conn: Connection) -> DatabaseState:
         log.info(
             "adopting a legacy database at schema_version %s as %s", state.schema_version, revision
         )
-        MigrationContext.configure(conn).stamp(_scripts(), revision)
+        _migration_context(conn).stamp(_scripts(), revision)
         # The original store always created the FTS objects and title index; put back any that
         # are gone.
         if conn.dialect.name == "sqlite":
@@ -333,6 +352,7 @@ def migration_connection(
                     conn.execute(
                         sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK}
                     )
+                    placement.create_schema(conn, placement.of(conn))
                 yield conn
             log.info(
                 "%s: migration committed; it held the write lock for %.2f s",
@@ -514,7 +534,7 @@ def _describe_url(url: sa.URL) -> str:
 
 
 def _current_revision(conn: Connection) -> str | None:
-    return MigrationContext.configure(conn).get_current_revision()
+    return _migration_context(conn).get_current_revision()
 
 
 def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) -> None:

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import fastpath, listing, retention, search, shared, titles, validate
+from hermes_store import fastpath, listing, placement, retention, search, shared, titles, validate
 from hermes_store.engine import (
     READER_BUSY_TIMEOUT_S,
     WRITER_BUSY_TIMEOUT_S,
@@ -140,7 +140,9 @@ class SessionDB:
     ``migrate="check"`` refuses a database behind head with :class:`SchemaBehindError` and
     changes nothing (old instances during a rolling deploy, notebooks on the live file);
     ``migrate="never"`` neither checks nor migrates. ``clock`` (default ``time.time``) gives
-    every timestamp the store writes and the prune cutoff.
+    every timestamp the store writes and the prune cutoff. ``schema`` (PostgreSQL) and
+    ``version_table`` place the tables beside an application's own (default: the
+    ``HERMES_STORE_SCHEMA`` and ``HERMES_STORE_VERSION_TABLE`` environment variables).
     """
 
     MAX_TITLE_LENGTH = titles.MAX_TITLE_LENGTH
@@ -155,8 +157,12 @@ class SessionDB:
         synchronous: str = "full",
         migrate: str = "auto",
         clock: Callable[[], float] = time.time,
+        schema: str | None = None,
+        version_table: str | None = None,
     ) -> None:
         validate.target(db_path)
+        #: Where the tables live (see :mod:`hermes_store.placement`): checked before anything.
+        self.placement = placement.Placement.resolve(schema, version_table)
         if not callable(clock):
             raise InvalidInputError(f"clock must be a callable returning seconds, not {clock!r}")
         #: Every timestamp the store writes (started_at, ended_at, message timestamps) and the
@@ -182,20 +188,22 @@ class SessionDB:
         self._owns_engine = given is None
         url = given.url if given is not None else to_url(target)  # type: ignore[arg-type]
         self.db_path = None if given is not None else target
+        self.placement.check_dialect(url.get_backend_name())
         path = sqlite_file(url)
         self._file: shared.FileKey | None = None
-        if path is not None:
-            # Brought to head first (without the write lock when already there); then the
-            # file's one writer in this process is shared.
-            _bring_to_head(url, migrate, options.retry)
-            self._file = shared.file_key(path)
-            self.uow = shared.acquire(
-                self._file, options, lambda: self._make_uow(target, options), str(path)
-            )
-            self.engine: Engine = self.uow.engine
-        else:
-            self.uow, _ = self._make_uow(target, options, migrate=migrate)
-            self.engine = self.uow.engine
+        with placement.using(self.placement):
+            if path is not None:
+                # Brought to head first (without the write lock when already there); then the
+                # file's one writer in this process is shared.
+                _bring_to_head(url, migrate, options.retry)
+                self._file = shared.file_key(path)
+                self.uow = shared.acquire(
+                    self._file, options, lambda: self._make_uow(target, options), str(path)
+                )
+                self.engine: Engine = self.uow.engine
+            else:
+                self.uow, _ = self._make_uow(target, options, migrate=migrate)
+                self.engine = self.uow.engine
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
         self._insert_session = dialect_insert(S).on_conflict_do_nothing(index_elements=["id"])

@@ -17,7 +17,7 @@ from alembic import context
 from alembic.operations.ops import AlterColumnOp
 from sqlalchemy.engine import Connection
 
-from hermes_store import ddl, migrate
+from hermes_store import ddl, migrate, placement
 from hermes_store.engine import to_url, url_from_environment
 from hermes_store.models import Base
 
@@ -35,6 +35,16 @@ def _url() -> str:
     x_url = context.get_x_argument(as_dictionary=True).get("url")
     url = to_url(x_url) if x_url else url_from_environment()
     return url.render_as_string(hide_password=False)
+
+
+def _placement() -> placement.Placement:
+    """``-x schema=... -x version_table=...``, else the caller's, else the environment's."""
+    x = context.get_x_argument(as_dictionary=True)
+    given = config.attributes.get("placement")
+    base = given if isinstance(given, placement.Placement) else placement.current()
+    return placement.Placement(
+        x.get("schema") or base.schema, x.get("version_table") or base.version_table
+    )
 
 
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
@@ -84,8 +94,11 @@ def _mutating() -> bool:
 
 
 def _configure(connection: Connection) -> None:
+    where = placement.of(connection)
     context.configure(
         connection=connection,
+        version_table=where.version_table,
+        version_table_schema=where.schema,
         target_metadata=target_metadata,
         include_name=include_name,
         render_as_batch=True,
@@ -96,14 +109,20 @@ def _configure(connection: Connection) -> None:
 
 
 def run_migrations_offline() -> None:
+    where = _placement()
     context.configure(
         url=_url(),
+        version_table=where.version_table,
+        version_table_schema=where.schema,
         target_metadata=target_metadata,
         literal_binds=True,
         render_as_batch=True,
         transaction_per_migration=False,
     )
     with context.begin_transaction():
+        if where.schema is not None:  # as online: the literal DDL lands in the schema
+            context.execute(f'CREATE SCHEMA IF NOT EXISTS "{where.schema}"')
+            context.execute(f'SET LOCAL search_path TO "{where.schema}"')
         context.run_migrations()
 
 
@@ -120,6 +139,11 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
+    with placement.using(_placement()):
+        _run_own_connection()
+
+
+def _run_own_connection() -> None:
     if _mutating():
         with migrate.migration_connection(_url()) as conn:
             _run(conn)
