@@ -336,6 +336,7 @@ def migration_connection(
     before the writes' own retries would; how long the lock was then held is logged.
     """
     url = target.url if isinstance(target, Engine) else to_url(target)
+    placement.current().check_dialect(url.get_backend_name())  # before a file is created
     path = sqlite_file(url)
     if path is not None:
         remove_stale_temps(path)

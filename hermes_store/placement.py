@@ -83,8 +83,9 @@ class Placement:
 
     @classmethod
     def resolve(cls, schema: str | None = None, version_table: str | None = None) -> Placement:
-        """Explicit values, else the environment's."""
-        env = cls.from_environment()
+        """Explicit values, else those of the call in progress (:func:`using`), else the
+        environment's."""
+        env = current()
         return cls(
             env.schema if schema is None else schema,
             env.version_table if version_table is None else version_table,

@@ -160,3 +160,35 @@ def test_names_that_are_not_plain_identifiers_are_refused(
     with pytest.raises(InvalidInputError):
         SessionDB(tmp_path / "state.db", schema=schema, version_table=version_table)
     assert not (tmp_path / "state.db").exists()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_the_command_line_takes_schema_and_version_table(app_db: URL) -> None:
+    from click.testing import CliRunner
+
+    from hermes_store.cli import cli
+
+    before = _public(app_db)
+    runner = CliRunner()
+    where = ["--db", url_string(app_db), "--schema", "hermes_a", "--version-table", "hermes_v"]
+    upgraded = runner.invoke(cli, [*where, "db", "upgrade"])
+    assert upgraded.exit_code == 0, upgraded.output
+    assert {"sessions", "hermes_v"} <= _tables(app_db, "hermes_a")
+    doctor = runner.invoke(cli, [*where, "doctor"])
+    assert doctor.exit_code == 0, doctor.output
+    listed = runner.invoke(cli, [*where, "sessions", "list"])
+    assert listed.exit_code == 0, listed.output
+    assert _public(app_db) == before
+    bad = runner.invoke(cli, ["--db", url_string(app_db), "--schema", "No;Way", "stats"])
+    assert bad.exit_code == 2 and "schema must be" in bad.output
+
+
+def test_the_command_line_refuses_a_schema_on_sqlite(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hermes_store.cli import cli
+
+    path = tmp_path / "state.db"
+    result = CliRunner().invoke(cli, ["--db", str(path), "--schema", "hermes", "db", "upgrade"])
+    assert result.exit_code == 1 and "needs PostgreSQL" in result.output
+    assert result.output.count("\n") == 1 and not path.exists()

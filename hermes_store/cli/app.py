@@ -229,9 +229,21 @@ yes_option = click.option(
     metavar="PATH|URL",
     help="SQLite file or SQLAlchemy URL. Default: $HERMES_STORE_URL, else $HERMES_HOME/state.db.",
 )
+@click.option(
+    "--schema",
+    metavar="NAME",
+    help="PostgreSQL schema holding the tables, beside an application's own. "
+    "Default: $HERMES_STORE_SCHEMA, else the database's default.",
+)
+@click.option(
+    "--version-table",
+    metavar="NAME",
+    help="Name of the Alembic version table. "
+    "Default: $HERMES_STORE_VERSION_TABLE, else alembic_version.",
+)
 @click.version_option(package_name="hermes-store", prog_name="hermes-store")
 @click.pass_context
-def cli(ctx: click.Context, db: str | None) -> None:
+def cli(ctx: click.Context, db: str | None, schema: str | None, version_table: str | None) -> None:
     """Manage a Hermes session database: migrations, sessions, search, export and health.
 
     \b
@@ -248,6 +260,14 @@ def cli(ctx: click.Context, db: str | None) -> None:
     app = App(db)
     ctx.obj = app
     ctx.call_on_close(app.close)
+    if schema is not None or version_table is not None:
+        from hermes_store import placement  # only then: --help stays free of SQLAlchemy
+
+        try:
+            where = placement.Placement.resolve(schema, version_table)
+        except ValueError as error:  # InvalidInputError: a usage error here
+            raise BadArgument(one_line(error)) from error
+        ctx.with_resource(placement.using(where))
 
 
 def _tolerant_streams() -> None:
