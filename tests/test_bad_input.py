@@ -481,6 +481,10 @@ SQL_INTERPOLATION_ALLOWED = {
     ("transfer.py", "sequence"): "pg_get_serial_sequence('messages', 'id'): a quoted catalog name",
     ("fulltext.py", "table"): "ddl.FTS_TABLE or ddl.CJK_TABLE, from the callers in the package",
     ("fulltext.py", "name"): "to_regclass() of the constant index names, or a constant",
+    ("fulltext.py", "version_table"): "Placement.version_table: checked as a plain identifier",
+    ("migrate.py", "where.table(where.version_table)"): "Placement.table(): checked identifiers",
+    ("placement.py", "placement.schema"): "Placement.schema: checked as a plain identifier",
+    ("placement.py", "self.schema"): "Placement.schema: checked as a plain identifier",
 }
 
 
