@@ -44,6 +44,7 @@ UNIT_MODULES = frozenset(
         "test_bad_input",
         "test_clock",
         "test_engine",
+        "test_fulltext",
         "test_hardening_open",
         "test_listing",
         "test_migrate_modes",
