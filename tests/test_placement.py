@@ -192,3 +192,33 @@ def test_the_command_line_refuses_a_schema_on_sqlite(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["--db", str(path), "--schema", "hermes", "db", "upgrade"])
     assert result.exit_code == 1 and "needs PostgreSQL" in result.output
     assert result.output.count("\n") == 1 and not path.exists()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_offline_sql_places_the_tables_too(app_db: URL) -> None:
+    import io
+
+    before = _public(app_db)
+    buffer = io.StringIO()
+    config = migrate.alembic_config()
+    config.output_buffer = buffer
+    config.cmd_opts = argparse.Namespace(
+        x=[f"url={url_string(app_db)}", "schema=hermes_x", "version_table=hermes_v"]
+    )
+    command.upgrade(config, "head", sql=True)
+    script = buffer.getvalue()
+    assert 'CREATE SCHEMA IF NOT EXISTS "hermes_x"' in script
+    engine = create_engine(
+        app_db, poolclass=NullPool, placement=Placement(), isolation_level="AUTOCOMMIT"
+    )
+    with engine.connect() as conn:
+        conn.connection.driver_connection.execute(script)  # type: ignore[union-attr]
+    engine.dispose()
+    assert {"sessions", "messages", "hermes_v"} <= _tables(app_db, "hermes_x")
+    assert _public(app_db) == before
+    with SessionDB(
+        url_string(app_db), schema="hermes_x", version_table="hermes_v", migrate="check"
+    ) as db:
+        db.create_session("s", "cli")
+        db.append_message("s", "user", "offline okapi")
+        assert [h["session_id"] for h in db.search_messages("okapi")] == ["s"]
