@@ -49,6 +49,7 @@ UNIT_MODULES = frozenset(
         "test_listing",
         "test_migrate_modes",
         "test_paths",
+        "test_placement",
         "test_redact",
         "test_search",
         "test_store",
