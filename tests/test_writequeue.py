@@ -119,13 +119,15 @@ def test_threads_of_one_process_take_turns_in_arrival_order(db: str) -> None:
     queue = writequeue.for_database(db)
     store = SessionDB(db)
     threads = []
+    def write(text: str) -> None:  # a transaction() block: never grouped, one turn each
+        with store.transaction():
+            store.append_message("q", "user", text)
+
     with queue.turn() as turn:
         assert turn.queued
         issued = queue.tickets()[0]
         for index in range(4):
-            thread = threading.Thread(
-                target=store.append_message, args=("q", "user", f"thread {index}")
-            )
+            thread = threading.Thread(target=write, args=(f"thread {index}",))
             thread.start()
             threads.append(thread)
             wait_for_tickets(queue, issued + index + 1)
