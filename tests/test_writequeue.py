@@ -119,6 +119,7 @@ def test_threads_of_one_process_take_turns_in_arrival_order(db: str) -> None:
     queue = writequeue.for_database(db)
     store = SessionDB(db)
     threads = []
+
     def write(text: str) -> None:  # a transaction() block: never grouped, one turn each
         with store.transaction():
             store.append_message("q", "user", text)
