@@ -19,8 +19,15 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from hermes_store import InvalidInputError, SessionDB, UnknownSessionError, writequeue
+from hermes_store import (
+    InvalidInputError,
+    SessionDB,
+    StorageFullError,
+    UnknownSessionError,
+    writequeue,
+)
 from hermes_store.groupcommit import MAX_GROUP
+from tests.test_hardening import _fill, tiny_disk  # noqa: F401 (a fixture)
 
 GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
 
@@ -363,3 +370,39 @@ def test_the_heartbeat_counts_as_the_line_moving(tmp_path: Path) -> None:
     waiter.join(GUARD)
     assert result and result[0].queued
     assert waiter_queue.stats().fallbacks == 0
+
+
+# -- a real full disk inside a group ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_full_disk_loses_the_group_and_each_unit_gets_its_own_outcome(
+    tiny_disk: Path,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """On a real, nearly full tmpfs one unit is too big for the space left: SQLite cannot
+    write the group's transaction (SQLITE_FULL), so none of it is acknowledged; every unit
+    runs again alone, the small ones land once and only the big one's caller hears "full"."""
+    store = SessionDB(tiny_disk / "state.db")
+    try:
+        store.create_session("s", "cli")
+        store.append_message("s", "user", "warm up")  # the WAL and -shm exist
+        reserve = tiny_disk / "reserve"
+        reserve.write_bytes(b"\0" * (768 * 1024))
+        _fill(tiny_disk)
+        reserve.unlink()  # about 768 KB left
+        small = 5
+        calls: list[Callable[[], Any]] = [
+            (lambda i=i: store.append_message("s", "user", f"small {i}")) for i in range(small)
+        ]
+        calls.append(lambda: store.append_message("s", "user", "big " + "x" * (3 << 20)))
+        outcomes = _grouped(store, calls)
+        kinds = [kind for kind, _ in outcomes]
+        assert kinds == ["ok"] * small + ["error"], outcomes
+        assert isinstance(outcomes[-1][1], StorageFullError)
+        stats = store.stats()
+        assert stats.lost_groups >= 1 and stats.group_reruns >= len(calls)
+        stored = {m["id"]: m["content"] for m in store.get_messages("s")}
+        assert sorted(stored.values()) == sorted(["warm up", *(f"small {i}" for i in range(small))])
+        assert {outcomes[i][1] for i in range(small)} <= set(stored)
+    finally:
+        store.close()
