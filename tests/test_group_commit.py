@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
+import hermes_store
 from hermes_store import (
     InvalidInputError,
     SessionDB,
@@ -27,6 +28,7 @@ from hermes_store import (
     writequeue,
 )
 from hermes_store.groupcommit import MAX_GROUP
+from tests import legacy
 from tests.test_hardening import _fill, tiny_disk  # noqa: F401 (a fixture)
 
 GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
@@ -406,3 +408,39 @@ def test_a_full_disk_loses_the_group_and_each_unit_gets_its_own_outcome(
         assert {outcomes[i][1] for i in range(small)} <= set(stored)
     finally:
         store.close()
+
+
+# -- opening takes a turn in the same queue -----------------------------------------------------
+
+
+def test_adopting_a_legacy_file_waits_for_its_turn_in_the_writer_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer holds the queue's turn (not SQLite's lock): opening a legacy file lines up
+    behind it instead of overtaking it, then adopts the file once the turn is passed on."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 5)
+    monkeypatch.setenv(writequeue.ENV_WAIT, str(GUARD))  # this file's queue: a long bound
+    holder = writequeue.WriteQueue(path)  # another member of the line (its own descriptors)
+    opened: list[Any] = []
+    with holder.turn() as turn:
+        assert turn.queued
+        issued = holder.tickets()[0]
+        outcome, threads = _run_threads([lambda: opened.append(SessionDB(path))])
+        _wait_until(lambda: holder.tickets()[0] > issued, "the opener's ticket")
+        assert threads[0].is_alive() and not opened
+        with sqlite3.connect(path) as raw:  # not adopted yet: it really waits in line
+            tables = {r[0] for r in raw.execute("SELECT name FROM sqlite_master")}
+        assert "alembic_version" not in tables
+    threads[0].join(GUARD)
+    assert outcome[0] is not None and outcome[0][0] == "ok", outcome
+    store = opened[0]
+    try:
+        queue = writequeue.for_database(path)
+        stats = queue.stats()
+        assert stats.turns >= 1 and stats.waits >= 1 and stats.fallbacks == 0
+        store.create_session("after", "cli")
+        assert store.get_session("after") is not None
+    finally:
+        store.close()
+    assert hermes_store.current(path) is not None
