@@ -334,7 +334,10 @@ def migration_connection(
         remove_stale_temps(path)
     created = path is not None and preflight_sqlite(path) is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
-    turns = writequeue.for_database(path).turn() if path is not None else nullcontext()
+    # Only a file whose writers use the queue (its lock file exists): a refused or new file
+    # is left without a lock file beside it.
+    queued = path is not None and Path(f"{path}{files.WRITER_LOCK_SUFFIX}").exists()
+    turns = writequeue.for_database(path).turn() if queued and path else nullcontext()
     try:
         with _lock_errors(url), mapped_errors(), turns as turn:
             conn, transaction = _begin_migration(engine, retry or RetryPolicy(), turn)
