@@ -108,6 +108,9 @@ class GroupCommit:
             finally:
                 with cond:
                     self._leading = False
+                    if pending.state == _QUEUED:  # interrupted: no later leader may run it
+                        self._queue.remove(pending)
+                        pending.state = _RERUN
                     cond.notify_all()
         if pending.state == _DONE:
             return True, pending.result
