@@ -5,15 +5,20 @@ counters (several threads each, every thread on its own store) while readers sea
 order rotates each round, so drift on a shared machine hits all alike), on a fresh database
 per run, and prints a markdown table of medians with [min..max] over the rounds:
 
-- ``ours``: hermes_store as it is (the fair writer queue on);
-- ``ours, sync=NORMAL``: the same with ``PRAGMA synchronous=NORMAL`` on every connection;
-- ``before``: hermes_store with the queue off (``HERMES_STORE_WRITE_QUEUE=0`` in the worker
-  processes), i.e. the code before the queue: every writer meets SQLite's busy handler;
+- ``ours``: hermes_store as it is (the fair writer queue and group commit on);
+- ``ours, sync=NORMAL``: the same opened with ``synchronous="normal"`` (the opt-in);
+- ``before``: hermes_store with the queue and group commit off (``HERMES_STORE_WRITE_QUEUE=0``,
+  ``HERMES_STORE_GROUP_COMMIT=0`` in the worker processes), i.e. the code before the queue:
+  every writer meets SQLite's busy handler;
 - ``original``: the original store (``tests/seed_store.py``, raw ``sqlite3``).
 
 Sets: ``8x4+2r`` (8 processes x 4 threads, 2 reader processes), ``16x1``, and ``mixed``
-(8 x 4 of ours plus 2 original-store processes x 4 threads on the same file). Ratios are
-taken per round against the original store in the same round (``mixed``: against ``before``).
+(8 x 4 of the contender plus 2 original-store processes x 4 threads on the same file; with
+the contender ``original`` every process is the original store: the run of the same size the
+original processes' latency is compared with). Ratios are taken per round against the
+original store in the same round (``mixed``: against ``original``). Units per commit: the
+write units of our writer processes over their commits (group commit makes it above 1).
+``--out docs/benchmarks.md`` rewrites that file's load section with the report.
 Real processes (``fork``: cheap on two cores; the queue's fork hook gives children their own
 lock descriptors); totals are checked exactly after every run.
 """
@@ -41,7 +46,8 @@ from hermes_store import HermesStoreError, SessionDB
 
 SHARED = "load-shared"
 ORIGINAL = "original"
-KINDS = ("ours", "ours, sync=NORMAL", "before", ORIGINAL)
+NORMAL = "ours, sync=NORMAL"
+KINDS = ("ours", NORMAL, "before", ORIGINAL)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,12 @@ class LoadResult:
     totals: dict[str, Any] = field(default_factory=dict)
     cpu_seconds: float = 0.0  #: CPU time of the first group's writer processes
     queue_fallbacks: int = 0
+    units: int = 0  #: write units of the first group's processes (ours only)
+    commits: int = 0  #: their commits (a group commit counts once)
+
+    @property
+    def units_per_commit(self) -> float:
+        return self.units / self.commits if self.commits else float("nan")
 
     @property
     def writes(self) -> int:
@@ -102,14 +114,7 @@ def _setup(kind: str) -> None:
     """Per-process switches for a contender (run in the worker, before any store is opened)."""
     if kind == "before":
         os.environ["HERMES_STORE_WRITE_QUEUE"] = "0"
-    elif kind == "ours, sync=NORMAL":
-        from sqlalchemy import event
-        from sqlalchemy.engine import Engine
-
-        def normal(dbapi_connection: Any, _record: Any) -> None:
-            dbapi_connection.execute("PRAGMA synchronous=NORMAL")
-
-        event.listen(Engine, "connect", normal)
+        os.environ["HERMES_STORE_GROUP_COMMIT"] = "0"
 
 
 def _open(url: str, kind: str) -> Any:
@@ -118,11 +123,13 @@ def _open(url: str, kind: str) -> Any:
         from tests.seed_store import SeedSessionDB
 
         return SeedSessionDB(url)
+    if kind == NORMAL:
+        return SessionDB(url, synchronous="normal")
     return SessionDB(url)
 
 
 def _writer(
-    url: str, kind: str, worker: int, threads: int, ops: int, start: Barrier, out: Any
+    url: str, kind: str, worker: int, threads: int, ops: int, start: Barrier, out: Any, group: int
 ) -> None:
     _setup(kind)
     stores = [_open(url, kind) for _ in range(threads)]  # every thread on its own store
@@ -151,7 +158,12 @@ def _writer(
     for thread in pool:
         thread.join()
     cpu = time.process_time() - cpu0
-    fallbacks = 0
+    fallbacks = units = commits = 0
+    uow = getattr(stores[0], "uow", None)  # one per file per process, shared by the stores
+    if uow is not None:
+        counts = uow.stats
+        units = counts.write_units
+        commits = counts.groups + counts.write_units - counts.grouped_units
     for store in stores:
         write_queue = getattr(getattr(store, "uow", None), "write_queue", None)
         if write_queue is not None:
@@ -159,7 +171,7 @@ def _writer(
             fallbacks = stats.fallbacks
         store.close()
     flat = [x for mine in latencies for x in mine]
-    out.put(("writer", kind, flat, errors, False, cpu, fallbacks))
+    out.put(("writer", group, flat, errors, (units, commits), cpu, fallbacks))
 
 
 def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: Any) -> None:
@@ -183,7 +195,7 @@ def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: 
             turn += 1
         latencies.append(time.perf_counter() - t0)
     store.close()
-    out.put(("reader", kind, latencies, errors, False, 0.0, 0))
+    out.put(("reader", -1, latencies, errors, (0, 0), 0.0, 0))
 
 
 def prepare(url: str) -> None:
@@ -215,8 +227,8 @@ def run_groups(
     start = ctx.Barrier(writers + readers + 1)
     stop = ctx.Event()
     procs = [
-        ctx.Process(target=_writer, args=(url, g.kind, w, g.threads, g.ops, start, out))
-        for g in groups
+        ctx.Process(target=_writer, args=(url, g.kind, w, g.threads, g.ops, start, out, index))
+        for index, g in enumerate(groups)
         for w in range(g.processes)
     ]
     procs += [
@@ -233,17 +245,19 @@ def run_groups(
     pending = len(procs)
     while pending:
         try:
-            role, kind, latencies, errors, _, cpu, fallbacks = out.get(timeout=300)
+            role, group, latencies, errors, counts, cpu, fallbacks = out.get(timeout=300)
         except queue.Empty:
             result.errors.append("a worker did not report within 300 s")
             break
         pending -= 1
         result.errors.extend(errors)
         if role == "writer":
-            if kind == first.kind:
+            if group == 0:
                 result.write_latencies.extend(latencies)
                 result.cpu_seconds += cpu
                 result.queue_fallbacks += fallbacks
+                result.units += counts[0]
+                result.commits += counts[1]
             else:
                 result.other_latencies.extend(latencies)
             pending_writers -= 1
@@ -326,8 +340,8 @@ def scenarios(ops: int) -> list[Scenario]:
         Scenario("16x1", KINDS, ORIGINAL, lambda k, n: [Group(k, 16, 1, n)], 0, 2 * ops),
         Scenario(
             "mixed 8x4 + 2x4 original",
-            ("ours", "before"),
-            "before",
+            ("ours", "before", ORIGINAL),
+            ORIGINAL,
             lambda k, n: [Group(k, 8, 4, n), Group(ORIGINAL, 2, 4, n)],
             0,
             ops,
@@ -358,6 +372,7 @@ def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> 
     """Run every scenario's contenders interleaved for ``rounds`` rounds; a markdown report."""
     runs: dict[tuple[str, str], list[LoadResult]] = {}
     ratio: dict[tuple[str, str, str], list[float]] = {}
+    loads: list[float] = []
     plan = [s for s in scenarios(ops) if only is None or s.name.split()[0] in only]
     started = time.perf_counter()
     for round_ in range(rounds):
@@ -369,7 +384,8 @@ def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> 
                 path = work / f"load-{round_}-{scenario.name.split()[0]}-{KINDS.index(kind)}.db"
                 prepare(str(path))
                 groups = scenario.groups(kind, scenario.ops)
-                reader_kind = kind if kind != "ours, sync=NORMAL" else "ours"
+                reader_kind = kind if kind != NORMAL else "ours"
+                loads.append(os.getloadavg()[0])
                 result = run_groups(
                     str(path), kind, groups, readers=scenario.readers, reader_kind=reader_kind
                 )
@@ -381,7 +397,8 @@ def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> 
                     f"p50 {s['write_p50_ms']:.1f} p99 {s['write_p99_ms']:.0f} "
                     f"max {s['write_max_ms']:.0f} ms, {s['writes_per_s']:.0f} w/s, "
                     f"errors {len(result.errors)}, totals {'ok' if result.totals_ok else 'WRONG'}"
-                    f", queue fallbacks {result.queue_fallbacks}",
+                    f", queue fallbacks {result.queue_fallbacks}"
+                    f", units/commit {result.units_per_commit:.2f}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -392,18 +409,30 @@ def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> 
                 for _, key, _ in METRICS:
                     if base[key]:
                         ratio.setdefault((scenario.name, kind, key), []).append(s[key] / base[key])
+            if scenario.name.startswith("mixed"):  # the 2 original processes, beside each kind
+                base_max = max(runs[(scenario.name, ORIGINAL)][-1].other_latencies, default=0)
+                for kind in scenario.contenders:
+                    mine = max(runs[(scenario.name, kind)][-1].other_latencies, default=0)
+                    if base_max:
+                        ratio.setdefault((scenario.name, kind, "original_max"), []).append(
+                            mine / base_max
+                        )
     seconds = time.perf_counter() - started
+    load_avg = _spread(loads, "{:.1f}")
     lines = [
-        f"Load: {rounds} interleaved rounds, {seconds:.0f} s, {os.cpu_count()} CPUs "
-        f"(shared machine: numbers are noisy). Each op = append_message + update_token_counts "
-        f"on one shared session, both timed; each writer thread has its own store; readers "
-        f"(8x4+2r) search and list in a loop with the contender's own store class. "
-        f"median [min..max] over rounds; ratio = contender / baseline in the same round.",
+        f"Load: {rounds} interleaved rounds, {seconds:.0f} s, {os.cpu_count()} CPUs, "
+        f"1-minute load average at the start of each run {load_avg} (shared machine: numbers "
+        f"are noisy). Each op = append_message + update_token_counts on one shared session, "
+        f"both timed; each writer thread has its own store; readers (8x4+2r) search and list "
+        f"in a loop with the contender's own store class. median [min..max] over rounds; "
+        f"ratio = contender / baseline in the same round (the original store; durability "
+        f"FULL except the NORMAL opt-in).",
         "",
         "| set | contender | writes | "
         + " | ".join(name for name, _, _ in METRICS)
-        + " | ratio p99 | ratio max | ratio writes/s | errors | totals exact | queue fallbacks |",
-        "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---:|---:|---|---:|",
+        + " | ratio p99 | ratio max | ratio writes/s | units/commit | errors | totals exact"
+        " | queue fallbacks |",
+        "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---:|---:|---:|---|---:|",
     ]
     for scenario in plan:
         for kind in scenario.contenders:
@@ -414,27 +443,55 @@ def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> 
                 else _spread(ratio[(scenario.name, kind, key)], "{:.2f}x")
                 for key in ("write_p99_ms", "write_max_ms", "writes_per_s")
             ]  # fmt: skip
+            per_commit = (
+                _spread([r.units_per_commit for r in results], "{:.2f}")
+                if results[0].commits
+                else "-"
+            )
             lines.append(
                 f"| {scenario.name} | {kind} | {results[0].writes} | "
-                + " | ".join(cells + ratios)
+                + " | ".join([*cells, *ratios, per_commit])
                 + f" | {sum(len(r.errors) for r in results)} "
                 f"| {'yes' if all(r.totals_ok for r in results) else 'NO'} "
                 f"| {sum(r.queue_fallbacks for r in results)} |"
             )
-    mixed = [r for (name, _), rs in runs.items() if name.startswith("mixed") for r in rs]
+    mixed = [(name, kind) for name, kind in runs if name.startswith("mixed")]
     if mixed:
         lines += [
             "",
-            "In the mixed set the latencies are those of our 8x4 writers; the 2 original-store "
-            "processes' p99 alongside them: "
-            + ", ".join(
-                f"{kind}: {_spread([percentile(r.other_latencies, 0.99) * 1000 for r in rs], '{:.0f}')} ms"  # noqa: E501
-                for (name, kind), rs in runs.items()
-                if name.startswith("mixed")
-            )
-            + "; writes/s counts both.",
+            "In the mixed set the table's latencies are those of the contender's 8x4 writers "
+            "(writes/s counts all). The 2 original-store processes beside them (with "
+            "`original`, every process is the original store: the run of the same size):",
+            "",
+            "| set | beside | original p99 ms | original max ms | ratio max vs all-original |",
+            "|---|---|---:|---:|---:|",
         ]
+        for name, kind in mixed:
+            rs = runs[(name, kind)]
+            p99 = _spread([percentile(r.other_latencies, 0.99) * 1000 for r in rs], "{:.0f}")
+            top = _spread([max(r.other_latencies, default=0) * 1000 for r in rs], "{:.0f}")
+            versus = (
+                "-" if kind == ORIGINAL else _spread(ratio[(name, kind, "original_max")], "{:.2f}x")
+            )
+            lines.append(f"| {name} | {kind} | {p99} | {top} | {versus} |")
     return "\n".join(lines)
+
+
+SECTION = "## Load: interleaved rounds (`python -m bench.load`)"
+
+
+def write_section(doc: Path, report: str, command: str) -> None:
+    """Replace the load section of ``doc`` (from a ``## Load`` heading to the next ``## ``)
+    with ``report``; append the section when the file has none."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    section = f"{SECTION}\n\nThis run: `{command}`.\n\n{report}\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith("## Load")), None)
+    if start is None:
+        doc.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    doc.write_text("".join(lines[:start]) + section + "\n" + "".join(lines[end:]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -443,12 +500,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=12, help="operations per thread at 8x4")
     parser.add_argument("--sets", default="", help="comma list of 8x4+2r,16x1,mixed (all)")
     parser.add_argument("--workdir", default="")
+    parser.add_argument("--out", default="", help="rewrite this file's load section (a .md)")
     args = parser.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hermes-load-"))
     work.mkdir(parents=True, exist_ok=True)
     only = {s.strip() for s in args.sets.split(",") if s.strip()} or None
     report = compare(args.rounds, args.ops, work, only)
     print(report)
+    if args.out:
+        command = "python -m bench.load " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_section(Path(args.out), report, command.strip())
     return 0
 
 

@@ -121,7 +121,12 @@ def backup(
         raise InvalidInputError("pages_per_step must be a whole number")
     if not isinstance(destination, str | os.PathLike) or isinstance(destination, bytes):
         raise InvalidInputError(f"destination must be a path, not {type(destination).__name__}")
-    target = Path(os.fspath(destination)).expanduser()
+    raw = os.fspath(destination)
+    if not isinstance(raw, str):
+        raise InvalidInputError("destination must be a text path, not bytes")
+    if "\x00" in raw:  # the OS would refuse it later with a bare ValueError
+        raise InvalidInputError("destination contains a NUL character")
+    target = Path(raw).expanduser()
     if _is_database_or_sidecar(target, source):
         raise InvalidInputError(f"refusing to back up onto the database itself ({target})")
     if target.is_dir():

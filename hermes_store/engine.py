@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: Execution option read by the ``begin`` hook: True takes the write lock up front.
 WRITE_OPTION = "hermes_write"
+#: Execution option read by the ``begin`` hook: a busy timeout (ms) for this BEGIN only.
+BUSY_OPTION = "hermes_busy_ms"
 #: Short for writers: past it, the Unit of Work's jittered retry takes over.
 WRITER_BUSY_TIMEOUT_S = 1.0
 #: Longer for readers: a deferred BEGIN only waits when a checkpoint or recovery runs.
@@ -379,7 +381,8 @@ def install_sqlite_hooks(
     def _on_begin(conn: Connection) -> None:
         # True: a write unit; False: a store's read unit (refuses writes); absent: a plain
         # connection of the engine (deferred, writable, as SQLite's own BEGIN).
-        option = conn.get_execution_options().get(WRITE_OPTION)
+        options = conn.get_execution_options()
+        option = options.get(WRITE_OPTION)
         pooled = conn.connection
         try:
             begin_on_driver(
@@ -388,6 +391,7 @@ def install_sqlite_hooks(
                 settings,
                 write=bool(option),
                 query_only=option is False,
+                busy_ms=options.get(BUSY_OPTION),
             )
         except sqlite3.Error as error:
             # Raised inside an event, a driver error would escape SQLAlchemy's wrapping.
@@ -448,13 +452,15 @@ def prepare_driver(
     *,
     write: bool,
     query_only: bool = False,
+    busy_ms: int | None = None,
 ) -> None:
     """Make a pooled connection ready for a unit of the given kind (no BEGIN): the per-connection
-    state (set lazily when the connection predates the hooks), the unit's busy timeout, and
-    ``query_only`` for read units (SQLite itself then refuses their writes)."""
+    state (set lazily when the connection predates the hooks), the unit's busy timeout
+    (``busy_ms`` overrides it: the writer queue's head waits briefly), and ``query_only`` for
+    read units (SQLite itself then refuses their writes)."""
     if info.get(SETTINGS_KEY) is not settings:
         setup_connection(dbapi_connection, info, settings)
-    wanted = settings.writer_ms if write else settings.reader_ms
+    wanted = busy_ms if busy_ms is not None else settings.writer_ms if write else settings.reader_ms
     if info["busy_ms"] != wanted:
         dbapi_connection.execute(f"PRAGMA busy_timeout={int(wanted)}")
         info["busy_ms"] = wanted
@@ -470,10 +476,13 @@ def begin_on_driver(
     *,
     write: bool,
     query_only: bool = False,
+    busy_ms: int | None = None,
 ) -> None:
     """Begin a unit on a pooled SQLite connection: the one begin of the package (the engine's
     begin hook calls it for every unit, the hot path included)."""
-    prepare_driver(dbapi_connection, info, settings, write=write, query_only=query_only)
+    prepare_driver(
+        dbapi_connection, info, settings, write=write, query_only=query_only, busy_ms=busy_ms
+    )
     # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
     # readers take a deferred BEGIN and never queue behind a writer.
     dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

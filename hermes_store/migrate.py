@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import re
 import secrets
 import sqlite3
 import stat
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +31,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from hermes_store import ddl, files, fulltext, placement
+from hermes_store import ddl, files, fulltext, placement, writequeue
 from hermes_store.engine import (
+    BUSY_OPTION,
     WRITE_OPTION,
+    WRITER_BUSY_TIMEOUT_S,
     Target,
     create_engine,
     create_private_file,
@@ -51,7 +54,7 @@ from hermes_store.errors import (
     mapped_errors,
     open_errors,
 )
-from hermes_store.uow import RetryPolicy
+from hermes_store.uow import QUEUE_HEAD_BUSY_TIMEOUT_S, RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +337,12 @@ def migration_connection(
     Waiting for the lock is retried with the store's jittered policy (each attempt waits up to
     the writer's busy timeout), so opening a file while another process writes never fails
     before the writes' own retries would; how long the lock was then held is logged.
+
+    On a SQLite file the migration first takes a turn in the fair writer queue, as every write
+    does: it neither overtakes the writers already in line nor makes them fall back to SQLite's
+    busy handler. As the queue's head it asks for the lock with the head's short busy timeout,
+    and while it runs (an adoption can take seconds) it beats every 0.2 s, so the writers
+    behind it keep waiting in the kernel instead of spending their retries.
     """
     url = target.url if isinstance(target, Engine) else to_url(target)
     placement.current().check_dialect(url.get_backend_name())  # before a file is created
@@ -342,11 +351,17 @@ def migration_connection(
         remove_stale_temps(path)
     created = path is not None and preflight_sqlite(path) is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
+    # Only a file whose writers use the queue (its lock file exists): a refused or new file
+    # is left without a lock file beside it.
+    queued = path is not None and Path(f"{path}{files.WRITER_LOCK_SUFFIX}").exists()
+    turns = writequeue.for_database(path).turn() if queued and path else nullcontext()
     try:
-        with _lock_errors(url), mapped_errors():
-            conn, transaction = _begin_migration(engine, retry or RetryPolicy())
+        with _lock_errors(url), mapped_errors(), turns as turn:
+            conn, transaction = _begin_migration(engine, retry or RetryPolicy(), turn)
             locked_at = time.monotonic()
             with conn, transaction:
+                if turn is not None and turn.queued:
+                    _beat_while_running(conn, turn)
                 if conn.dialect.name == "postgresql":
                     # SQLite's BEGIN IMMEDIATE serialises migrations; PostgreSQL needs a lock
                     # of its own, or processes opening one new database at once all run v1.
@@ -368,24 +383,58 @@ def migration_connection(
         engine.dispose()
 
 
-def _begin_migration(engine: Engine, retry: RetryPolicy) -> tuple[Connection, sa.RootTransaction]:
-    """A connection with its write transaction begun, waiting for the lock as writes do."""
+def _begin_migration(
+    engine: Engine, retry: RetryPolicy, turn: writequeue.Turn | None = None
+) -> tuple[Connection, sa.RootTransaction]:
+    """A connection with its write transaction begun, waiting for the lock as writes do (the
+    queue's head: short busy timeouts and a heartbeat, within the same overall budget)."""
     waits = retry.waits()
+    head = turn is not None and turn.queued
+    deadline: float | None = None
+    busy_ms = int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000) if head else None
     while True:
         conn = engine.connect()
-        conn.execution_options(**{WRITE_OPTION: True})
+        conn.execution_options(**{WRITE_OPTION: True, BUSY_OPTION: busy_ms})
         try:
             return conn, conn.begin()
         except sa.exc.DBAPIError as error:
             conn.close()
             if not is_retryable(error):
                 raise
-            delay = next(waits, None)
+            delay: float | None
+            if head:
+                assert turn is not None
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + retry.attempts * (WRITER_BUSY_TIMEOUT_S + retry.max_wait)
+                if now >= deadline:
+                    raise
+                turn.still_trying()
+                delay = random.uniform(retry.min_wait, retry.max_wait)
+            else:
+                delay = next(waits, None)
             if delay is None:
                 raise
             log.debug("migration waits for the write lock (%s); retrying in %.0f ms",
                       error.orig, delay * 1000)  # fmt: skip
             time.sleep(delay)
+
+
+def _beat_while_running(conn: Connection, turn: writequeue.Turn) -> None:
+    """Tell the writer queue, every 0.2 s of a long migration step, that the line is moving
+    (SQLite's progress handler runs inside the statements; the connection is the migration's
+    own and closed after it)."""
+    last = time.monotonic()
+
+    def beat() -> int:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= 0.2:
+            last = now
+            turn.still_trying()
+        return 0  # go on
+
+    conn.connection.driver_connection.set_progress_handler(beat, 20_000)  # type: ignore[union-attr]
 
 
 @contextmanager

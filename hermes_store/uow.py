@@ -13,8 +13,11 @@ on a lock met midway; a ``transaction()`` block runs once, so a lock met inside 
 block back and raises :class:`DatabaseLockedError`.
 
 SQLite write units wait for their turn as the file's writer in :meth:`UnitOfWork._write_turn`
-(today an in-process lock shared by every store on the file), then begin on the one writer
-connection the process keeps for that file.
+(the fair writer queue across processes, then an in-process lock shared by every store on the
+file), then begin on the one writer connection the process keeps for that file. The head of
+the queue begins with a short busy timeout (:data:`QUEUE_HEAD_BUSY_TIMEOUT_S`) and keeps its
+place while a foreign writer holds SQLite's lock. The hot single-call writes are grouped:
+see :mod:`hermes_store.groupcommit`.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import ClauseElement
 
-from hermes_store import fastpath, writequeue
+from hermes_store import fastpath, groupcommit, writequeue
 from hermes_store.engine import (
+    BUSY_OPTION,
     WRITE_OPTION,
     SqliteSettings,
     begin_on_driver,
@@ -65,6 +69,10 @@ T = TypeVar("T")
 
 #: Threads that keep a read connection of their own (the rest check one out per read).
 MAX_HELD_READERS = 16
+#: The queue's head asks SQLite for the lock with this busy timeout, then pauses (jittered)
+#: and asks again, keeping its place: short, so it polls often while a foreign writer (the
+#: original store, a sqlite3 shell) holds the lock, and its heartbeat keeps the line waiting.
+QUEUE_HEAD_BUSY_TIMEOUT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,11 @@ class StoreStats:
     lock_wait_seconds: float = 0.0  #: time spent in those waits
     retries: int = 0  #: pauses after a busy/locked database (before a retry)
     checkpoints: int = 0  #: successful PASSIVE WAL checkpoints
+    groups: int = 0  #: committed group-commit transactions (see hermes_store.groupcommit)
+    grouped_units: int = 0  #: units in those groups (grouped_units / groups: mean group size)
+    max_group: int = 0  #: most units in one group
+    lost_groups: int = 0  #: groups whose transaction was lost (their units re-ran alone)
+    group_reruns: int = 0  #: units re-run alone after their group was lost
 
 
 class Unit:
@@ -125,6 +138,7 @@ class UnitOfWork:
         retry: RetryPolicy | None = None,
         checkpoint_every: int = 50,
         write_queue: bool = True,
+        group_commit: bool | None = None,
     ) -> None:
         self.engine = engine
         self.retry = retry or RetryPolicy()
@@ -145,6 +159,10 @@ class UnitOfWork:
         # queue (off with write_queue=False or HERMES_STORE_WRITE_QUEUE=0: benchmarks).
         path = sqlite_file(engine.url) if self.is_sqlite and write_queue else None
         self._queue_path = path
+        if group_commit is None:
+            switch = os.environ.get(groupcommit.ENV_SWITCH, "1").lower()
+            group_commit = switch not in ("0", "off", "false", "no")
+        self._group_commit = group_commit and self.is_sqlite
         self._fresh_process_state()
         _LIVE.add(self)
 
@@ -163,6 +181,9 @@ class UnitOfWork:
         self._readers: dict[int, tuple[PoolProxiedConnection, weakref.finalize[Any, Any]]] = {}
         self._local = threading.local()
         self.stats = StoreStats()
+        self.group: groupcommit.GroupCommit | None = (
+            groupcommit.GroupCommit(self) if self._group_commit else None
+        )
 
     @property
     def writes(self) -> int:
@@ -176,17 +197,17 @@ class UnitOfWork:
     # -- the seam for the cross-process writer queue -----------------------------------------
 
     @contextmanager
-    def _write_turn(self, *, queued: bool = True) -> Iterator[None]:
+    def _write_turn(self, *, queued: bool = True) -> Iterator[writequeue.Turn | None]:
         """Wait for this unit's turn as the file's writer; held from before BEGIN IMMEDIATE
         until after COMMIT/ROLLBACK. SQLite files: first a place in the fair writer queue
         across processes and threads (:mod:`hermes_store.writequeue`; ``queued=False`` skips
         it), then the in-process lock. PostgreSQL: no wait here (the server orders writers)."""
         lock = self._write_lock
         if lock is None:
-            yield
+            yield None
             return
         queue = self.write_queue if queued else None
-        with queue.turn() if queue is not None else nullcontext():
+        with queue.turn() if queue is not None else nullcontext() as turn:
             if not lock.acquire(blocking=False):
                 started = time.monotonic()
                 with self._turn_changed:
@@ -200,7 +221,7 @@ class UnitOfWork:
                         self._waiting -= 1
                         self.stats.lock_wait_seconds += time.monotonic() - started
             try:
-                yield
+                yield turn
             finally:
                 lock.release()
 
@@ -253,8 +274,8 @@ class UnitOfWork:
     def _own_unit(
         self, write: bool, waits: Iterator[float], *, publish: bool = True
     ) -> Iterator[Unit]:
-        with self._write_turn() if write else nullcontext(), mapped_errors():
-            conn = self._begin(write, waits)
+        with self._write_turn() if write else nullcontext() as turn, mapped_errors():
+            conn = self._begin(write, waits, turn)
             unit = Unit(conn, write)
             token = self._current.set(unit) if publish else None
             try:
@@ -274,9 +295,15 @@ class UnitOfWork:
                     conn.close()
         self._count(write)
 
-    def _begin(self, write: bool, waits: Iterator[float]) -> Connection:
+    def _begin(
+        self, write: bool, waits: Iterator[float], turn: writequeue.Turn | None = None
+    ) -> Connection:
+        head = turn is not None and turn.queued
+        deadline: float | None = None
         while True:
             conn = self._connection(write)
+            if conn is self._writer_conn:
+                conn.execution_options(**{BUSY_OPTION: self._head_busy_ms if head else None})
             try:
                 conn.begin()
             except sa_exc.DBAPIError as error:
@@ -287,9 +314,43 @@ class UnitOfWork:
                     conn.close()
                 if not is_retryable(error):
                     raise
-                self._pause(waits, error)
+                if head:
+                    assert turn is not None
+                    deadline = self._head_pause(turn, deadline, error)
+                else:
+                    self._pause(waits, error)
                 continue
             return conn
+
+    @property
+    def _head_busy_ms(self) -> int:
+        return int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000)
+
+    def _head_pause(
+        self, turn: writequeue.Turn, deadline: float | None, error: BaseException
+    ) -> float:
+        """The queue's head met a foreign writer: pause (jittered) and keep its place, telling
+        the line it is alive. Its budget is as long as the fallback path's (every attempt's
+        busy timeout plus pause), so a foreign writer costs it no more than it did before."""
+        now = time.monotonic()
+        if deadline is None:
+            settings = self.settings
+            writer_s = settings.writer_ms / 1000 if settings is not None else 1.0
+            deadline = now + self.retry.attempts * (writer_s + self.retry.max_wait)
+        if now >= deadline:
+            raise DatabaseLockedError(
+                f"the database stayed locked by another writer for {self.retry.attempts} "
+                f"attempts' worth of waiting: {error}"
+            ) from error
+        turn.still_trying()
+        delay = random.uniform(self.retry.min_wait, self.retry.max_wait)
+        with self._count_lock:
+            self.stats.retries += 1
+        log.debug("database busy at the queue's head (%s); retrying in %.0f ms", error,
+                  delay * 1000)  # fmt: skip
+        time.sleep(delay)
+        turn.still_trying()
+        return deadline
 
     def _connection(self, write: bool) -> Connection:
         if write and self.is_sqlite:
@@ -335,8 +396,14 @@ class UnitOfWork:
         if self._current.get() is not None:
             with self.unit(write=write) as unit:
                 return fn(unit.conn)
-        waits = self.retry.waits()
         lean = driver_only and write and self.is_sqlite
+        if lean and self.group is not None:
+            done, result = self.group.run(fn)
+            if done:
+                return result  # type: ignore[return-value]
+            with self._count_lock:  # its group's transaction was lost: run it again, alone
+                self.stats.group_reruns += 1
+        waits = self.retry.waits()
         while True:
             try:
                 if lean:
@@ -356,14 +423,9 @@ class UnitOfWork:
         settings = self.settings
         assert settings is not None
         dbapi_error = self._dbapi_error
-        with self._write_turn(), mapped_errors():
-            conn = self._connection(True)
-            pooled = conn.connection
-            driver: Any = pooled.driver_connection
-            try:
-                begin_on_driver(driver, pooled.info, settings, write=True)
-            except dbapi_error as orig:
-                raise _wrapped(orig, self._dialect) from orig
+        with self._write_turn() as turn, mapped_errors():
+            conn = self._begin_driver(turn)
+            driver: Any = conn.connection.driver_connection
             try:
                 result = fn(conn)
                 driver.commit()
@@ -381,6 +443,78 @@ class UnitOfWork:
                 raise
         self._count(True)
         return result
+
+    def _begin_driver(self, turn: writequeue.Turn | None) -> Connection:
+        """``BEGIN IMMEDIATE`` on the writer's driver connection, inside the writer's turn.
+        The queue's head retries here, keeping its place; a fallback turn raises the busy
+        error for the caller's retry (today's path: a new turn after a jittered pause)."""
+        settings = self.settings
+        assert settings is not None
+        head = turn is not None and turn.queued
+        deadline: float | None = None
+        while True:
+            conn = self._connection(True)
+            pooled = conn.connection
+            try:
+                begin_on_driver(
+                    pooled.driver_connection,  # type: ignore[arg-type]
+                    pooled.info,
+                    settings,
+                    write=True,
+                    busy_ms=self._head_busy_ms if head else None,
+                )
+            except self._dbapi_error as orig:
+                error = _wrapped(orig, self._dialect)
+                if not is_retryable(error):
+                    self._drop_writer(invalidate=False)
+                    raise error from orig
+                if not head:
+                    raise error from orig
+                assert turn is not None
+                deadline = self._head_pause(turn, deadline, error)
+                continue
+            return conn
+
+    def _begin_is_retryable(self, error: BaseException) -> bool:
+        return isinstance(error, sa_exc.DBAPIError) and is_retryable(error)
+
+    def _end_group(
+        self, conn: Connection, size: int, lost: BaseException | None
+    ) -> BaseException | None:
+        """COMMIT a group (or roll back a lost one); the error that lost it, if any. Called
+        inside the writer's turn by :mod:`hermes_store.groupcommit`."""
+        driver: Any = conn.connection.driver_connection
+        if lost is None:
+            try:
+                driver.commit()
+            except self._dbapi_error as error:
+                lost = error
+        if lost is not None:
+            try:
+                driver.rollback()
+            except self._dbapi_error:
+                self._drop_writer(invalidate=True)  # state unknown: never reuse it
+            else:
+                self._drop_writer(invalidate=False)
+            log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
+                        size, lost)  # fmt: skip
+        with self._count_lock:
+            if lost is None:
+                self.stats.groups += 1
+                self.stats.grouped_units += size
+                self.stats.max_group = max(self.stats.max_group, size)
+            else:
+                self.stats.lost_groups += 1
+        return lost
+
+    def queued_units(self) -> int:
+        """Hot writes of this process waiting for a group (0 without group commit)."""
+        return self.group.queued() if self.group is not None else 0
+
+    def wait_for_queued_units(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` hot writes wait for a group (False: timed out, or no
+        group commit); lets tests and callers know writes are queued without polling."""
+        return self.group.wait_for_queued(count, timeout) if self.group is not None else False
 
     def run_driver(self, fn: Callable[[Any], T]) -> T:
         """:meth:`run` with ``fn`` given the unit's DB-API cursor (statements compiled once);
@@ -605,6 +739,18 @@ class UnitOfWork:
         with self._count_lock:
             self.stats.checkpoints += 1
         return True
+
+    def _count_writes(self, units: int) -> None:
+        """Count ``units`` committed write units at once (a group); checkpoint when due."""
+        if units <= 0:
+            return
+        with self._count_lock:
+            before = self.stats.write_units
+            self.stats.write_units = after = before + units
+            every = self.checkpoint_every
+            due = every > 0 and after // every > before // every
+        if due:
+            self.checkpoint()
 
     def _count(self, write: bool) -> None:
         due = False

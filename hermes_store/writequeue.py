@@ -8,7 +8,8 @@ kernel until its predecessor is done, and only the head of the line asks SQLite 
 How: a ticket queue of byte-range locks on a sidecar file ``<db>-writer.lock`` (0600, never the
 database or its ``-wal``/``-shm``: opening those with a plain handle would drop this process's
 SQLite locks). Bytes 0..7 hold the next ticket, bytes 8..15 the last ticket served, bytes
-16..23 the last byte released (both only mark progress); byte range [0, 8) is the ticket
+16..23 the last byte released, bytes 24..31 the head's heartbeat (the last three only mark
+progress); byte range [0, 8) is the ticket
 mutex. Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
 
 1. under the mutex: read ``t``, write-lock my own byte, write ``t + 1``, drop the mutex;
@@ -38,9 +39,12 @@ behind it one bounded wait, not forever. A writer stopped while it holds SQLite'
 lock still blocks everyone, as it does today: the queue cannot take SQLite's lock away.
 
 Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head meets them in
-SQLite's lock and waits with the writer's busy timeout (1 s), then the jittered retry. Past the
-bounded wait the writers behind it fall back to the same path, so a foreign writer holding the
-lock costs ours what it costs the original store, never a deadlock.
+SQLite's lock and keeps its place: it tries ``BEGIN IMMEDIATE`` with a short busy timeout
+(0.2 s, so it polls often and takes the lock soon after the foreign writer lets go), then the
+jittered retry, and after every failed attempt writes a heartbeat to bytes 24..31
+(:meth:`Turn.still_trying`). The writers behind see the line as moving and stay blocked in the
+kernel: no one spins, no one falls back, and the order is kept. A head that stops (SIGSTOP)
+stops beating too, so the writers behind fall back after the bounded wait as before.
 
 Where OFD locks are unavailable (not Linux; ``EINVAL``/``ENOSYS``/``ENOLCK``/``EOPNOTSUPP`` from
 ``fcntl``, e.g. some network file systems; a lock file that cannot be created) the queue turns
@@ -146,6 +150,16 @@ class Turn:
     reason: str = ""  #: why it fell back
     depth: int = 0  #: writers ahead when the ticket was taken
     waited: float = 0.0
+    fd: int = -1  #: the descriptor holding this turn's byte (queued turns)
+    beats: int = 0
+
+    def still_trying(self) -> None:
+        """Tell the writers behind that the head is alive and retrying (it met a foreign
+        writer in SQLite's lock): the line counts as moving, so they stay blocked in the
+        kernel instead of falling back to SQLite's busy handler after the bounded wait."""
+        if self.queued and self.fd >= 0:
+            self.beats += 1
+            os.pwrite(self.fd, struct.pack("<Q", (os.getpid() << 24) ^ self.beats), 24)
 
 
 class _Descriptor:
@@ -339,6 +353,8 @@ class WriteQueue:
                 )
                 turn = Turn(queued=False, reason=f"error {error.errno}")
             turn.waited = time.monotonic() - began if descriptor.blocked else 0.0
+            if turn.queued:
+                turn.fd = descriptor.fd
             self._account(turn)
             granted = time.monotonic()
             yield turn
@@ -370,8 +386,8 @@ class WriteQueue:
         if issued:
             predecessor = self._slot(issued - 1)
 
-            def moved() -> bytes:  # the last head's ticket and the last byte released
-                return os.pread(fd, 16, 8)
+            def moved() -> bytes:  # the last head's ticket, last byte released, heartbeat
+                return os.pread(fd, 24, 8)
 
             if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
                 turn.queued, turn.reason = False, "wait timed out"

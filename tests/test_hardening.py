@@ -588,3 +588,21 @@ def test_default_home_folder_is_owner_only(
     SessionDB().close()
     assert stat.S_IMODE((tmp_path / "home").stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / "home" / ".hermes").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("name", ["\x00", "copy\x00.db", "sub/\x00/copy.db"])
+def test_backup_to_a_path_with_nul_is_invalid_input_and_writes_nothing(
+    sqlite_store: SessionDB, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The OS cannot take a NUL in a path: say so before any partial file is created."""
+    sqlite_store.create_session("s", "cli")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for destination in (name, Path(name)):
+        with pytest.raises(InvalidInputError, match="NUL"):
+            sqlite_store.backup(destination)
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["work", *(p.name for p in tmp_path.glob("state.db*"))]
+    )
