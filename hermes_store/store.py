@@ -210,6 +210,8 @@ class SessionDB:
         try:
             if migrate is not None:
                 _bring_to_head(engine, migrate, options.retry)
+                if owns and engine.dialect.name != "sqlite":
+                    engine.pool.dispose()  # no server slot held for the open-time check
             uow = UnitOfWork(engine, retry=options.retry, checkpoint_every=options.checkpoint_every)
         except BaseException:
             if owns:
