@@ -1109,6 +1109,7 @@ def _pg_create_child() -> Select[Any]:
     """``create_session`` with a parent on PostgreSQL as one statement: insert when the parent
     exists (an existing id is left as it is); the row says whether the parent was found."""
     names = [c.name for c in S.columns if c.name in _CREATE_COLUMNS]
+
     def parent() -> sa.Exists:
         return sa.exists().where(S.c.id == sa.bindparam("parent_session_id"))
 

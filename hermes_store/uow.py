@@ -553,7 +553,9 @@ class UnitOfWork:
         if open_unit is not None:
             return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
         if not self.is_sqlite:
-            return self.read(lambda conn: fastpath.rows(conn, statement, params, expanding=expanding))
+            return self.read(
+                lambda conn: fastpath.rows(conn, statement, params, expanding=expanding)
+            )
         if expanding:
             with self.reading() as conn:
                 return fastpath.rows(conn, statement, params, expanding=expanding)

@@ -302,7 +302,7 @@ def _kill_stream(pg_url: URL, admin: Connection, *, threads: int, writes: int, k
             # Wait (on the writers' progress, never on a clock) a random number of calls.
             target = min(total, target + rng.randint(1, max(2, 2 * total // kills)))
             with ledger.progressed:
-                ledger.progressed.wait_for(lambda: ledger.calls >= target, timeout=300)
+                ledger.progressed.wait_for(lambda goal=target: ledger.calls >= goal, timeout=300)
                 if ledger.calls >= total:
                     break
             killed = admin.execute(
