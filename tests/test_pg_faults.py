@@ -342,3 +342,51 @@ def test_pg_backends_killed_during_a_stream_of_writes(pg_url: URL, admin: Connec
 @pytest.mark.slow
 def test_pg_many_kills_during_a_stream_of_writes(pg_url: URL, admin: Connection) -> None:
     _kill_stream(pg_url, admin, threads=8, writes=250, kills=150)
+
+
+def test_pg_write_that_never_left_is_retried_and_lands_once(pg_url: URL) -> None:
+    """A write whose connection is found closed when the driver is about to send it provably
+    never reached the server: it is retried on a fresh connection and lands exactly once (an
+    append is not idempotent, so only this proof allows the retry)."""
+    store = SessionDB(url_string(pg_url))
+    try:
+        store.create_session("s", "cli")
+        twin = autocommit_engine(store.engine)
+        closed: list[int] = []
+
+        def close_before_sending(conn: Connection, *_: Any) -> None:
+            if not closed:
+                closed.append(1)
+                conn.connection.driver_connection.close()  # type: ignore[union-attr]
+
+        event.listen(twin, "before_cursor_execute", close_before_sending)
+        try:
+            message_id = store.append_message("s", "user", "exactly once")
+        finally:
+            event.remove(twin, "before_cursor_execute", close_before_sending)
+        assert closed == [1]
+        assert [m["id"] for m in store.get_messages("s")] == [message_id]
+        session = store.get_session("s")
+        assert session is not None and session["message_count"] == 1
+        assert store.stats().retries == 1
+    finally:
+        store.close()
+
+
+def test_pg_write_lost_in_flight_is_reported_not_repeated(pg_url: URL, admin: Connection) -> None:
+    """The backend dies while an append is on its way: the caller gets DatabaseUnavailableError
+    (it may or may not have landed), the store does not send it again, and keeps working."""
+    store = SessionDB(url_string(pg_url))
+    try:
+        store.create_session("s", "cli")
+        killer = Killer(store, admin)
+        killer.arm("before_statement")
+        with pytest.raises(DatabaseUnavailableError, match="may or may not have landed"):
+            store.append_message("s", "user", "in flight")
+        assert killer.fired
+        killer.arm("")
+        assert store.message_count("s") == 0  # the backend died before it read the request
+        assert store.append_message("s", "user", "after") > 0
+        assert [m["content"] for m in store.get_messages("s")] == ["after"]
+    finally:
+        store.close()
