@@ -36,8 +36,28 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 #: main before one-statement writes: the code path the numbers compare against.
 BASELINE = "70ffc8a"
-OPS = ("append_message", "update_token_counts", "get_messages", "search_rare")
+OPS = ("append_message", "update_token_counts", "get_messages", "search_rare", "floor")
 RARE_WORD = "quetzalcoatlus"
+#: ``floor``: a bare psycopg ``SELECT 1`` in autocommit, what one round trip costs here.
+
+
+def _work(store: Any, session: str) -> dict[str, Callable[[int], object]]:
+    """Each measured op (the floor on a connection of its own, outside the store)."""
+    import psycopg
+
+    url = store.engine.url
+    floor = psycopg.connect(
+        host=url.host, port=url.port, user=url.username, dbname=url.database, autocommit=True
+    )
+    return {
+        "append_message": lambda i: store.append_message(session, "user", f"hello {i}"),
+        "update_token_counts": lambda i: store.update_token_counts(session, input_tokens=1),
+        "get_messages": lambda i: store.get_messages("short"),
+        "search_rare": lambda i: store.search_messages(RARE_WORD),
+        "floor": lambda i: floor.execute("SELECT 1").fetchall(),
+    }
+
+
 SHARED = "load-shared"
 
 
@@ -52,12 +72,7 @@ def _latency_worker(url: str, calls: int, tag: str) -> dict[str, list[float]]:
         session = f"lat-{tag}"
         store.create_session(session, "bench")
         samples: dict[str, list[float]] = {op: [] for op in OPS}
-        work: dict[str, Callable[[int], object]] = {
-            "append_message": lambda i: store.append_message(session, "user", f"hello {i}"),
-            "update_token_counts": lambda i: store.update_token_counts(session, input_tokens=1),
-            "get_messages": lambda i: store.get_messages("short"),
-            "search_rare": lambda i: store.search_messages(RARE_WORD),
-        }
+        work = _work(store, session)
         for op, fn in work.items():
             for i in range(8):  # warm: connections open, statements prepared
                 fn(i)
@@ -193,12 +208,7 @@ def _trips_worker(url: str, op: str, calls: int) -> None:
     store = SessionDB(url, migrate="never")
     try:
         store.create_session("trips", "bench")
-        work: dict[str, Callable[[int], object]] = {
-            "append_message": lambda i: store.append_message("trips", "user", f"hello {i}"),
-            "update_token_counts": lambda i: store.update_token_counts("trips", input_tokens=1),
-            "get_messages": lambda i: store.get_messages("short"),
-            "search_rare": lambda i: store.search_messages(RARE_WORD),
-        }
+        work = _work(store, "trips")
         for i in range(8):
             work[op](i)
         print("warm", flush=True)
