@@ -956,8 +956,7 @@ class SessionDB:
                 statement = statement.where(
                     or_(S.c.started_at < last[0], and_(S.c.started_at == last[0], S.c.id < last[1]))
                 )
-            # One read unit per page: a round trip per session, not a transaction per session
-            # (on PostgreSQL each checkout also pings the server).
+            # One read unit per page: a round trip per session, not a transaction per session.
             with self.uow.reading() as conn:
                 page = [_row_dict(row) for row in conn.execute(statement)]
                 for session in page:
