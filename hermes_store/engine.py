@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import sqlite3
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,15 @@ SYNCHRONOUS_MODES = frozenset({"full", "normal"})
 DEFAULT_JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
 #: Environment variable overriding :data:`DEFAULT_JOURNAL_SIZE_LIMIT` (bytes; -1: no limit).
 JOURNAL_SIZE_LIMIT_ENV = "HERMES_STORE_JOURNAL_SIZE_LIMIT"
+
+#: A pooled PostgreSQL connection idle longer than this is pinged before it is handed out;
+#: younger ones only get the cheap checks (state, socket), which cost no round trip.
+IDLE_PING_AFTER_S = 30.0
+#: The autocommit pool of one-statement calls: small, since every store has two pools.
+AUTOCOMMIT_POOL_SIZE = 5
+AUTOCOMMIT_MAX_OVERFLOW = 5
+#: Pool-record key: when the connection was last given back (``time.monotonic()``).
+IDLE_SINCE_KEY = "hermes_idle_since"
 
 #: SQLite's Unix VFS handles names of up to 512 bytes, its sidecars' suffixes included.
 MAX_PATH_BYTES = 512 - len("-journal")
@@ -217,17 +228,132 @@ def create_engine(
         )
         return engine
     url, engine_kwargs = _prepared_statement_option(url, engine_kwargs)
-    # A fleet of gateways shares the server: keep a modest pool and test connections before
-    # use, so a restarted server costs one reconnect instead of an error.
-    engine_kwargs.setdefault("pool_pre_ping", True)
+    # A fleet of gateways shares the server: keep a modest pool. No ping before every use
+    # (a round trip per call): the liveness check pings only connections idle for a while.
     if "poolclass" not in engine_kwargs:
         engine_kwargs.setdefault("pool_size", 5)
         engine_kwargs.setdefault("max_overflow", 10)
     engine = sa.create_engine(url, **engine_kwargs)
-    if url.get_backend_name() == "postgresql" and engine.dialect.driver == "psycopg":
+    if _is_psycopg(engine):
         install_safe_ping(engine)
+        install_liveness_check(engine)
+        _ORIGINS[engine] = (url, dict(engine_kwargs.get("connect_args", {})))
     placement_mod.install(engine, where)
     return engine
+
+
+def _is_psycopg(engine: Engine) -> bool:
+    return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+
+
+#: How the engines this module made were built (the autocommit twin is built the same way).
+_ORIGINS: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+#: Each PostgreSQL engine's autocommit twin (see :func:`autocommit_engine`).
+_TWINS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+_TWIN_LOCK = threading.Lock()
+
+
+def autocommit_engine(engine: Engine) -> Engine:
+    """The autocommit twin of a PostgreSQL ``engine``: its own small pool whose connections are
+    opened in autocommit (never toggled: psycopg refuses that on a connection not idle), with
+    the same URL, connect arguments, liveness check and execution options. One statement on it
+    is one round trip: no BEGIN, no COMMIT. Made once per engine; disposed with it."""
+    with _TWIN_LOCK:
+        twin = _TWINS.get(engine)
+        if twin is None:
+            twin = _TWINS[engine] = _make_twin(engine)
+    return twin
+
+
+def _make_twin(engine: Engine) -> Engine:
+    url, connect_args = _ORIGINS.get(engine, (engine.url, {}))
+    base = sa.create_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_size=AUTOCOMMIT_POOL_SIZE,
+        max_overflow=AUTOCOMMIT_MAX_OVERFLOW,
+        connect_args=connect_args,
+    )
+    if _is_psycopg(base):
+        install_safe_ping(base)
+        install_liveness_check(base)
+    options = {
+        key: value
+        for key, value in engine.get_execution_options().items()
+        if key not in ("isolation_level", WRITE_OPTION, "postgresql_readonly")
+    }
+    twin = base.execution_options(**options) if options else base
+    pid = os.getpid()
+
+    def dispose_twin(_engine: Engine) -> None:
+        # A forked child must not close its parent's connections (the server would drop them).
+        base.dispose(close=os.getpid() == pid)
+
+    event.listen(engine, "engine_disposed", dispose_twin)
+    return twin
+
+
+def install_liveness_check(engine: Engine, *, idle_ping_after: float = IDLE_PING_AFTER_S) -> None:
+    """Check each PostgreSQL connection as the pool hands it out, instead of a ping per use.
+
+    Free checks every time: the driver's own state (closed, broken, not idle) and the socket
+    (a server that terminated the backend or shut down has already written its goodbye and
+    closed it, so an idle connection's socket is readable). A ping (one round trip) only for
+    a connection idle longer than ``idle_ping_after`` seconds, where a silent network drop may
+    hide. A failed check discards the connection and the pool opens another: a restarted
+    server costs the caller no error.
+    """
+    pq = engine.dialect.loaded_dbapi.pq
+    idle = pq.TransactionStatus.IDLE
+    ok = pq.ConnStatus.OK
+    empty_query = pq.ExecStatus.EMPTY_QUERY
+    dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+
+    def stale(dbapi_connection: Any, record: ConnectionPoolEntry) -> str | None:
+        if dbapi_connection.closed or dbapi_connection.pgconn.status != ok:
+            return "closed"
+        status = dbapi_connection.info.transaction_status
+        if status != idle:
+            return f"not idle ({status.name})"
+        try:
+            if _socket_readable(dbapi_connection.pgconn.socket):
+                return "closed by the server"
+            since = record.info.get(IDLE_SINCE_KEY)
+            if since is not None and time.monotonic() - since > idle_ping_after:
+                # An empty query: one round trip, no transaction, no state changed.
+                result = dbapi_connection.pgconn.exec_(b"")
+                if result.status != empty_query or dbapi_connection.pgconn.status != ok:
+                    return "failed its ping"
+        except dbapi_error as error:
+            return f"failed its check ({error})"
+        return None
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: Any) -> None:
+        reason = stale(dbapi_connection, record)
+        if reason is not None:
+            log.info("pooled connection %s; replacing it", reason)
+            # This connection only: the pool invalidates it and hands out a fresh one.
+            raise sa_exc.DisconnectionError(f"pooled connection {reason}")
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        record.info[IDLE_SINCE_KEY] = time.monotonic()
+
+
+def _socket_readable(fd: int) -> bool:
+    """True when an idle connection's socket has something to read (the server's goodbye or
+    end of stream): checked without waiting."""
+    if fd < 0:
+        return True
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    readable, _, _ = select.select([fd], [], [], 0)
+    return bool(readable)
 
 
 def install_safe_ping(engine: Engine) -> None:

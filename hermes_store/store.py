@@ -225,6 +225,8 @@ class SessionDB:
         try:
             if migrate is not None:
                 _bring_to_head(engine, migrate, options.retry)
+                if owns and engine.dialect.name != "sqlite":
+                    engine.pool.dispose()  # no server slot held for the open-time check
             uow = UnitOfWork(engine, retry=options.retry, checkpoint_every=options.checkpoint_every)
         except BaseException:
             if owns:
@@ -286,6 +288,10 @@ class SessionDB:
     def _read(self) -> AbstractContextManager[Connection]:
         return self.uow.connect(write=False)
 
+    def _one_statement(self) -> bool:
+        """PostgreSQL outside a ``transaction()`` block: writes go as one autocommit statement."""
+        return not self.is_sqlite and self.uow.current() is None
+
     # -- sessions ---------------------------------------------------------------------------
 
     def create_session(
@@ -327,7 +333,24 @@ class SessionDB:
                 raise UnknownSessionError(f"parent session {parent_session_id!r} does not exist")
             conn.execute(self._insert_session, values)
 
-        self.uow.run(unit)
+        if not self._one_statement():
+            self.uow.run(unit)
+            return session_id
+        if parent_session_id is None:
+            self.uow.run_statement(
+                lambda conn: conn.execute(self._insert_session, values), idempotent=True
+            )
+            return session_id
+        try:
+            found = self.uow.run_statement(
+                lambda conn: conn.execute(_pg_create_child(), values).scalar(), idempotent=True
+            )
+        except sa.exc.IntegrityError as error:  # the parent was deleted meanwhile
+            if _sqlstate(error) != _FOREIGN_KEY_VIOLATION:
+                raise
+            found = False
+        if not found:
+            raise UnknownSessionError(f"parent session {parent_session_id!r} does not exist")
         return session_id
 
     def ensure_session(
@@ -339,7 +362,9 @@ class SessionDB:
         self._text("source", source, required=True)
         self._text("model", model)
         values = {"id": session_id, "source": source, "model": model, "started_at": self.clock()}
-        self.uow.run(lambda conn: conn.execute(self._insert_session, values))
+        self.uow.run_statement(
+            lambda conn: conn.execute(self._insert_session, values), idempotent=True
+        )
 
     def end_session(self, session_id: str, end_reason: str) -> None:
         """Mark the session ended; the first end wins until it is reopened."""
@@ -351,19 +376,19 @@ class SessionDB:
             .where(S.c.id == session_id, S.c.ended_at.is_(None))
             .values(ended_at=self.clock(), end_reason=end_reason)
         )
-        self.uow.run(lambda conn: conn.execute(statement))
+        self.uow.run_statement(lambda conn: conn.execute(statement), idempotent=True)
 
     def reopen_session(self, session_id: str) -> None:
         validate.text("session_id", session_id)
         statement = update(S).where(S.c.id == session_id).values(ended_at=None, end_reason=None)
-        self.uow.run(lambda conn: conn.execute(statement))
+        self.uow.run_statement(lambda conn: conn.execute(statement), idempotent=True)
 
     def update_system_prompt(self, session_id: str, system_prompt: str | None) -> None:
         validate.text("session_id", session_id)
         validate.text("system_prompt", system_prompt, optional=True)
         self._text("system_prompt", system_prompt)
         statement = update(S).where(S.c.id == session_id).values(system_prompt=system_prompt)
-        self.uow.run(lambda conn: conn.execute(statement))
+        self.uow.run_statement(lambda conn: conn.execute(statement), idempotent=True)
 
     def get_session(self, session_id: str) -> SessionRow | None:
         validate.text("session_id", session_id)
@@ -450,7 +475,24 @@ class SessionDB:
                 raise TitleInUseError(f"Title '{clean}' is already in use") from error
             return True
 
-        return self.uow.run(unit)
+        if not self._one_statement():
+            return self.uow.run(unit)
+        # One UPDATE: the unique index refuses a title held elsewhere (then, and only then,
+        # a second statement names the holder).
+        statement = update(S).where(S.c.id == session_id).values(title=clean)
+        try:
+            changed = self.uow.run_statement(
+                lambda conn: conn.execute(statement).rowcount, idempotent=True
+            )
+        except sa.exc.IntegrityError as error:
+            if _sqlstate(error) != _UNIQUE_VIOLATION:
+                raise
+            holder = self.uow.read_scalar(
+                select(S.c.id).where(S.c.title == clean, S.c.id != session_id).limit(1)
+            )
+            held = f" by session {holder}" if holder is not None else ""
+            raise TitleInUseError(f"Title '{clean}' is already in use{held}") from error
+        return bool(changed)
 
     def get_session_title(self, session_id: str) -> str | None:
         validate.text("session_id", session_id)
@@ -553,7 +595,10 @@ class SessionDB:
         }
         params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
         mode = "tokens_absolute" if absolute else "tokens"
-        self.uow.run(lambda conn: _execute(conn, mode, params), driver_only=True)
+        if self.is_sqlite:
+            self.uow.run(lambda conn: _execute(conn, mode, params), driver_only=True)
+        else:  # one UPDATE; adding twice is not setting twice: only absolute is retried
+            self.uow.run_statement(lambda conn: _execute(conn, mode, params), idempotent=absolute)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -600,7 +645,18 @@ class SessionDB:
                 return int(cursor.lastrowid)
             return int(conn.execute(_INSERT_MESSAGE, values).scalar_one())
 
-        return self.uow.run(unit, driver_only=True)
+        if not self._one_statement():
+            return self.uow.run(unit, driver_only=True)
+        params = {**values, "bump_messages": 1, "bump_tool_calls": bump["tool_calls"]}
+        try:
+            return self.uow.run_statement(
+                lambda conn: int(conn.execute(_pg_append(), params).scalar_one()),
+                idempotent=False,
+            )
+        except sa.exc.IntegrityError as error:
+            if _sqlstate(error) != _FOREIGN_KEY_VIOLATION:
+                raise
+            raise UnknownSessionError(f"session {session_id!r} does not exist") from error
 
     def append_messages(self, session_id: str, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Append many messages in one transaction (imports); all or nothing. Returns the ids.
@@ -770,8 +826,9 @@ class SessionDB:
         )
         if source is not None:
             statement = statement.where(S.c.source == source)
-        with self._read() as conn:
-            return [cast(SessionRow, _row_dict(row)) for row in conn.execute(statement)]
+        return self.uow.read(
+            lambda conn: [cast(SessionRow, _row_dict(row)) for row in conn.execute(statement)]
+        )
 
     def list_sessions_rich(
         self,
@@ -788,8 +845,8 @@ class SessionDB:
         validate.lenient_page(limit, offset)
         validate.flag("include_children", include_children)
         validate.flag("project_compression_tips", project_compression_tips)
-        with self._read() as conn:
-            return cast(
+        return self.uow.read(
+            lambda conn: cast(
                 list[SessionListRow],
                 listing.list_sessions_rich(
                     conn,
@@ -801,6 +858,7 @@ class SessionDB:
                     project_compression_tips=project_compression_tips,
                 ),
             )
+        )
 
     def search_messages(
         self,
@@ -821,8 +879,8 @@ class SessionDB:
         exclude_sources = validate.names("exclude_sources", exclude_sources)
         role_filter = validate.names("role_filter", role_filter)
         validate.lenient_page(limit, offset)
-        with self._read() as conn:
-            return cast(
+        return self.uow.read(
+            lambda conn: cast(
                 list[SearchHit],
                 search.search_messages(
                     conn,
@@ -835,6 +893,7 @@ class SessionDB:
                     sort=sort,
                 ),
             )
+        )
 
     @staticmethod
     def _sanitize_fts5_query(query: str) -> str:
@@ -914,8 +973,7 @@ class SessionDB:
                 statement = statement.where(
                     or_(S.c.started_at < last[0], and_(S.c.started_at == last[0], S.c.id < last[1]))
                 )
-            # One read unit per page: a round trip per session, not a transaction per session
-            # (on PostgreSQL each checkout also pings the server).
+            # One read unit per page: a round trip per session, not a transaction per session.
             with self.uow.reading() as conn:
                 page = [_row_dict(row) for row in conn.execute(statement)]
                 for session in page:
@@ -1034,6 +1092,65 @@ def _checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -
     )
 
 
+_FOREIGN_KEY_VIOLATION = "23503"
+_UNIQUE_VIOLATION = "23505"
+
+
+def _sqlstate(error: sa.exc.DBAPIError) -> str | None:
+    return getattr(error.orig, "sqlstate", None)
+
+
+@functools.cache
+def _pg_append() -> Select[Any]:
+    """``append_message`` on PostgreSQL as one statement: insert the message, bump the
+    session's counters. The INSERT is what the query reads, so it runs first; the UPDATE (a
+    side CTE) runs last, so the session row is locked for the shortest time, and the lock
+    ends with the statement's own commit. A missing session fails the foreign key."""
+    columns = {c.name: sa.bindparam(c.name, type_=c.type) for c in M.columns if c.name != "id"}
+    inserted = M.insert().values(columns).returning(M.c.id).cte("inserted")
+    bumped = (
+        update(S)
+        .where(S.c.id == sa.bindparam("session_id"))
+        .values(
+            message_count=S.c.message_count + sa.bindparam("bump_messages", type_=Counter),
+            tool_call_count=S.c.tool_call_count + sa.bindparam("bump_tool_calls", type_=Counter),
+        )
+        .cte("bumped")
+    )
+    return select(inserted.c.id).add_cte(bumped)
+
+
+@functools.cache
+def _pg_create_child() -> Select[Any]:
+    """``create_session`` with a parent on PostgreSQL as one statement: insert when the parent
+    exists (an existing id is left as it is); the row says whether the parent was found."""
+    names = [c.name for c in S.columns if c.name in _CREATE_COLUMNS]
+
+    def parent() -> sa.Exists:
+        return sa.exists().where(S.c.id == sa.bindparam("parent_session_id"))
+
+    row = select(*(sa.bindparam(name, type_=S.c[name].type) for name in names)).where(parent())
+    inserted = (
+        postgresql.insert(S)
+        .from_select(names, row)
+        .on_conflict_do_nothing(index_elements=["id"])
+        .cte("inserted")
+    )
+    return select(parent().label("found")).add_cte(inserted)
+
+
+_CREATE_COLUMNS = frozenset(
+    {
+        "id",
+        "source",
+        "user_id",
+        "model",
+        "model_config",
+        "system_prompt",
+        "parent_session_id",
+        "started_at",
+    }
+)
 _SESSION_BY_ID = select(S).where(S.c.id == sa.bindparam("sid"))
 _TITLE_BY_ID = select(S.c.title).where(S.c.id == sa.bindparam("sid"))
 _COUNT_ALL_MESSAGES = select(func.count().label("n")).select_from(M)

@@ -46,6 +46,7 @@ from hermes_store.engine import (
     BUSY_OPTION,
     WRITE_OPTION,
     SqliteSettings,
+    autocommit_engine,
     begin_on_driver,
     install_sqlite_hooks,
     prepare_driver,
@@ -55,6 +56,7 @@ from hermes_store.engine import (
 from hermes_store.errors import (
     SQLITE_READONLY,
     DatabaseLockedError,
+    DatabaseUnavailableError,
     HermesStoreError,
     InvalidInputError,
     ReadOnlyUnitError,
@@ -574,6 +576,98 @@ class UnitOfWork:
             yield s
             s.flush()
 
+    # -- one statement, one round trip (PostgreSQL) ------------------------------------------
+
+    def run_statement(self, fn: Callable[[Connection], T], *, idempotent: bool) -> T:
+        """Run ``fn``, which issues ONE write statement, as its own transaction.
+
+        PostgreSQL outside a ``transaction()`` block: on the autocommit pool, so the statement
+        is the whole round trip (no BEGIN, no COMMIT). A lost connection is retried only when
+        the statement provably never reached the server (connecting failed, or the driver
+        failed to send it) or when ``idempotent`` (running it twice equals running it once);
+        otherwise :class:`DatabaseUnavailableError` says the write may or may not have landed.
+        Inside an open unit, and on SQLite, it runs as :meth:`run` runs it.
+        """
+        if self.is_sqlite or self._current.get() is not None:
+            return self.run(fn)
+        return self._autocommit(fn, write=True, idempotent=idempotent)
+
+    def read(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn``, a read of one statement (or of statements that need no common snapshot).
+
+        PostgreSQL outside an open unit: on the autocommit pool (the one of
+        :meth:`run_statement`), one round trip per statement; a lost connection is retried (a
+        read is idempotent). Inside an open unit: on its connection. SQLite: a read unit.
+        """
+        if self._current.get() is not None or self.is_sqlite:
+            with self.unit(write=False) as unit:
+                return fn(unit.conn)
+        return self._autocommit(fn, write=False, idempotent=True)
+
+    @property
+    def autocommit_engine(self) -> Engine:
+        """The autocommit twin of a PostgreSQL engine (see :func:`engine.autocommit_engine`)."""
+        return autocommit_engine(self.engine)
+
+    def _autocommit(self, fn: Callable[[Connection], T], *, write: bool, idempotent: bool) -> T:
+        with mapped_errors():
+            return self._autocommit_attempts(fn, write=write, idempotent=idempotent)
+
+    def _autocommit_attempts(
+        self, fn: Callable[[Connection], T], *, write: bool, idempotent: bool
+    ) -> T:
+        engine = self.autocommit_engine
+        waits = self.retry.waits()
+        while True:
+            try:
+                conn = engine.connect()
+            except sa_exc.DBAPIError as error:
+                # Nothing was sent: retrying cannot apply anything twice.
+                if not (is_retryable(error) or _lost(error)):
+                    raise
+                self._pause_unavailable(waits, error, write=False)
+                continue
+            try:
+                result = fn(conn)
+            except sa_exc.DBAPIError as error:
+                _close_quietly(conn)
+                # A deadlock or serialization failure rolled the statement back on the server.
+                if is_retryable(error):
+                    self._pause(waits, error)
+                    continue
+                if not _lost(error):
+                    raise
+                if idempotent or _never_sent(error):
+                    self._pause_unavailable(waits, error, write=write)
+                    continue
+                raise DatabaseUnavailableError(
+                    "lost the database connection while the write was in flight: it may or may "
+                    f"not have landed (not retried, so it is never applied twice): {error.orig}"
+                ) from error
+            except BaseException:
+                _close_quietly(conn)
+                raise
+            conn.close()
+            self._count(write)
+            return result
+
+    def _pause_unavailable(
+        self, waits: Iterator[float], error: sa_exc.DBAPIError, *, write: bool
+    ) -> None:
+        """The pause before retrying after a lost connection; past the last attempt the
+        server is reported unreachable (with nothing written: the call never got through)."""
+        try:
+            delay = next(waits)
+        except StopIteration:
+            raise DatabaseUnavailableError(
+                f"the database stayed unreachable through {self.retry.attempts} attempts"
+                f"{' (the write did not land)' if write else ''}: {error.orig}"
+            ) from error
+        with self._count_lock:
+            self.stats.retries += 1
+        log.info("database connection lost (%s); retrying in %.0f ms", error.orig, delay * 1000)
+        time.sleep(delay)
+
     # -- reads -------------------------------------------------------------------------------
 
     def read_rows(
@@ -593,8 +687,9 @@ class UnitOfWork:
         if open_unit is not None:
             return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
         if not self.is_sqlite:
-            with self._own_unit(False, self.retry.waits()) as unit:
-                return fastpath.rows(unit.conn, statement, params, expanding=expanding)
+            return self.read(
+                lambda conn: fastpath.rows(conn, statement, params, expanding=expanding)
+            )
         if expanding:
             with self.reading() as conn:
                 return fastpath.rows(conn, statement, params, expanding=expanding)
@@ -818,6 +913,42 @@ def _mapped(sql: str, values: Any, orig: Exception, dialect: Any) -> Exception:
         mapped.__cause__ = wrapped
         return mapped
     return wrapped
+
+
+#: psycopg's messages for a request that failed before it was sent whole; the transaction
+#: ends at the final Sync message, so an unsent (or partly sent) request committed nothing.
+_NOT_SENT_PREFIXES = (
+    "the connection is closed",
+    "the connection is lost",
+    "sending query",
+    "sending prepared query",
+    "preparing query failed",
+    "flushing failed",
+)
+
+
+def _lost(error: sa_exc.DBAPIError) -> bool:
+    """The connection broke (server gone, backend terminated, network down)."""
+    sqlstate = getattr(error.orig, "sqlstate", None) or ""
+    return (
+        error.connection_invalidated
+        or sqlstate.startswith(("08", "57P"))
+        or (isinstance(error, sa_exc.OperationalError) and not sqlstate)
+    )
+
+
+def _never_sent(error: sa_exc.DBAPIError) -> bool:
+    """True when the driver says the statement never (wholly) left this process."""
+    return str(error.orig).startswith(_NOT_SENT_PREFIXES)
+
+
+def _close_quietly(conn: Connection) -> None:
+    """Give back a connection after a failed statement (a broken one is discarded)."""
+    try:
+        conn.close()
+    except sa_exc.DBAPIError as error:
+        log.info("discarding a broken connection: %s", error.orig)
+        conn.invalidate()
 
 
 def _is_readonly_refusal(error: BaseException) -> bool:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from sqlalchemy import event
 
 from hermes_store import SessionDB, ddl, search
+from hermes_store.engine import autocommit_engine
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from tests.conftest import NO_CJK_INDEX, SEARCH_BACKENDS
@@ -561,11 +562,15 @@ def captured_selects(store: SessionDB) -> Iterator[list[tuple[str, Any]]]:
         if statement.lstrip().upper().startswith("SELECT"):
             seen.append((statement, params))
 
-    event.listen(store.engine, "before_cursor_execute", capture)
+    # PostgreSQL runs reads outside a unit on the engine's autocommit twin.
+    engines = [store.engine] if store.is_sqlite else [store.engine, autocommit_engine(store.engine)]
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", capture)
     try:
         yield seen
     finally:
-        event.remove(store.engine, "before_cursor_execute", capture)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", capture)
 
 
 def explain(store: SessionDB, statement: str, params: Any) -> str:
