@@ -386,11 +386,7 @@ def search_messages(
                 or contains_cjk(query)
                 or not _ASCII_WORDS.fullmatch(sanitized)
             )
-            if (
-                offset
-                and rows is not None
-                and full_text(_Page(1, 0, sort))
-            ):
+            if offset and rows is not None and full_text(_Page(1, 0, sort)):
                 fallback = False  # the full-text result set exists; this page is past its end
             if fallback:
                 rows = _substring_search(conn, items, filters, page, ilike=not sqlite)
