@@ -558,7 +558,7 @@ def captured_selects(store: SessionDB) -> Iterator[list[tuple[str, Any]]]:
     seen: list[tuple[str, Any]] = []
 
     def capture(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT"):
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
             seen.append((statement, params))
 
     event.listen(store.engine, "before_cursor_execute", capture)
