@@ -677,18 +677,17 @@ def _pg_full_text_statement(
     limit = sa.bindparam("pg_limit", type_=sa.Integer)
     offset = sa.bindparam("pg_offset", type_=sa.Integer)
     if sort == "rank":
+        # ts_rank in the window itself: computed for its rows only, from the row just read.
         window = (
-            select(M.c.id)
+            select(M.c.id, func.ts_rank(_PG_VECTOR, query).label("rank"), M.c.timestamp)
             .select_from(matching)
             .where(*criteria)
             .order_by(M.c.id.desc())
             .limit(sa.bindparam("pg_window", type_=sa.Integer))
             .subquery("window")
         )
-        hits = (
-            select(M.c.id, func.ts_rank(_PG_VECTOR, query).label("rank"), M.c.timestamp)
-            .select_from(window.join(M, M.c.id == window.c.id))
-            .order_by(sa.desc("rank"), M.c.id.desc())
+        hits = select(window.c.id, window.c.rank, window.c.timestamp).order_by(
+            window.c.rank.desc(), window.c.id.desc()
         )
     else:
         direction = sa.desc if sort == "newest" else sa.asc
