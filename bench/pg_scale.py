@@ -48,7 +48,7 @@ from hermes_store.transfer import import_sessions, read_records, write_export
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- pg-scale:begin -->", "<!-- pg-scale:end -->"
 PREFIX = "pgread_bench"
-SEARCHES = (
+SEARCHES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("rare word", RARE_WORD, {}),
     ("common word", COMMON_WORD, {}),
     ("phrase", PHRASE, {}),
@@ -130,7 +130,7 @@ def corpus_file(messages: int) -> bytes:
 
 def import_rows(base: str, data: bytes, work: Path, rounds: int) -> tuple[list[str], str, Path]:
     """Interleaved imports; the table rows, the URL of the PostgreSQL copy and the SQLite one."""
-    targets: dict[str, Any] = {}
+    targets: dict[str, SessionDB] = {}
     counter = iter(range(10_000))
 
     def fresh(name: str) -> SessionDB:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import select
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from hermes_store.errors import mapped_errors
@@ -30,12 +29,13 @@ if TYPE_CHECKING:
 
 #: Rows fetched per round trip from each server-side cursor.
 FETCH_ROWS = 2_000
-_DIALECT = postgresql.dialect()
 
 
 def supported(conn_or_dialect: Connection | sa.Dialect) -> bool:
     """Whether the streaming paths apply: PostgreSQL through psycopg 3."""
-    dialect = getattr(conn_or_dialect, "dialect", conn_or_dialect)
+    dialect = (
+        conn_or_dialect.dialect if isinstance(conn_or_dialect, Connection) else conn_or_dialect
+    )
     return dialect.name == "postgresql" and dialect.driver == "psycopg"
 
 
@@ -50,11 +50,7 @@ def _driver_errors(dialect: sa.Dialect) -> Iterator[None]:
         raise uow._mapped("", None, error, dialect) from error
 
 
-def _compiled(statement: sa.Select[Any]) -> str:
-    return str(statement.compile(dialect=_DIALECT))
-
-
-def _export_statements(by_source: bool) -> tuple[str, str]:
+def _export_statements(dialect: sa.Dialect, by_source: bool) -> tuple[str, str]:
     """Sessions newest first, and their messages in the same session order, each session's by
     ``(timestamp, id)`` as ``get_messages`` returns them."""
     order = (S.c.started_at.desc(), S.c.id.desc())
@@ -67,7 +63,7 @@ def _export_statements(by_source: bool) -> tuple[str, str]:
     if by_source:
         sessions = sessions.where(S.c.source == sa.bindparam("source"))
         messages = messages.where(S.c.source == sa.bindparam("source"))
-    return _compiled(sessions), _compiled(messages)
+    return str(sessions.compile(dialect=dialect)), str(messages.compile(dialect=dialect))
 
 
 def iter_export(db: SessionDB, source: str | None = None) -> Iterator[ExportRecord]:
@@ -75,7 +71,6 @@ def iter_export(db: SessionDB, source: str | None = None) -> Iterator[ExportReco
     snapshot. One connection is held until the generator finishes or is closed."""
     from hermes_store.store import _decode_tool_calls
 
-    session_sql, message_sql = _export_statements(source is not None)
     params = {"source": source} if source is not None else {}
     session_keys = [c.name for c in S.c]
     message_keys = [c.name for c in M.c]
@@ -83,6 +78,7 @@ def iter_export(db: SessionDB, source: str | None = None) -> Iterator[ExportReco
     with mapped_errors(), db.engine.connect() as conn:
         conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         raw: Any = conn.connection.driver_connection
+        session_sql, message_sql = _export_statements(conn.dialect, source is not None)
         with _driver_errors(conn.dialect), conn.begin():
             sessions = raw.cursor(name="hermes_export_sessions", binary=True)
             messages = raw.cursor(name="hermes_export_messages", binary=True)
@@ -111,7 +107,7 @@ def copy_rows(conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any
     if not rows:
         return
     columns = [c.name for c in table.c if c.name in rows[0]]
-    quote = _DIALECT.identifier_preparer.quote
+    quote = conn.dialect.identifier_preparer.quote
     target = f"{quote(table.name)} ({', '.join(quote(name) for name in columns)})"
     raw: Any = conn.connection.driver_connection
     with (
