@@ -7,6 +7,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy import Integer, bindparam, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import Select
@@ -136,8 +137,11 @@ def list_sessions_rich(
     rows come in one more query.
     """
     excluded = list(exclude_sources or ())
-    statement = _page_statement(include_children, bool(source), bool(excluded))
     params = {"source": source, "excluded": excluded, "lim": max(0, limit), "off": max(0, offset)}
+    project = project_compression_tips and not include_children
+    if project and conn.dialect.name == "postgresql":
+        return _pg_projected_page(conn, params, bool(source), bool(excluded))
+    statement = _page_statement(include_children, bool(source), bool(excluded))
     found = fastpath.rows(conn, statement, params, expanding=["excluded"] if excluded else [])
     rows = [_rich_dict(row) for row in found]
     if project_compression_tips and not include_children:
@@ -145,9 +149,8 @@ def list_sessions_rich(
     return rows
 
 
-@functools.cache
-def _page_statement(include_children: bool, by_source: bool, excluding: bool) -> Select[Any]:
-    """The rich page for one shape of filters, built once (values are bound per call)."""
+def _page_ids(include_children: bool, by_source: bool, excluding: bool) -> Select[Any]:
+    """The page's ids and start times, newest first (bound filters, limit and offset)."""
     criteria: list[ColumnElement[bool]] = []
     if not include_children:
         # Most sessions are top-level: wrapped so SQLite (no statistics) walks
@@ -157,18 +160,92 @@ def _page_statement(include_children: bool, by_source: bool, excluding: bool) ->
         criteria.append(S.c.source == bindparam("source"))
     if excluding:
         criteria.append(S.c.source.not_in(bindparam("excluded", expanding=True)))
-    page = (
+    return (
         select(S.c.id, S.c.started_at)
         .where(*criteria)
         .order_by(S.c.started_at.desc(), S.c.id.desc())
         .limit(bindparam("lim", type_=Integer))
         .offset(bindparam("off", type_=Integer))
-        .subquery("page")
     )
+
+
+@functools.cache
+def _page_statement(include_children: bool, by_source: bool, excluding: bool) -> Select[Any]:
+    """The rich page for one shape of filters, built once (values are bound per call)."""
+    page = _page_ids(include_children, by_source, excluding).subquery("page")
     return (
         rich_select()
         .join(page, page.c.id == S.c.id)
         .order_by(page.c.started_at.desc(), page.c.id.desc())
+    )
+
+
+def _pg_projected_page(
+    conn: Connection, params: dict[str, Any], by_source: bool, excluding: bool
+) -> list[dict[str, Any]]:
+    """The top-level page with compression roots showing their tips, in ONE statement
+    (PostgreSQL): each row comes with ``_root`` and, for a root whose chain leads on, its tip's
+    rich row follows it (``_is_tip``)."""
+    statement = _pg_projected_statement(by_source, excluding)
+    expanding = ["excluded"] if excluding else []
+    found = fastpath.rows(conn, statement, params, expanding=expanding)
+    rows: list[dict[str, Any]] = []
+    for item in map(_rich_dict, found):
+        root, is_tip = item.pop("_root"), item.pop("_is_tip")
+        if not is_tip:
+            rows.append(item)
+            continue
+        row = rows[-1]
+        assert row["id"] == root  # the tip follows its root (see the statement's order)
+        row.update({field: item[field] for field in TIP_FIELDS})
+        row["_lineage_root_id"] = root
+    return rows
+
+
+@functools.cache
+def _pg_projected_statement(by_source: bool, excluding: bool) -> Select[Any]:
+    """The page, each compression chain followed by a recursive CTE (the same hops as
+    :func:`compression_tip`, at most MAX_COMPRESSION_HOPS), then the rich rows of the page
+    and of the tips that differ from their roots. Built once per filter shape."""
+    page = _page_ids(False, by_source, excluding).cte("page")
+    at = S.alias("at_session")
+    child = S.alias("child")
+    start = select(
+        page.c.id.label("root"), page.c.id.label("at"), sa.literal(0, Integer).label("hop")
+    ).cte("chain", recursive=True)
+    successor = (
+        select(child.c.id)
+        .where(child.c.parent_session_id == at.c.id, child.c.started_at >= at.c.ended_at)
+        .order_by(child.c.started_at.desc(), child.c.id.desc())
+        .limit(1)
+        .lateral("successor")
+    )
+    step = (
+        select(start.c.root, successor.c.id, start.c.hop + 1)
+        .select_from(start.join(at, at.c.id == start.c.at).join(successor, sa.true()))
+        .where(
+            at.c.end_reason == "compression",
+            at.c.ended_at.is_not(None),
+            start.c.hop < MAX_COMPRESSION_HOPS,
+        )
+    )
+    chain = start.union_all(step)
+    further = chain.alias("further")
+    tip = (
+        select(chain.c.root, chain.c.at)
+        .where(~sa.exists().where(further.c.root == chain.c.root, further.c.hop > chain.c.hop))
+        .cte("tip")
+    )
+    targets = sa.union_all(
+        select(tip.c.root, tip.c.root.label("sid"), sa.literal(0, Integer).label("is_tip")),
+        select(tip.c.root, tip.c.at, sa.literal(1, Integer)).where(tip.c.at != tip.c.root),
+    ).subquery("targets")
+    return (
+        rich_select()
+        .add_columns(targets.c.root.label("_root"), targets.c.is_tip.label("_is_tip"))
+        .join(targets, targets.c.sid == S.c.id)
+        .join(page, page.c.id == targets.c.root)
+        .order_by(page.c.started_at.desc(), page.c.id.desc(), targets.c.is_tip)
     )
 
 

@@ -365,8 +365,17 @@ def search_messages(
             restriction = None  # PostgreSQL's trigram index serves ILIKE; SQLite scans
         rows = _substring_search(conn, items, filters, page, ilike=not sqlite, within=restriction)
     else:
-        full_text = _sqlite_full_text if sqlite else _pg_full_text
-        rows = full_text(conn, sanitized, items, filters, page)
+        full_text: Callable[[_Page], list[dict[str, Any]] | None]
+        if sqlite:
+            full_text = functools.partial(_sqlite_full_text, conn, sanitized, items, filters)
+        else:
+            values = PgFilters(
+                None if source_filter is None else tuple(_listed(source_filter)),
+                tuple(_listed(exclude_sources or ())),
+                tuple(_listed(role_filter or ())),
+            )
+            full_text = functools.partial(_pg_full_text, conn, sanitized, items, values)
+        rows = full_text(page)
         if not rows:
             fallback = (
                 rows is None  # nothing a tokenizer could index: '->', '!=', '""'
@@ -374,16 +383,14 @@ def search_messages(
                 or contains_cjk(query)
                 or not _ASCII_WORDS.fullmatch(sanitized)
             )
-            if (
-                offset
-                and rows is not None
-                and full_text(conn, sanitized, items, filters, _Page(1, 0, sort))
-            ):
+            if offset and rows is not None and full_text(_Page(1, 0, sort)):
                 fallback = False  # the full-text result set exists; this page is past its end
             if fallback:
                 rows = _substring_search(conn, items, filters, page, ilike=not sqlite)
     if not rows:
         return []
+    if "context" in rows[0]:  # the one PostgreSQL full-text statement carried it
+        return rows
     if "context_content" in rows[0]:  # the page statement carried the context columns
         for row in rows:
             row["context"] = _folded_context(row)
@@ -587,67 +594,126 @@ def _pg_full_text(
     conn: Connection,
     sanitized: str,
     items: list[Item],
-    filters: list[ColumnElement[bool]],
+    filters: PgFilters,
     page: _Page,
 ) -> list[dict[str, Any]] | None:
     """tsquery against the stored, GIN-indexed tsvector, ranked by ``ts_rank`` among the newest
-    RANK_WINDOW matches; the page is cut first and ``ts_headline`` runs only for its rows (and
-    only for contents of at most SNIPPET_INLINE_CHARS)."""
+    RANK_WINDOW matches, in one statement (:func:`pg_full_text_rows`); ``ts_headline`` runs
+    only for contents of at most SNIPPET_INLINE_CHARS. None when no term has anything to index."""
     terms = well_formed([i for i in items if isinstance(i, str) or i.indexable])
     if not terms:
         return None
-    query = func.to_tsquery(_PG_CONFIG, sa.bindparam("tsquery", tsquery(terms), type_=sa.Text))
-    matching = M.join(S, S.c.id == M.c.session_id)
-    if page.sort == "rank":
+    rows = pg_full_text_rows(conn, tsquery(terms), filters, page)
+    patterns: list[re.Pattern[str]] | None = None
+    for row in rows:
+        content = row["snippet"] or ""
+        headline = row.pop("headline")
+        if len(content) <= SNIPPET_INLINE_CHARS:
+            head, tail = content[:_PG_EDGE_CHARS], content[-_PG_EDGE_CHARS:]
+            row["snippet"] = _mark_cuts(headline or "", head, tail)
+        else:
+            if patterns is None:
+                patterns = _term_patterns(terms)
+            row["snippet"] = bounded_snippet(content, patterns, complete=_pg_complete(content))
+    return rows
+
+
+@dataclass(frozen=True)
+class PgFilters:
+    """A search's filter values, bound into the cached PostgreSQL statement (None: no filter)."""
+
+    sources: tuple[str, ...] | None = None
+    excluded: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ()
+
+    def params(self) -> dict[str, Any]:
+        values = {"pg_sources": self.sources, "pg_excluded": self.excluded, "pg_roles": self.roles}
+        return {name: list(value) for name, value in values.items() if value}
+
+    @property
+    def shape(self) -> tuple[bool, bool, bool]:
+        return self.sources is not None, bool(self.excluded), bool(self.roles)
+
+
+def pg_full_text_rows(
+    conn: Connection, tsquery_text: str, filters: PgFilters, page: _Page
+) -> list[dict[str, Any]]:
+    """One page of full-text hits on PostgreSQL in ONE statement: the contract's columns, the
+    content's first _PG_CONTENT_CHARS (as ``snippet``), ``headline`` (ts_headline, for short
+    contents only) and the packed same-session context (see :func:`_folded_context`)."""
+    statement = _pg_full_text_statement(page.sort, *filters.shape)
+    params = {
+        "tsquery": tsquery_text,
+        "pg_window": max(RANK_WINDOW, page.limit + page.offset),
+        **page.params("pg"),
+        **filters.params(),
+    }
+    rows = _dicts(conn.execute(statement, params))
+    for row in rows:
+        row["context"] = _folded_context(row)
+    return rows
+
+
+@functools.cache
+def _pg_full_text_statement(
+    sort: str, by_source: bool, excluding: bool, by_role: bool
+) -> Select[Any]:
+    """Built once per order and filter shape. The matches come off the GIN index alone (rank:
+    the newest RANK_WINDOW by id, then ``ts_rank`` of those); ``sessions`` is joined there only
+    for a source filter, otherwise for the page's rows alone; ts_headline and the context seeks
+    run for the page's rows only."""
+    query = func.to_tsquery(_PG_CONFIG, sa.bindparam("tsquery", type_=sa.Text))
+    criteria: list[ColumnElement[bool]] = [_PG_VECTOR.op("@@")(query)]
+    if by_source:
+        criteria.append(S.c.source.in_(sa.bindparam("pg_sources", expanding=True)))
+    if excluding:
+        criteria.append(S.c.source.not_in(sa.bindparam("pg_excluded", expanding=True)))
+    if by_role:
+        criteria.append(M.c.role.in_(sa.bindparam("pg_roles", expanding=True)))
+    matching = M.join(S, S.c.id == M.c.session_id) if by_source or excluding else M
+    limit = sa.bindparam("pg_limit", type_=sa.Integer)
+    offset = sa.bindparam("pg_offset", type_=sa.Integer)
+    if sort == "rank":
+        # ts_rank in the window itself: computed for its rows only, from the row just read.
         window = (
-            select(M.c.id)
+            select(M.c.id, func.ts_rank(_PG_VECTOR, query).label("rank"), M.c.timestamp)
             .select_from(matching)
-            .where(_PG_VECTOR.op("@@")(query), *filters)
+            .where(*criteria)
             .order_by(M.c.id.desc())
-            .limit(max(RANK_WINDOW, page.limit + page.offset))
+            .limit(sa.bindparam("pg_window", type_=sa.Integer))
             .subquery("window")
         )
-        rank = func.ts_rank(_PG_VECTOR, query)
-        hits = (
-            select(M.c.id, rank.label("rank"), M.c.timestamp)
-            .select_from(window.join(M, M.c.id == window.c.id))
-            .order_by(sa.desc("rank"), M.c.id.desc())
+        hits = select(window.c.id, window.c.rank, window.c.timestamp).order_by(
+            window.c.rank.desc(), window.c.id.desc()
         )
     else:
-        direction = sa.desc if page.sort == "newest" else sa.asc
+        direction = sa.desc if sort == "newest" else sa.asc
         hits = (
-            select(M.c.id, sa.literal(0.0).label("rank"), M.c.timestamp)
+            select(M.c.id, M.c.timestamp)
             .select_from(matching)
-            .where(_PG_VECTOR.op("@@")(query), *filters)
+            .where(*criteria)
             .order_by(direction(M.c.timestamp), direction(M.c.id))
         )
-    paged = hits.limit(page.limit).offset(page.offset).subquery("page")
-    if page.sort == "rank":
+    paged = hits.limit(limit).offset(offset).subquery("page")
+    if sort == "rank":
         order: tuple[Any, ...] = (paged.c.rank.desc(), paged.c.id.desc())
     else:
-        direction = sa.desc if page.sort == "newest" else sa.asc
+        direction = sa.desc if sort == "newest" else sa.asc
         order = (direction(paged.c.timestamp), direction(paged.c.id))
     # At most _PG_CONTENT_CHARS of each content: PostgreSQL decompresses only that slice.
     prefix = func.substr(M.c.content, 1, _PG_CONTENT_CHARS)
-    statement = (
-        select(*_columns(prefix))
+    headline = sa.case(
+        (
+            func.char_length(prefix) <= SNIPPET_INLINE_CHARS,
+            func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE),
+        ),
+        else_=sa.null(),
+    )
+    return (
+        select(*_columns(prefix), headline.label("headline"), *_context_columns(sqlite=False))
         .select_from(paged.join(M, M.c.id == paged.c.id).join(S, S.c.id == M.c.session_id))
         .order_by(*order)
     )
-    rows = _dicts(conn.execute(statement))
-    contents = {row["id"]: row["snippet"] or "" for row in rows}
-
-    def engine(ids: list[int]) -> dict[int, str]:
-        headline = func.ts_headline(_PG_CONFIG, M.c.content, query, _PG_HEADLINE)
-        found = conn.execute(select(M.c.id, headline).where(M.c.id.in_(ids))).all()
-        return {
-            int(i): _mark_cuts(
-                text or "", contents[i][:_PG_EDGE_CHARS], contents[i][-_PG_EDGE_CHARS:]
-            )
-            for i, text in found
-        }
-
-    return _fill_snippets(rows, terms, engine)
 
 
 def _mark_cuts(headline: str, head: str, tail: str) -> str:
@@ -668,30 +734,6 @@ def _dicts(result: Result[Any]) -> list[dict[str, Any]]:
 
 def _pg_complete(content: str) -> bool:
     return len(content) < _PG_CONTENT_CHARS
-
-
-def _fill_snippets(
-    rows: list[dict[str, Any]],
-    terms: Sequence[Item],
-    engine: Callable[[list[int]], dict[int, str]],
-) -> list[dict[str, Any]]:
-    """Turn each row's content (in ``snippet``) into its snippet: the engine's own (FTS5's
-    snippet(), ts_headline) for contents of at most SNIPPET_INLINE_CHARS, one statement for the
-    page; a bounded window around the first match for longer ones."""
-    short = [row["id"] for row in rows if len(row["snippet"] or "") <= SNIPPET_INLINE_CHARS]
-    made = engine(short) if short else {}
-    patterns: list[re.Pattern[str]] | None = None
-    for row in rows:
-        content = row["snippet"] or ""
-        if row["id"] in made:
-            row["snippet"] = made[row["id"]]
-        elif len(content) <= SNIPPET_INLINE_CHARS:
-            row["snippet"] = content  # no match to mark (cannot happen for a full-text hit)
-        else:
-            if patterns is None:
-                patterns = _term_patterns(terms)
-            row["snippet"] = bounded_snippet(content, patterns, complete=_pg_complete(content))
-    return rows
 
 
 _BLOB_CHUNK = 64 * 1024
@@ -937,13 +979,24 @@ def _substring_statement(
     direction = sa.asc if sort == "oldest" else sa.desc
     matching = M.join(S, S.c.id == M.c.session_id)
     if not sqlite:
-        return (
-            select(*_columns(M.c.content))
-            .select_from(matching)
+        # The page first (sessions joined there only for a source filter), then the columns
+        # and the context seeks for its rows: one statement.
+        touches_sessions = any(
+            S in sa.sql.util.find_tables(p, check_columns=True) for p in predicates
+        )
+        page = (
+            select(M.c.id, M.c.timestamp)
+            .select_from(matching if touches_sessions else M)
             .where(*predicates)
             .order_by(direction(M.c.timestamp), direction(M.c.id))
             .limit(limit)
             .offset(offset)
+            .subquery("page")
+        )
+        return (
+            select(*_columns(M.c.content), *_context_columns(sqlite=False))
+            .select_from(page.join(M, M.c.id == page.c.id).join(S, S.c.id == M.c.session_id))
+            .order_by(direction(page.c.timestamp), direction(page.c.id))
         )
     by_id = candidates is not None and sort == "rank"
     if candidates is not None:

@@ -25,7 +25,17 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import fastpath, listing, placement, retention, search, shared, titles, validate
+from hermes_store import (
+    fastpath,
+    listing,
+    pgstream,
+    placement,
+    retention,
+    search,
+    shared,
+    titles,
+    validate,
+)
 from hermes_store.engine import (
     READER_BUSY_TIMEOUT_S,
     WRITER_BUSY_TIMEOUT_S,
@@ -963,6 +973,9 @@ class SessionDB:
         """
         validate.text("source", source, optional=True)
         validate.integer("page_size", page_size, minimum=1)
+        if self.uow.current() is None and pgstream.supported(self.engine.dialect):
+            yield from pgstream.iter_export(self, source)  # one snapshot, server-side cursors
+            return
         order = (S.c.started_at.desc(), S.c.id.desc())
         last: tuple[float, str] | None = None
         while True:

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
-from hermes_store import files, redact
+from hermes_store import files, pgstream, redact
 from hermes_store.engine import sqlite_file
 from hermes_store.errors import HermesStoreError, InvalidInputError
 from hermes_store.models import messages_table as M
@@ -280,7 +280,7 @@ def _write_batch(
             new_links[row["id"]] = row.pop("parent_session_id")
         row["parent_session_id"] = None
         rows.append(row)
-    conn.execute(S.insert(), rows)
+    _insert(conn, S, rows)
     report.sessions = len(rows)
 
     messages = [m for p in fresh for m in p.messages]
@@ -293,11 +293,11 @@ def _write_batch(
             used_ids.add(message["id"])
             keep.append(message)
     if keep:
-        conn.execute(M.insert(), keep)
+        _insert(conn, M, keep)
         if conn.dialect.name == "postgresql":
             _advance_message_sequence(conn)
     if renumber:
-        conn.execute(M.insert(), renumber)
+        _insert(conn, M, renumber)
     report.messages = len(messages)
     report.messages_renumbered = len(renumber) - sum(m["id"] is None for m in messages)
 
@@ -327,6 +327,14 @@ def _write_batch(
             f"{landed_messages}; the batch was rolled back"
         )
     return _BatchOutcome(report, linked, new_links)
+
+
+def _insert(conn: Connection, table: sa.Table, rows: list[RowDict]) -> None:
+    """Bulk insert: ``COPY`` on PostgreSQL (several times faster than batched INSERTs)."""
+    if pgstream.supported(conn):
+        pgstream.copy_rows(conn, table, rows)
+    else:
+        conn.execute(table.insert(), rows)
 
 
 def _advance_message_sequence(conn: Connection) -> None:
