@@ -31,6 +31,8 @@ CONTRACT_BACKENDS = (*BACKENDS, "pgbouncer")
 #: the revision creates nothing): the search contract must hold with and without it.
 NO_CJK_INDEX = "sqlite-no-cjk-index"
 SEARCH_BACKENDS = (*CONTRACT_BACKENDS, NO_CJK_INDEX)
+#: The contract suites run through ``SessionDB`` and through ``AsyncSessionDB``.
+FLAVORS = ("sync", "async")
 
 
 def _pg_base_url() -> URL | None:
@@ -133,7 +135,21 @@ def pg_url(pg_worker_url: URL | None) -> URL:
 
 
 @pytest.fixture
-def store(db_url: URL) -> Iterator[SessionDB]:
+def flavor() -> str:
+    """Which API the ``store`` fixture is: ``sync`` here; the contract modules override this
+    with both :data:`FLAVORS`."""
+    return "sync"
+
+
+@pytest.fixture
+def store(db_url: URL, flavor: str) -> Iterator[SessionDB]:
+    if flavor == "async":
+        from tests.aio_driver import AsyncDriver
+
+        driver = AsyncDriver(db_url.render_as_string(hide_password=False))
+        yield driver  # type: ignore[misc]
+        driver.shutdown()
+        return
     db = SessionDB(db_url.render_as_string(hide_password=False))
     yield db
     db.close()

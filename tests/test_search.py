@@ -21,8 +21,14 @@ from sqlalchemy import event
 from hermes_store import SessionDB, ddl, search
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
-from tests.conftest import NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
 from tests.search_corpus import CORPUS
+
+
+@pytest.fixture(params=FLAVORS)
+def flavor(request: pytest.FixtureRequest) -> str:
+    """Through ``SessionDB`` and through ``AsyncSessionDB`` (tests/aio_driver.py)."""
+    return str(request.param)
 
 
 @pytest.fixture(params=SEARCH_BACKENDS)
@@ -561,11 +567,14 @@ def captured_selects(store: SessionDB) -> Iterator[list[tuple[str, Any]]]:
         if statement.lstrip().upper().startswith("SELECT"):
             seen.append((statement, params))
 
-    event.listen(store.engine, "before_cursor_execute", capture)
+    engines = getattr(store, "statement_engines", (store.engine,))  # the async store's too
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", capture)
     try:
         yield seen
     finally:
-        event.remove(store.engine, "before_cursor_execute", capture)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", capture)
 
 
 def explain(store: SessionDB, statement: str, params: Any) -> str:
