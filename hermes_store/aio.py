@@ -375,17 +375,25 @@ class AsyncSessionDB:
             if close is not None:
                 await self._must(self._submit(close))
 
-    def iter_messages(self, session_id: str, *, page_size: int = 1000) -> AsyncIterator[MessageRow]:
-        """Every message of a session, ``page_size`` per round trip off the loop."""
+    async def iter_messages(
+        self, session_id: str, *, page_size: int = 1000
+    ) -> AsyncIterator[MessageRow]:
+        """Every message of a session, a page of ``page_size`` per hop off the loop."""
         validate.integer("page_size", page_size, minimum=1)
-        return self._stream(lambda db: db.iter_messages(session_id, page_size=page_size), page_size)
+        stream = self._stream(
+            lambda db: db.iter_messages(session_id, page_size=page_size), page_size
+        )
+        async for message in stream:
+            yield message
 
-    def iter_export(
+    async def iter_export(
         self, source: str | None = None, *, page_size: int = 200
     ) -> AsyncIterator[ExportRecord]:
         """:meth:`export_all` as a stream: a page of sessions (with their messages) per hop."""
         validate.integer("page_size", page_size, minimum=1)
-        return self._stream(lambda db: db.iter_export(source, page_size=page_size), page_size)
+        stream = self._stream(lambda db: db.iter_export(source, page_size=page_size), page_size)
+        async for record in stream:
+            yield record
 
     async def stats(self) -> StoreStats:
         """:meth:`SessionDB.stats` (the file's shared writer's counters)."""
