@@ -226,9 +226,9 @@ def test_a_thousand_random_cancellations(url: str, db_url: URL) -> None:
                     batch.append(asyncio.create_task(single(key) if n % 2 else block(key)))
                 await asyncio.sleep(0)
                 for task in batch:
-                    for _ in range(rng.randrange(4)):
+                    for _ in range(rng.randrange(8)):
                         await asyncio.sleep(0)
-                    if not task.done() and task.cancel():
+                    if rng.random() < 0.6 and not task.done() and task.cancel():
                         cancellations += 1
                 await asyncio.gather(*batch, return_exceptions=True)
             rows = await db.get_messages("s")
@@ -252,7 +252,7 @@ def test_a_thousand_random_cancellations(url: str, db_url: URL) -> None:
     assert session["message_count"] == len(found["rows"])
     assert session["input_tokens"] == len(halves)
     stats = found["stats"]
-    assert stats.not_started + stats.finished > 0
+    assert stats.finished > 0 and found["acked"] and found["blocks_acked"]
     _assert_nothing_open(db_url)
 
 
