@@ -42,6 +42,7 @@ WORDS = [
     "deploy", "kubernetes", "cluster", "database", "migration", "index", "query", "latency",
     "python", "asyncio", "gateway", "telegram", "discord", "slack", "memory", "token", "budget",
 ]  # fmt: skip
+IDLE_SECONDS = 3.0
 PG_ENV = "HERMES_STORE_BENCH_PG_URL"
 SCRATCH = "aio_bench"
 
@@ -98,6 +99,12 @@ async def _worker(db: Any, n: int) -> None:
 
 async def _lag_round(target: str, api: str) -> tuple[float, float]:
     ticker = _Ticker()
+    if api == "idle":  # the machine's own contribution: the ticker alone, as long
+        ticking = asyncio.create_task(ticker.run())
+        await asyncio.sleep(IDLE_SECONDS)
+        ticker.running = False
+        await ticking
+        return percentile(ticker.lags, 0.99), max(ticker.lags)
     if api == "async":
         db: Any = AsyncSessionDB(target)
         await db.message_count()  # opened before the clock runs
@@ -183,13 +190,17 @@ def main() -> None:
             print("| backend | API | tick lag p99 (ms) | tick lag max (ms) |")
             print("|---|---|---|---|")
             for backend, target in targets.items():
-                lags: dict[str, list[tuple[float, float]]] = {"async": [], "sync": []}
+                lags: dict[str, list[tuple[float, float]]] = {"async": [], "sync": [], "idle": []}
                 names = list(lags)
                 for r in range(ROUNDS):
-                    for api in names[r % 2 :] + names[: r % 2]:
+                    for api in names[r % 3 :] + names[: r % 3]:
                         lags[api].append(asyncio.run(_lag_round(target, api)))
                 for api, found in lags.items():
-                    label = "AsyncSessionDB" if api == "async" else "SessionDB on the loop"
+                    label = {
+                        "async": "AsyncSessionDB",
+                        "sync": "SessionDB on the loop",
+                        "idle": "no store (the ticker alone: the machine's share)",
+                    }[api]
                     p99 = _spread([p for p, _ in found], 1000)
                     worst = _spread([m for _, m in found], 1000)
                     print(f"| {backend} | {label} | {p99} | {worst} |")
