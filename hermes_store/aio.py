@@ -43,7 +43,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Engine, make_url
 
 from hermes_store import validate
 from hermes_store.engine import Target, default_db_path, to_url
@@ -61,7 +61,6 @@ from hermes_store.uow import StoreStats
 
 if TYPE_CHECKING:
     import os
-    from contextlib import AbstractContextManager
 
     from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -127,7 +126,6 @@ class _Tx:
     def __init__(self, owner: AsyncSessionDB, task: asyncio.Task[Any] | None) -> None:
         self.owner = owner
         self.task = task
-        self.cm: AbstractContextManager[Connection] | None = None
         # SQLite: a thread of its own for the block's life (the unit lives in its context);
         # PostgreSQL: a context of its own that every call of the block runs in.
         self.thread = ThreadPoolExecutor(1, "hermes-aio-tx") if owner._threads else None
@@ -289,9 +287,10 @@ class AsyncSessionDB:
 
             try:
                 await tx.run(begin)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as cancelled:
                 if entered:  # begun all the same (the call had started): roll it back
-                    await self._must(tx.submit(partial(cm.__exit__, None, None, None)))
+                    rollback = partial(cm.__exit__, type(cancelled), cancelled, None)
+                    await self._must(tx.submit(rollback))
                 raise
             try:
                 yield
