@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hermes_store.aio import AsyncSessionDB
     from hermes_store.engine import create_engine, default_db_path
     from hermes_store.errors import (
         AccessDeniedError,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 #: Public name -> the module that defines it.
 _LAZY = {
+    "AsyncSessionDB": "aio",
     "create_engine": "engine",
     "default_db_path": "engine",
     **dict.fromkeys(
@@ -112,6 +114,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "MAX_TITLE_LENGTH",
     "AccessDeniedError",
+    "AsyncSessionDB",
     "Base",
     "ChatSession",
     "DatabaseLockedError",

@@ -22,10 +22,12 @@ see :mod:`hermes_store.groupcommit`.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -869,7 +871,19 @@ class UnitOfWork:
         with self._count_lock:
             self.stats.retries += 1
         log.debug("database busy (%s); retrying in %.0f ms", error, delay * 1000)
-        time.sleep(delay)
+        _sleep(delay)
+
+
+def _sleep(delay: float) -> None:
+    """``time.sleep``, except inside SQLAlchemy's asyncio greenlet (``AsyncSessionDB`` on
+    PostgreSQL), where the pause awaits: the event loop keeps serving other tasks."""
+    if "greenlet" in sys.modules:
+        from sqlalchemy.util.concurrency import await_only, in_greenlet
+
+        if in_greenlet():
+            await_only(asyncio.sleep(delay))
+            return
+    time.sleep(delay)
 
 
 class _Reader:

@@ -32,6 +32,8 @@ CONTRACT_BACKENDS = (*BACKENDS, "pgbouncer")
 #: the revision creates nothing): the search contract must hold with and without it.
 NO_CJK_INDEX = "sqlite-no-cjk-index"
 SEARCH_BACKENDS = (*CONTRACT_BACKENDS, NO_CJK_INDEX)
+#: The contract suites run through ``SessionDB`` and through ``AsyncSessionDB``.
+FLAVORS = ("sync", "async")
 
 
 #: Modules whose tests run in-process in well under a second each: their SQLite cases (and
@@ -222,7 +224,21 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def store(db_url: URL, clock: FakeClock) -> Iterator[SessionDB]:
+def flavor() -> str:
+    """Which API the ``store`` fixture is: ``sync`` here; the contract modules override this
+    with both :data:`FLAVORS`."""
+    return "sync"
+
+
+@pytest.fixture
+def store(db_url: URL, flavor: str, clock: FakeClock) -> Iterator[SessionDB]:
+    if flavor == "async":
+        from tests.aio_driver import AsyncDriver
+
+        driver = AsyncDriver(db_url.render_as_string(hide_password=False), clock=clock)
+        yield driver  # type: ignore[misc]
+        driver.shutdown()
+        return
     db = SessionDB(db_url.render_as_string(hide_password=False), clock=clock)
     yield db
     db.close()

@@ -8,8 +8,14 @@ import pytest
 
 from hermes_store import SessionDB, fastpath, listing
 from hermes_store.models import ChatSession
-from tests.conftest import SEARCH_BACKENDS, FakeClock
+from tests.conftest import FLAVORS, SEARCH_BACKENDS, FakeClock
 from tests.test_search import captured_selects, explain
+
+
+@pytest.fixture(params=FLAVORS)
+def flavor(request: pytest.FixtureRequest) -> str:
+    """Through ``SessionDB`` and through ``AsyncSessionDB`` (tests/aio_driver.py)."""
+    return str(request.param)
 
 
 @pytest.fixture(params=SEARCH_BACKENDS)

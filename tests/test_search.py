@@ -22,8 +22,14 @@ from hermes_store import SessionDB, ddl, search
 from hermes_store.engine import autocommit_engine
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
-from tests.conftest import NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
 from tests.search_corpus import CORPUS
+
+
+@pytest.fixture(params=FLAVORS)
+def flavor(request: pytest.FixtureRequest) -> str:
+    """Through ``SessionDB`` and through ``AsyncSessionDB`` (tests/aio_driver.py)."""
+    return str(request.param)
 
 
 @pytest.fixture(params=SEARCH_BACKENDS)
@@ -562,8 +568,11 @@ def captured_selects(store: SessionDB) -> Iterator[list[tuple[str, Any]]]:
         if statement.lstrip().upper().startswith(("SELECT", "WITH")):
             seen.append((statement, params))
 
-    # PostgreSQL runs reads outside a unit on the engine's autocommit twin.
-    engines = [store.engine] if store.is_sqlite else [store.engine, autocommit_engine(store.engine)]
+    # PostgreSQL runs reads outside a unit on the engine's autocommit twin; the async store
+    # names its own engines.
+    engines = getattr(store, "statement_engines", None) or (
+        [store.engine] if store.is_sqlite else [store.engine, autocommit_engine(store.engine)]
+    )
     for engine in engines:
         event.listen(engine, "before_cursor_execute", capture)
     try:

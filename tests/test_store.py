@@ -18,7 +18,13 @@ from hermes_store import (
     UnknownSessionError,
 )
 from hermes_store.models import ChatSession, Message
-from tests.conftest import NO_CJK_INDEX, SEARCH_BACKENDS, FakeClock
+from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS, FakeClock
+
+
+@pytest.fixture(params=FLAVORS)
+def flavor(request: pytest.FixtureRequest) -> str:
+    """Through ``SessionDB`` and through ``AsyncSessionDB`` (tests/aio_driver.py)."""
+    return str(request.param)
 
 
 @pytest.fixture(params=SEARCH_BACKENDS)

@@ -1,0 +1,648 @@
+"""``AsyncSessionDB``: the store for asyncio applications; no call blocks the event loop.
+
+Every coroutine runs the real :class:`~hermes_store.store.SessionDB` method (one source of
+truth for every statement), off the loop:
+
+- PostgreSQL: natively async. The engine is SQLAlchemy's asyncio engine over psycopg's async
+  API, and the sync method runs inside ``greenlet_spawn``: each driver round trip awaits on the
+  loop, no thread per call. Retry pauses await too (see ``uow._sleep``).
+- SQLite (``sqlite3`` only blocks): a bounded pool of threads per store (``max_threads``,
+  default 8). They go through the file's shared writer and the process's writer queue, so sync
+  and async code in one process cooperate on one file.
+
+``async with db.transaction():`` is bound to the task that opened it (nested blocks in that
+task join it; other tasks, its own child tasks included, wait for it as other threads wait
+for a sync transaction). On SQLite the block gets a thread of its own for its life, so a
+transaction never needs a pool thread that a call waiting for the writer is occupying.
+
+Cancellation ("landed whole"): a call cancelled before it started never runs; a call that had
+started runs to its end (its write lands whole, or fails whole) and then ``CancelledError`` is
+raised. No transaction stays open and no lock stays held: a cancelled ``transaction()`` block
+is rolled back, a cancelled commit finishes first. A write whose call returned is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import sys
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+from hermes_store import validate
+from hermes_store.engine import Target, default_db_path, to_url
+from hermes_store.errors import HermesStoreError, InvalidInputError
+from hermes_store.rows import (
+    ConversationTurn,
+    ExportRecord,
+    MessageRow,
+    SearchHit,
+    SessionListRow,
+    SessionRow,
+)
+from hermes_store.store import SessionDB
+from hermes_store.uow import StoreStats
+
+if TYPE_CHECKING:
+    import os
+
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from hermes_store.backup import BackupReport
+
+T = TypeVar("T")
+
+#: Threads per SQLite store: enough to keep reads flowing while one waits for the writer.
+DEFAULT_THREADS = 8
+
+
+@dataclass
+class CancelStats:
+    """What cancellations met: calls dropped before they started, and started calls that
+    ran to their end (succeeded: their write landed whole) before ``CancelledError``."""
+
+    not_started: int = 0
+    finished: int = 0
+    finished_ok: int = 0
+
+
+def _is_async_engine(target: object) -> bool:
+    ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    return ext is not None and isinstance(target, ext.AsyncEngine)
+
+
+def _uses_threads(target: object) -> bool:
+    """SQLite (a path, a SQLite URL or any sync Engine) runs on threads; a PostgreSQL URL or
+    an AsyncEngine natively async. Decided without I/O."""
+    if _is_async_engine(target):
+        return False
+    if target is None or isinstance(target, Engine):
+        return True
+    if isinstance(target, sa.URL):
+        return target.get_backend_name() == "sqlite"
+    if isinstance(target, str) and "://" in target:
+        return make_url(target).get_backend_name() == "sqlite"
+    return True
+
+
+async def _finish(future: asyncio.Future[Any]) -> tuple[Any, BaseException | None, bool]:
+    """Wait for ``future`` to complete whatever happens to the waiting task: its (result,
+    error) and whether the waiting task was cancelled meanwhile."""
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                cancelled = True
+                continue
+            if future.cancelled():
+                return None, asyncio.CancelledError(), cancelled
+            return None, future.exception(), cancelled
+        except BaseException as error:
+            return None, error, cancelled
+        return result, None, cancelled
+
+
+class _Tx:
+    """One open ``transaction()``: the task it belongs to and where its calls run."""
+
+    def __init__(self, owner: AsyncSessionDB, task: asyncio.Task[Any] | None) -> None:
+        self.owner = owner
+        self.task = task
+        # SQLite: a thread of its own for the block's life (the unit lives in its context);
+        # PostgreSQL: a context of its own that every call of the block runs in.
+        self.thread = ThreadPoolExecutor(1, "hermes-aio-tx") if owner._threads else None
+        self.context = contextvars.Context()
+
+    def submit(self, call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
+        if self.thread is not None:
+            return _on_thread(self.thread, call)
+        context = self.context
+        return _on_greenlet(lambda: context.run(call))
+
+    async def run(self, call: Callable[[], T]) -> T:
+        return await self.owner._settle(*self.submit(call))
+
+
+class AsyncSessionDB:
+    """:class:`~hermes_store.SessionDB` for asyncio: the same constructor arguments and every
+    public method as a coroutine with the same signature and return value.
+
+    ``db_path`` is what ``SessionDB`` takes (a path, a URL, an Engine) or a SQLAlchemy
+    ``AsyncEngine``; constructing does no I/O: opening (adoption and migration included) runs
+    off the loop on ``async with`` or the first call. ``max_threads`` bounds the threads of a
+    SQLite store; every other keyword goes to ``SessionDB`` as it is.
+    """
+
+    MAX_TITLE_LENGTH = SessionDB.MAX_TITLE_LENGTH
+    #: Pure text work, no I/O: the same static method as ``SessionDB.sanitize_title``.
+    sanitize_title = staticmethod(SessionDB.sanitize_title)
+
+    def __init__(
+        self,
+        db_path: Target | AsyncEngine | None = None,
+        *,
+        max_threads: int = DEFAULT_THREADS,
+        **options: Any,
+    ) -> None:
+        validate.integer("max_threads", max_threads, minimum=1)
+        if not _is_async_engine(db_path):
+            validate.target(db_path)
+        self._target = db_path
+        self._options = options
+        self._max_threads = max_threads
+        self._threads = _uses_threads(db_path)
+        self._sync: SessionDB | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._engine: AsyncEngine | None = None
+        self._owns_engine = False
+        self._opening = asyncio.Lock()
+        self._tx: contextvars.ContextVar[_Tx | None] = contextvars.ContextVar(
+            f"hermes_async_tx_{id(self)}", default=None
+        )
+        self._closed = False
+        self.cancellations = CancelStats()
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> AsyncSessionDB:
+        """The same store on any SQLAlchemy URL (no I/O until first use)."""
+        validate.text("url", url)
+        return cls(url, **kwargs)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncSessionDB:
+        await self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def sync(self) -> SessionDB:
+        """The ``SessionDB`` underneath (opened); for code that runs off the loop, as in
+        :meth:`run_sync`."""
+        if self._sync is None:
+            raise HermesStoreError("the store is not open yet: await a call or use async with")
+        return self._sync
+
+    async def _open(self) -> SessionDB:
+        if self._closed:
+            raise HermesStoreError("this AsyncSessionDB is closed")
+        if self._sync is not None:
+            return self._sync
+        async with self._opening:
+            if self._closed:
+                raise HermesStoreError("this AsyncSessionDB is closed")
+            if self._sync is None:
+                if self._threads:
+                    self._pool = ThreadPoolExecutor(self._max_threads, "hermes-aio")
+                    target = default_db_path() if self._target is None else self._target
+                    opening = partial(SessionDB, target, **self._options)  # type: ignore[arg-type]
+                    self._sync = await self._settle(*_on_thread(self._pool, opening))
+                else:
+                    engine = self._async_engine()
+                    try:
+                        opening = partial(SessionDB, engine.sync_engine, **self._options)
+                        self._sync = await self._settle(*_on_greenlet(opening))
+                    except BaseException:
+                        if self._owns_engine:
+                            await engine.dispose()
+                        raise
+        return self._sync
+
+    def _async_engine(self) -> AsyncEngine:
+        from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+        from hermes_store.engine import _prepared_statement_option
+
+        if isinstance(self._target, AsyncEngine):
+            self._engine = self._target
+            return self._target
+        url = to_url(self._target)  # type: ignore[arg-type]
+        if url.get_backend_name() != "postgresql":
+            raise InvalidInputError(f"AsyncSessionDB serves SQLite or PostgreSQL, not {url}")
+        url = url.set(drivername="postgresql+psycopg_async")
+        url, kwargs = _prepared_statement_option(url, {})
+        # As the sync store's engine: a modest pool, connections tested before use.
+        kwargs.update(pool_pre_ping=True, pool_size=5, max_overflow=10)
+        self._engine = create_async_engine(url, **kwargs)
+        self._owns_engine = True
+        return self._engine
+
+    async def close(self) -> None:
+        """Close the store (the sync ``close`` off the loop) and its threads or engine; safe
+        to call twice."""
+        if self._closed:
+            return
+        tx = self._tx.get()
+        if tx is not None and tx.task is asyncio.current_task():
+            raise HermesStoreError("close() inside an open transaction(): leave the block first")
+        async with self._opening:
+            self._closed = True
+        if self._sync is not None:
+            await self._must(self._submit(self._sync.close))
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        if self._engine is not None and self._owns_engine:
+            await self._engine.dispose()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        """One unit for every call of this task inside the block: commit at the end, rollback
+        of everything on an exception (cancellation included); nested blocks join it. Other
+        tasks' calls wait for it and land after it, as other threads' do in ``SessionDB``."""
+        db = await self._open()
+        task = asyncio.current_task()
+        open_tx = self._tx.get()
+        if open_tx is not None and open_tx.task is task:
+            yield
+            return
+        tx = _Tx(self, task)
+        token = self._tx.set(tx)
+        try:
+            cm = db.transaction()
+            entered: list[bool] = []
+
+            def begin() -> None:
+                cm.__enter__()
+                entered.append(True)
+
+            try:
+                await tx.run(begin)
+            except asyncio.CancelledError as cancelled:
+                if entered:  # begun all the same (the call had started): roll it back
+                    rollback = partial(cm.__exit__, type(cancelled), cancelled, None)
+                    await self._must(tx.submit(rollback))
+                raise
+            try:
+                yield
+            except BaseException as error:
+                exit_call = partial(cm.__exit__, type(error), error, error.__traceback__)
+                await self._must(tx.submit(exit_call))
+                raise
+            await self._must(tx.submit(partial(cm.__exit__, None, None, None)))
+        finally:
+            self._tx.reset(token)
+            if tx.thread is not None:
+                tx.thread.shutdown(wait=False)
+
+    # -- running calls off the loop ----------------------------------------------------------
+
+    def _submit(self, call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
+        """Start ``call`` off the loop where this task's calls run: its future and a function
+        that cancels it if it has not started (True: it never will)."""
+        tx = self._tx.get()
+        if tx is not None and tx.task is asyncio.current_task():
+            return tx.submit(call)
+        if self._threads:
+            assert self._pool is not None
+            return _on_thread(self._pool, call)
+        return _on_greenlet(call)
+
+    async def _settle(self, future: asyncio.Future[T], cancel_pending: Callable[[], bool]) -> T:
+        """The call's result; cancelled meanwhile, it is dropped if not started, else waited
+        for (it lands whole or fails whole) before ``CancelledError`` goes on."""
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done() and cancel_pending():
+                self.cancellations.not_started += 1
+                raise
+            _, error, _ = await _finish(future)
+            self.cancellations.finished += 1
+            if error is None:
+                self.cancellations.finished_ok += 1
+            raise
+
+    async def _must(self, submitted: tuple[asyncio.Future[T], Callable[[], bool]]) -> T:
+        """Run a call that must not be abandoned (commit, rollback, closing a stream) to its
+        end, then pass on its error or a cancellation that came meanwhile."""
+        result, error, cancelled = await _finish(submitted[0])
+        if error is not None:
+            raise error
+        if cancelled:
+            raise asyncio.CancelledError()
+        return result  # type: ignore[no-any-return]
+
+    async def _run(self, call: Callable[[], T]) -> T:
+        return await self._settle(*self._submit(call))
+
+    async def _call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        db = await self._open()
+        return await self._run(partial(method, db, *args, **kwargs))
+
+    async def run_sync(self, fn: Callable[[SessionDB], T]) -> T:
+        """``fn(sync_store)`` off the loop (in this task's transaction if one is open): the
+        escape hatch for code written against ``SessionDB`` (``uow.session()``, ORM queries).
+        On PostgreSQL it runs in SQLAlchemy's greenlet: only database I/O may block in it."""
+        db = await self._open()
+        return await self._run(partial(fn, db))
+
+    async def _stream(
+        self, make: Callable[[SessionDB], Iterator[T]], batch: int
+    ) -> AsyncIterator[T]:
+        """Drive a ``SessionDB`` generator off the loop, ``batch`` items per hop."""
+        db = await self._open()
+        iterator = make(db)
+        close = getattr(iterator, "close", None)
+        try:
+            while True:
+                chunk = await self._run(partial(_take, iterator, batch))
+                for item in chunk:
+                    yield item
+                if len(chunk) < batch:
+                    return
+        finally:
+            if close is not None:
+                await self._must(self._submit(close))
+
+    async def iter_messages(
+        self, session_id: str, *, page_size: int = 1000
+    ) -> AsyncIterator[MessageRow]:
+        """Every message of a session, a page of ``page_size`` per hop off the loop."""
+        validate.integer("page_size", page_size, minimum=1)
+        stream = self._stream(
+            lambda db: db.iter_messages(session_id, page_size=page_size), page_size
+        )
+        async for message in stream:
+            yield message
+
+    async def iter_export(
+        self, source: str | None = None, *, page_size: int = 200
+    ) -> AsyncIterator[ExportRecord]:
+        """:meth:`export_all` as a stream: a page of sessions (with their messages) per hop."""
+        validate.integer("page_size", page_size, minimum=1)
+        stream = self._stream(lambda db: db.iter_export(source, page_size=page_size), page_size)
+        async for record in stream:
+            yield record
+
+    async def stats(self) -> StoreStats:
+        """:meth:`SessionDB.stats` (the file's shared writer's counters)."""
+        return await self._call(SessionDB.stats)
+
+    # -- every other public SessionDB method, as a coroutine ---------------------------------
+
+    async def create_session(
+        self,
+        session_id: str,
+        source: str,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        system_prompt: str | None = None,
+        user_id: str | None = None,
+        parent_session_id: str | None = None,
+    ) -> str:
+        return await self._call(
+            SessionDB.create_session,
+            session_id,
+            source,
+            model,
+            model_config,
+            system_prompt,
+            user_id,
+            parent_session_id,
+        )
+
+    async def ensure_session(
+        self, session_id: str, source: str = "unknown", model: str | None = None
+    ) -> None:
+        return await self._call(SessionDB.ensure_session, session_id, source, model)
+
+    async def end_session(self, session_id: str, end_reason: str) -> None:
+        return await self._call(SessionDB.end_session, session_id, end_reason)
+
+    async def reopen_session(self, session_id: str) -> None:
+        return await self._call(SessionDB.reopen_session, session_id)
+
+    async def update_system_prompt(self, session_id: str, system_prompt: str | None) -> None:
+        return await self._call(SessionDB.update_system_prompt, session_id, system_prompt)
+
+    async def get_session(self, session_id: str) -> SessionRow | None:
+        return await self._call(SessionDB.get_session, session_id)
+
+    async def resolve_session_id(self, session_id_or_prefix: str) -> str | None:
+        return await self._call(SessionDB.resolve_session_id, session_id_or_prefix)
+
+    async def delete_session(self, session_id: str) -> bool:
+        return await self._call(SessionDB.delete_session, session_id)
+
+    async def prune_sessions(self, older_than_days: float = 90, source: str | None = None) -> int:
+        return await self._call(SessionDB.prune_sessions, older_than_days, source)
+
+    async def get_compression_tip(self, session_id: str) -> str | None:
+        return await self._call(SessionDB.get_compression_tip, session_id)
+
+    async def set_session_title(self, session_id: str, title: str | None) -> bool:
+        return await self._call(SessionDB.set_session_title, session_id, title)
+
+    async def get_session_title(self, session_id: str) -> str | None:
+        return await self._call(SessionDB.get_session_title, session_id)
+
+    async def get_session_by_title(self, title: str) -> SessionRow | None:
+        return await self._call(SessionDB.get_session_by_title, title)
+
+    async def resolve_session_by_title(self, title: str) -> str | None:
+        return await self._call(SessionDB.resolve_session_by_title, title)
+
+    async def get_next_title_in_lineage(self, base_title: str) -> str:
+        return await self._call(SessionDB.get_next_title_in_lineage, base_title)
+
+    async def update_token_counts(
+        self,
+        session_id: str,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        model: str | None = None,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0,
+        estimated_cost_usd: float | None = None,
+        actual_cost_usd: float | None = None,
+        cost_status: str | None = None,
+        cost_source: str | None = None,
+        pricing_version: str | None = None,
+        billing_provider: str | None = None,
+        billing_base_url: str | None = None,
+        billing_mode: str | None = None,
+        absolute: bool = False,
+    ) -> None:
+        return await self._call(
+            SessionDB.update_token_counts,
+            session_id,
+            input_tokens,
+            output_tokens,
+            model,
+            cache_read_tokens,
+            cache_write_tokens,
+            reasoning_tokens,
+            estimated_cost_usd,
+            actual_cost_usd,
+            cost_status,
+            cost_source,
+            pricing_version,
+            billing_provider,
+            billing_base_url,
+            billing_mode,
+            absolute,
+        )
+
+    async def append_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str | None = None,
+        tool_name: str | None = None,
+        tool_calls: Any = None,
+        tool_call_id: str | None = None,
+        token_count: int | None = None,
+        finish_reason: str | None = None,
+        reasoning: str | None = None,
+        reasoning_details: Any = None,
+        codex_reasoning_items: Any = None,
+    ) -> int:
+        return await self._call(
+            SessionDB.append_message,
+            session_id,
+            role,
+            content,
+            tool_name,
+            tool_calls,
+            tool_call_id,
+            token_count,
+            finish_reason,
+            reasoning,
+            reasoning_details,
+            codex_reasoning_items,
+        )
+
+    async def append_messages(
+        self, session_id: str, messages: Iterable[Mapping[str, Any]]
+    ) -> list[int]:
+        return await self._call(SessionDB.append_messages, session_id, messages)
+
+    async def get_messages(
+        self, session_id: str, *, limit: int | None = None, after_id: int | None = None
+    ) -> list[MessageRow]:
+        return await self._call(SessionDB.get_messages, session_id, limit=limit, after_id=after_id)
+
+    async def get_messages_as_conversation(self, session_id: str) -> list[ConversationTurn]:
+        return await self._call(SessionDB.get_messages_as_conversation, session_id)
+
+    async def clear_messages(self, session_id: str) -> None:
+        return await self._call(SessionDB.clear_messages, session_id)
+
+    async def message_count(self, session_id: str | None = None) -> int:
+        return await self._call(SessionDB.message_count, session_id)
+
+    async def session_count(self, source: str | None = None) -> int:
+        return await self._call(SessionDB.session_count, source)
+
+    async def search_sessions(
+        self, source: str | None = None, limit: int = 20, offset: int = 0
+    ) -> list[SessionRow]:
+        return await self._call(SessionDB.search_sessions, source, limit, offset)
+
+    async def list_sessions_rich(
+        self,
+        source: str | None = None,
+        exclude_sources: Sequence[str] | None = None,
+        limit: int = 20,
+        offset: int = 0,
+        include_children: bool = False,
+        project_compression_tips: bool = True,
+    ) -> list[SessionListRow]:
+        return await self._call(
+            SessionDB.list_sessions_rich,
+            source,
+            exclude_sources,
+            limit,
+            offset,
+            include_children,
+            project_compression_tips,
+        )
+
+    async def search_messages(
+        self,
+        query: str,
+        source_filter: Sequence[str] | None = None,
+        exclude_sources: Sequence[str] | None = None,
+        role_filter: Sequence[str] | None = None,
+        limit: int = 20,
+        offset: int = 0,
+        sort: str = "rank",
+    ) -> list[SearchHit]:
+        return await self._call(
+            SessionDB.search_messages,
+            query,
+            source_filter,
+            exclude_sources,
+            role_filter,
+            limit,
+            offset,
+            sort,
+        )
+
+    async def rebuild_search_index(self) -> None:
+        return await self._call(SessionDB.rebuild_search_index)
+
+    async def optimize_search_index(self) -> None:
+        return await self._call(SessionDB.optimize_search_index)
+
+    async def check_search_index(self) -> bool:
+        return await self._call(SessionDB.check_search_index)
+
+    async def backup(self, destination: str | os.PathLike[str], **options: Any) -> BackupReport:
+        return await self._call(SessionDB.backup, destination, **options)
+
+    async def export_session(self, session_id: str) -> ExportRecord | None:
+        return await self._call(SessionDB.export_session, session_id)
+
+    async def export_all(self, source: str | None = None) -> list[ExportRecord]:
+        return await self._call(SessionDB.export_all, source)
+
+
+def _take(iterator: Iterator[T], count: int) -> list[T]:
+    return list(itertools.islice(iterator, count))
+
+
+def _on_thread(
+    pool: ThreadPoolExecutor, call: Callable[[], T]
+) -> tuple[asyncio.Future[T], Callable[[], bool]]:
+    done: ThreadFuture[T] = pool.submit(call)
+    # Never cancelled through the asyncio wrapper (always awaited shielded): a call that
+    # started is never abandoned; ``done.cancel`` only succeeds before it starts.
+    return asyncio.wrap_future(done), done.cancel
+
+
+def _on_greenlet(call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
+    from sqlalchemy.util.concurrency import greenlet_spawn
+
+    started = False
+
+    async def body() -> T:
+        nonlocal started
+        started = True
+        return await greenlet_spawn(call)
+
+    # A task of its own (its own copy of the context): cancelling the caller never throws
+    # into a driver round trip; cancelled before its first step, ``body`` never runs.
+    task = asyncio.ensure_future(body())
+    return task, lambda: not started and task.cancel()
