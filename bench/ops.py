@@ -140,10 +140,10 @@ def phase(
     time.sleep(1.0)  # benchmark warm-up (connections opened, sessions created), not sync
     began = time.monotonic()
     result = operation(path)
-    seconds = time.monotonic() - began
-    if seconds < idle:
-        time.sleep(idle - seconds)
+    if time.monotonic() - began < idle:
+        time.sleep(idle - (time.monotonic() - began))
     ended = time.monotonic()
+    seconds = ended - began
     stop.set()
     samples = [x for _ in processes for x in out.get(timeout=300)]
     for process in processes:
