@@ -193,7 +193,7 @@ BASELINE = "baseline (writers only)"
 def _spread(values: list[float], unit: str, digits: int = 0) -> str:
     ordered = sorted(values)
     return (
-        f"{statistics.median(ordered):.{digits}f} {unit} "
+        f"{statistics.median(ordered):.{digits}f}{' ' + unit if unit else ''} "
         f"[{ordered[0]:.{digits}f}..{ordered[-1]:.{digits}f}]"
     )
 
