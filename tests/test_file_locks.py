@@ -274,6 +274,8 @@ FILE_ACCESS_ALLOWED = {
     ("files.py", "read_bytes"): "/proc/<pid>/cmdline of a process holding a deleted WAL",
     ("backup.py", "os.link"): "links its own finished 0600 temp copy to the backup's name "
     "(checked not to be the database or a sidecar); fails rather than replace a file",
+    ("backup.py", "os.open"): "a read-only descriptor on its own 0600 temp copy, only to flush "
+    "it in small increments; closed after the copy's connection, never the database",
     ("backup.py", "os.replace"): "backup --force: renames its own finished temp copy onto a "
     "destination checked not to be the database, a sidecar, or a file with -wal/-shm beside it",
 }
