@@ -271,6 +271,8 @@ def _make_twin(engine: Engine) -> Engine:
     url, connect_args = _ORIGINS.get(engine, (engine.url, {}))
     base = sa.create_engine(
         url,
+        # An asyncio engine's twin is one too: its statements then run in the caller's greenlet.
+        _is_async=engine.dialect.is_async,
         isolation_level="AUTOCOMMIT",
         pool_size=AUTOCOMMIT_POOL_SIZE,
         max_overflow=AUTOCOMMIT_MAX_OVERFLOW,
@@ -311,7 +313,9 @@ def install_liveness_check(engine: Engine, *, idle_ping_after: float = IDLE_PING
     empty_query = pq.ExecStatus.EMPTY_QUERY
     dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
 
-    def stale(dbapi_connection: Any, record: ConnectionPoolEntry) -> str | None:
+    def stale(adapted: Any, record: ConnectionPoolEntry) -> str | None:
+        # The psycopg connection itself (an asyncio engine's pool hands out an adapter).
+        dbapi_connection = getattr(adapted, "driver_connection", adapted)
         if dbapi_connection.closed or dbapi_connection.pgconn.status != ok:
             return "closed"
         status = dbapi_connection.info.transaction_status

@@ -13,7 +13,7 @@ from alembic import command
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from hermes_store import InvalidInputError, SessionDB, migrate
+from hermes_store import InvalidInputError, SessionDB, migrate, transfer
 from hermes_store.engine import create_engine
 from hermes_store.placement import Placement
 from tests.conftest import url_string
@@ -87,6 +87,14 @@ def test_two_stores_in_two_schemas_beside_the_apps_tables(app_db: URL) -> None:
         assert [h["session_id"] for h in a.search_messages("quagga")] == ["s1"]
         assert a.list_sessions_rich()[0]["preview"].startswith("the quagga")
         assert [s["id"] for s in b.export_all()] == ["s1"]
+        exported = a.export_all()
+        exported[0]["id"] = "from_a"
+        for message in exported[0]["messages"]:
+            message["session_id"] = "from_a"
+        report = transfer.import_sessions(b, enumerate(exported, 1))
+        assert report.sessions == 1
+        assert [h["session_id"] for h in b.search_messages("quagga")] == ["from_a"]
+        assert a.search_messages("quagga")[0]["session_id"] == "s1"
         assert a.prune_sessions(older_than_days=0) == 0  # not ended: kept
     assert _public(app_db) == before
     assert {"sessions", "messages", "hermes_alembic_version"} <= _tables(app_db, "hermes_a")
