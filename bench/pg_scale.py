@@ -242,7 +242,7 @@ SELECT 'g' || lpad(i::text, 7, '0'), (ARRAY['cli', 'telegram', 'discord'])[1 + i
 FROM generate_series(0, :sessions - 1) AS i;
 INSERT INTO messages (session_id, role, content, timestamp)
 SELECT 'g' || lpad((j / 20)::text, 7, '0'), (ARRAY['user', 'assistant', 'tool'])[1 + j % 3],
-       (SELECT string_agg('w' || ((j * 7919 + k * 104729) % 2000)::text, ' ')
+       (SELECT string_agg('w' || ((j::bigint * 7919 + k * 104729) % 2000)::text, ' ')
           FROM generate_series(1, 8 + j % 40) AS k)
        || CASE WHEN j % 4 = 0 THEN ' ' || :common ELSE '' END
        || CASE WHEN j % (:messages / 12) = 7 THEN ' ' || :rare ELSE '' END,
@@ -287,6 +287,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of export and import")
     parser.add_argument("--search-rounds", type=int, default=15)
     parser.add_argument("--million", action="store_true", help="also build and search 1M")
+    parser.add_argument(
+        "--reuse-pg", metavar="DATABASE", help="a database on the server holding the corpus"
+    )
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     args = parser.parse_args()
     if not args.pg:
@@ -299,7 +302,21 @@ def main() -> None:
         try:
             data = corpus_file(args.messages)
             print(f"corpus: {len(data) / 1e6:.0f} MB", flush=True)
-            imports, url, floor_path = import_rows(args.pg, data, work, args.rounds)
+            if args.reuse_pg:  # a database holding this corpus already: no import rounds
+                imports = []
+                url = (
+                    sa.engine.make_url(args.pg)
+                    .set(drivername="postgresql+psycopg", database=args.reuse_pg)
+                    .render_as_string(hide_password=False)
+                )
+                floor_path = work / "floor.db"
+                floor_db = SessionDB(floor_path)
+                try:
+                    import_file(floor_db, data)
+                finally:
+                    floor_db.close()
+            else:
+                imports, url, floor_path = import_rows(args.pg, data, work, args.rounds)
             store = SessionDB(url)
             try:
                 with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -308,6 +325,7 @@ def main() -> None:
                 searches = search_rows(store, size, args.search_rounds)
             finally:
                 store.close()
+            print("\n".join(exports), flush=True)
             if args.million:
                 million_url, seconds = build_million(args.pg, 1_000_000)
                 print(f"built 1M on the server in {seconds:.0f} s", flush=True)
