@@ -324,7 +324,9 @@ class UnitOfWork:
 
     @property
     def _head_busy_ms(self) -> int:
-        return int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000)
+        """The head's busy timeout: short, and never longer than the writer's own."""
+        head_ms = int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000)
+        return head_ms if self.settings is None else min(head_ms, self.settings.writer_ms)
 
     def _head_pause(
         self, turn: writequeue.Turn, deadline: float | None, error: BaseException
