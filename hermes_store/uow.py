@@ -303,7 +303,7 @@ class UnitOfWork:
         self, write: bool, waits: Iterator[float], turn: writequeue.Turn | None = None
     ) -> Connection:
         head = turn is not None and turn.queued
-        deadline: float | None = None
+        left: float | None = None  # the head's attempts
         while True:
             conn = self._connection(write)
             if conn is self._writer_conn:
@@ -320,7 +320,7 @@ class UnitOfWork:
                     raise
                 if head:
                     assert turn is not None
-                    deadline = self._head_pause(turn, deadline, error)
+                    left = self._head_pause(turn, left, error)
                 else:
                     self._pause(waits, error)
                 continue
@@ -328,23 +328,24 @@ class UnitOfWork:
 
     @property
     def _head_busy_ms(self) -> int:
-        return int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000)
+        """The head's busy timeout: short, and never longer than the writer's own."""
+        head_ms = int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000)
+        return head_ms if self.settings is None else min(head_ms, self.settings.writer_ms)
 
-    def _head_pause(
-        self, turn: writequeue.Turn, deadline: float | None, error: BaseException
-    ) -> float:
+    def _head_pause(self, turn: writequeue.Turn, left: float | None, error: BaseException) -> float:
         """The queue's head met a foreign writer: pause (jittered) and keep its place, telling
-        the line it is alive. Its budget is as long as the fallback path's (every attempt's
-        busy timeout plus pause), so a foreign writer costs it no more than it did before."""
-        now = time.monotonic()
-        if deadline is None:
+        the line it is alive. Its budget is the fallback path's busy waiting, in short
+        attempts: ``attempts`` x (writer's busy timeout / head's), so a foreign writer costs
+        it no more waiting than before. Returns the attempts left."""
+        if left is None:
             settings = self.settings
-            writer_s = settings.writer_ms / 1000 if settings is not None else 1.0
-            deadline = now + self.retry.attempts * (writer_s + self.retry.max_wait)
-        if now >= deadline:
+            writer_ms = settings.writer_ms if settings is not None else 1000
+            left = float(self.retry.attempts * -(-writer_ms // max(1, self._head_busy_ms)))
+        left -= 1
+        if left <= 0:
             raise DatabaseLockedError(
-                f"the database stayed locked by another writer for {self.retry.attempts} "
-                f"attempts' worth of waiting: {error}"
+                f"the database stayed locked through {self.retry.attempts} attempts' worth of "
+                f"waiting at the head of the writer queue: {error}"
             ) from error
         turn.still_trying()
         delay = random.uniform(self.retry.min_wait, self.retry.max_wait)
@@ -354,7 +355,7 @@ class UnitOfWork:
                   delay * 1000)  # fmt: skip
         time.sleep(delay)
         turn.still_trying()
-        return deadline
+        return left
 
     def _connection(self, write: bool) -> Connection:
         if write and self.is_sqlite:
@@ -455,7 +456,7 @@ class UnitOfWork:
         settings = self.settings
         assert settings is not None
         head = turn is not None and turn.queued
-        deadline: float | None = None
+        left: float | None = None  # the head's attempts
         while True:
             conn = self._connection(True)
             pooled = conn.connection
@@ -475,7 +476,7 @@ class UnitOfWork:
                 if not head:
                     raise error from orig
                 assert turn is not None
-                deadline = self._head_pause(turn, deadline, error)
+                left = self._head_pause(turn, left, error)
                 continue
             return conn
 
