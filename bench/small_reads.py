@@ -28,11 +28,11 @@ def _build(path: Path) -> None:
     try:
         for s in range(200):
             store.create_session(f"s{s}", "cli", model="m")
-            store.append_messages(
-                f"s{s}",
-                [{"role": "user" if i % 2 else "assistant", "content": f"message {i} of {s}"}
-                 for i in range(40)],  # fmt: skip
-            )
+            turns = [
+                {"role": "user" if i % 2 else "assistant", "content": f"message {i} of {s}"}
+                for i in range(40)
+            ]
+            store.append_messages(f"s{s}", turns)
             store.set_session_title(f"s{s}", f"title {s}")
     finally:
         store.close()

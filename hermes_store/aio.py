@@ -231,7 +231,7 @@ class AsyncSessionDB:
     def _async_engine(self) -> AsyncEngine:
         from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-        from hermes_store.engine import _prepared_statement_option
+        from hermes_store.engine import _prepared_statement_option, register_origin
 
         if isinstance(self._target, AsyncEngine):
             self._engine = self._target
@@ -244,6 +244,8 @@ class AsyncSessionDB:
         # As the sync store's engine: a modest pool, connections tested before use.
         kwargs.update(pool_pre_ping=True, pool_size=5, max_overflow=10)
         self._engine = create_async_engine(url, **kwargs)
+        # Its autocommit twin is made from the same URL and connect arguments.
+        register_origin(self._engine.sync_engine, url, kwargs.get("connect_args", {}))
         self._owns_engine = True
         return self._engine
 

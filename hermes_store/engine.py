@@ -237,7 +237,7 @@ def create_engine(
     if _is_psycopg(engine):
         install_safe_ping(engine)
         install_liveness_check(engine)
-        _ORIGINS[engine] = (url, dict(engine_kwargs.get("connect_args", {})))
+        register_origin(engine, url, engine_kwargs.get("connect_args", {}))
     placement_mod.install(engine, where)
     return engine
 
@@ -253,6 +253,11 @@ _ORIGINS: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = (
 #: Each PostgreSQL engine's autocommit twin (see :func:`autocommit_engine`).
 _TWINS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
 _TWIN_LOCK = threading.Lock()
+
+
+def register_origin(engine: Engine, url: URL, connect_args: dict[str, Any]) -> None:
+    """Record what ``engine`` was made from, so its autocommit twin is made the same way."""
+    _ORIGINS[engine] = (url, dict(connect_args))
 
 
 def autocommit_engine(engine: Engine) -> Engine:

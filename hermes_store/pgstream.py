@@ -32,11 +32,12 @@ FETCH_ROWS = 2_000
 
 
 def supported(conn_or_dialect: Connection | sa.Dialect) -> bool:
-    """Whether the streaming paths apply: PostgreSQL through psycopg 3."""
+    """Whether the streaming paths apply: PostgreSQL through psycopg 3's blocking API (an
+    asyncio engine takes the paged path)."""
     dialect = (
         conn_or_dialect.dialect if isinstance(conn_or_dialect, Connection) else conn_or_dialect
     )
-    return dialect.name == "postgresql" and dialect.driver == "psycopg"
+    return dialect.name == "postgresql" and dialect.driver == "psycopg" and not dialect.is_async
 
 
 @contextmanager

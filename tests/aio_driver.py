@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from hermes_store import AsyncSessionDB, SessionDB
-from hermes_store.engine import Target
+from hermes_store.engine import Target, autocommit_engine
 
 _STREAMS = ("iter_messages", "iter_export")
 
@@ -88,7 +88,10 @@ class AsyncDriver:
     def statement_engines(self) -> tuple[Any, ...]:
         """Every engine whose events see the store's statements (the async store's own)."""
         own = self._do(lambda: self.adb.run_sync(lambda db: db.engine))
-        return (own,) if own is self.inspector.engine else (own, self.inspector.engine)
+        engines = [own] if own is self.inspector.engine else [own, self.inspector.engine]
+        if own.dialect.name == "postgresql":  # reads outside a unit run on the autocommit twin
+            engines.append(autocommit_engine(own))
+        return tuple(engines)
 
     def _stream(self, name: str) -> Callable[..., Iterator[Any]]:
         def generate(*args: Any, **kwargs: Any) -> Iterator[Any]:

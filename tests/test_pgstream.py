@@ -15,6 +15,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB, pgstream
+from hermes_store.engine import autocommit_engine
 from hermes_store.transfer import import_sessions, read_records, write_export
 
 T0 = 1_767_000_000.0
@@ -185,11 +186,12 @@ def test_search_with_hits_is_one_statement_on_postgresql(pg_store: SessionDB) ->
 
     for query, options in QUERIES:
         seen.clear()
-        event.listen(pg_store.engine, "before_cursor_execute", capture)
+        # Reads outside a unit run on the engine's autocommit twin.
+        event.listen(autocommit_engine(pg_store.engine), "before_cursor_execute", capture)
         try:
             hits = pg_store.search_messages(query, **options)
         finally:
-            event.remove(pg_store.engine, "before_cursor_execute", capture)
+            event.remove(autocommit_engine(pg_store.engine), "before_cursor_execute", capture)
         assert hits, query
         assert all(len(hit["context"]) >= 1 for hit in hits)
         assert len(seen) == 1, (query, options, seen)
@@ -203,7 +205,8 @@ def test_search_with_hits_is_one_statement_on_postgresql(pg_store: SessionDB) ->
 def test_a_substring_search_carries_its_context_on_postgresql(pg_store: SessionDB) -> None:
     populate(pg_store, sessions=20)
     seen: list[str] = []
-    event.listen(pg_store.engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
+    twin = autocommit_engine(pg_store.engine)
+    event.listen(twin, "before_cursor_execute", lambda *a: seen.append(a[2]))
     hits = pg_store.search_messages("数据库")
     assert hits and len(seen) == 1
     for hit in hits:
