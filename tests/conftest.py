@@ -134,10 +134,16 @@ def pg_worker_url(worker_id: str, testrun_uid: str) -> Iterator[URL | None]:
 
 
 def reset_pg(url: URL) -> None:
-    """Drop everything in the worker's database (a fresh public schema)."""
+    """Drop everything in the worker's database: a fresh public schema, and no schema an
+    earlier test placed a store in (``SessionDB(schema=...)``, the README's example)."""
     engine = sa.create_engine(url, poolclass=NullPool)
     with engine.begin() as conn:
-        conn.exec_driver_sql("DROP SCHEMA IF EXISTS public CASCADE")
+        schemas = conn.exec_driver_sql(
+            "SELECT nspname FROM pg_namespace WHERE left(nspname, 3) <> 'pg_' "
+            "AND nspname <> 'information_schema'"
+        ).scalars()
+        for name in list(schemas):
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
         conn.exec_driver_sql("CREATE SCHEMA public")
     engine.dispose()
 
