@@ -231,7 +231,11 @@ class AsyncSessionDB:
     def _async_engine(self) -> AsyncEngine:
         from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-        from hermes_store.engine import _prepared_statement_option, register_origin
+        from hermes_store.engine import (
+            _prepared_statement_option,
+            install_liveness_check,
+            register_origin,
+        )
 
         if isinstance(self._target, AsyncEngine):
             self._engine = self._target
@@ -241,11 +245,13 @@ class AsyncSessionDB:
             raise InvalidInputError(f"AsyncSessionDB serves SQLite or PostgreSQL, not {url}")
         url = url.set(drivername="postgresql+psycopg_async")
         url, kwargs = _prepared_statement_option(url, {})
-        # As the sync store's engine: a modest pool, connections tested before use.
-        kwargs.update(pool_pre_ping=True, pool_size=5, max_overflow=10)
+        # As the sync store's engine: a modest pool, no ping per call (the liveness check
+        # pings only connections idle for a while), the twin made from the same arguments.
+        kwargs.update(pool_size=5, max_overflow=10)
         self._engine = create_async_engine(url, **kwargs)
-        # Its autocommit twin is made from the same URL and connect arguments.
-        register_origin(self._engine.sync_engine, url, kwargs.get("connect_args", {}))
+        sync_engine = self._engine.sync_engine
+        install_liveness_check(sync_engine)
+        register_origin(sync_engine, url, kwargs.get("connect_args", {}))
         self._owns_engine = True
         return self._engine
 

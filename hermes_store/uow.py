@@ -353,7 +353,7 @@ class UnitOfWork:
             self.stats.retries += 1
         log.debug("database busy at the queue's head (%s); retrying in %.0f ms", error,
                   delay * 1000)  # fmt: skip
-        time.sleep(delay)
+        _sleep(delay)
         turn.still_trying()
         return left
 
@@ -669,7 +669,7 @@ class UnitOfWork:
         with self._count_lock:
             self.stats.retries += 1
         log.info("database connection lost (%s); retrying in %.0f ms", error.orig, delay * 1000)
-        time.sleep(delay)
+        _sleep(delay)
 
     # -- reads -------------------------------------------------------------------------------
 
