@@ -232,7 +232,7 @@ class AsyncSessionDB:
         from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
         from hermes_store.engine import (
-            _prepared_statement_option,
+            _psycopg_options,
             install_liveness_check,
             register_origin,
         )
@@ -244,7 +244,7 @@ class AsyncSessionDB:
         if url.get_backend_name() != "postgresql":
             raise InvalidInputError(f"AsyncSessionDB serves SQLite or PostgreSQL, not {url}")
         url = url.set(drivername="postgresql+psycopg_async")
-        url, kwargs = _prepared_statement_option(url, {})
+        url, kwargs = _psycopg_options(url, {})
         # As the sync store's engine: a modest pool, no ping per call (the liveness check
         # pings only connections idle for a while), the twin made from the same arguments.
         kwargs.update(pool_size=5, max_overflow=10)

@@ -57,9 +57,17 @@ JOURNAL_SIZE_LIMIT_ENV = "HERMES_STORE_JOURNAL_SIZE_LIMIT"
 #: A pooled PostgreSQL connection idle longer than this is pinged before it is handed out;
 #: younger ones only get the cheap checks (state, socket), which cost no round trip.
 IDLE_PING_AFTER_S = 30.0
-#: The autocommit pool of one-statement calls: small, since every store has two pools.
-AUTOCOMMIT_POOL_SIZE = 5
-AUTOCOMMIT_MAX_OVERFLOW = 5
+#: psycopg's default: a statement is prepared server-side from its 5th execution on.
+PSYCOPG_PREPARE_THRESHOLD = 5
+#: The startup option asking the server for a plan per execution (see ``_psycopg_options``).
+CUSTOM_PLANS_OPTION = "-c plan_cache_mode=force_custom_plan"
+#: The autocommit pool of one-statement calls: small, since every store has two pools, and
+#: without overflow. Why: an overflow connection is closed when it comes back to a full pool,
+#: and a burst of calls (200 asyncio tasks, whose waiters wake only when the loop gets to them)
+#: returned connections faster than waiters took them: 135 new server connections per 2,000
+#: appends, at a few ms each, halved throughput. Callers beyond the pool wait for a connection.
+AUTOCOMMIT_POOL_SIZE = 10
+AUTOCOMMIT_MAX_OVERFLOW = 0
 #: Pool-record key: when the connection was last given back (``time.monotonic()``).
 IDLE_SINCE_KEY = "hermes_idle_since"
 
@@ -227,7 +235,7 @@ def create_engine(
             wal_size_limit=wal_size_limit,
         )
         return engine
-    url, engine_kwargs = _prepared_statement_option(url, engine_kwargs)
+    url, engine_kwargs = _psycopg_options(url, engine_kwargs)
     # A fleet of gateways shares the server: keep a modest pool. No ping before every use
     # (a round trip per call): the liveness check pings only connections idle for a while.
     if "poolclass" not in engine_kwargs:
@@ -396,27 +404,39 @@ def install_safe_ping(engine: Engine) -> None:
     dialect.do_ping = do_ping  # type: ignore[method-assign]
 
 
-def _prepared_statement_option(
-    url: URL, engine_kwargs: dict[str, Any]
-) -> tuple[URL, dict[str, Any]]:
-    """``?prepare_threshold=none`` on a PostgreSQL URL turns off psycopg's automatic server-side
-    prepared statements, which PgBouncer in transaction pooling mode (1.18, Debian 12) cannot
-    carry from one transaction to the next server connection. A number sets the threshold."""
+def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
+    """Connect arguments for psycopg from the URL.
+
+    ``?prepare_threshold=none`` turns off psycopg's automatic server-side prepared statements,
+    which PgBouncer in transaction pooling mode (1.18, Debian 12) cannot carry from one
+    transaction to the next server connection; a number sets the threshold.
+
+    While statements are prepared (the default: from a statement's 5th execution on), the
+    server is asked for custom plans (``plan_cache_mode=force_custom_plan``, a startup option:
+    no round trip). Why: after five executions of a prepared statement PostgreSQL may switch to
+    a generic plan that cannot see the parameters, and for a full-text search that plan walks
+    the whole table for a rare word (3 ms became 10-16 ms at 10k messages). Planning a simple
+    write again costs microseconds; unprepared statements (PgBouncer) always get custom plans.
+    """
+    connect_args = dict(engine_kwargs.get("connect_args", {}))
     raw = url.query.get("prepare_threshold")
-    if raw is None:
-        return url, engine_kwargs
-    value = raw if isinstance(raw, str) else raw[-1]
-    try:
-        threshold = None if value.lower() in ("none", "off", "") else int(value)
-    except ValueError:
-        raise InvalidInputError(
-            f"prepare_threshold={value!r} in the URL: use a number or 'none'"
-        ) from None
-    connect_args = {**engine_kwargs.get("connect_args", {}), "prepare_threshold": threshold}
-    return url.difference_update_query(["prepare_threshold"]), {
-        **engine_kwargs,
-        "connect_args": connect_args,
-    }
+    if raw is not None:
+        value = raw if isinstance(raw, str) else raw[-1]
+        try:
+            connect_args["prepare_threshold"] = (
+                None if value.lower() in ("none", "off", "") else int(value)
+            )
+        except ValueError:
+            raise InvalidInputError(
+                f"prepare_threshold={value!r} in the URL: use a number or 'none'"
+            ) from None
+        url = url.difference_update_query(["prepare_threshold"])
+    if connect_args.get("prepare_threshold", PSYCOPG_PREPARE_THRESHOLD) is not None:
+        given = connect_args.get("options", url.query.get("options", ""))
+        given = given if isinstance(given, str) else given[-1]
+        if "plan_cache_mode" not in given:
+            connect_args["options"] = f"{given} {CUSTOM_PLANS_OPTION}".strip()
+    return url, {**engine_kwargs, "connect_args": connect_args} if connect_args else engine_kwargs
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,22 @@ talks once. Put this proxy between the store and the server to see (and count) t
         ...
         proxy.round_trips  # client requests that waited for an answer
 
-Each chunk is forwarded after ``delay`` seconds in each direction, in order. A round trip is a
-burst of client bytes sent after the server last answered (or as the connection's first bytes):
-what a client that waits for each answer pays once per request.
+Each chunk is forwarded ``delay`` seconds after it arrived, in each direction, in order (a
+chunk arriving while an earlier one waits is not delayed twice: a pipe, not a queue of
+sleeps). A round trip is a burst of client bytes sent after the server last answered (or as
+the connection's first bytes): what a client that waits for each answer pays once per request.
+
+Plain threads and ``time.sleep`` (a nanosleep): an event loop's timers wake up to 1 ms late
+(epoll's millisecond timeout is rounded up), which added 0.6-0.8 ms to every hop.
 """
 
 from __future__ import annotations
 
-import asyncio
+import queue
+import socket
 import threading
+import time
+from contextlib import suppress
 from types import TracebackType
 
 
@@ -27,18 +34,15 @@ class LatencyProxy:
     def __init__(self, target: tuple[str, int], *, delay: float) -> None:
         self.target = target
         self.delay = delay
-        self.port = 0
         self.round_trips = 0
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="latency-proxy", daemon=True)
-        self._server: asyncio.Server | None = None
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._sockets: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept, name="latency-proxy", daemon=True)
 
     def __enter__(self) -> LatencyProxy:
         self._thread.start()
-        if not self._ready.wait(30):
-            raise RuntimeError("the latency proxy did not start")
         return self
 
     def __exit__(
@@ -47,7 +51,14 @@ class LatencyProxy:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        with suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            live = list(self._sockets)
+        for sock in live:
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(30)
 
     def reset(self) -> int:
@@ -56,52 +67,75 @@ class LatencyProxy:
             count, self.round_trips = self.round_trips, 0
         return count
 
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0)
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-        self._server.close()
-        for task in asyncio.all_tasks(self._loop):
-            task.cancel()
-        self._loop.run_until_complete(asyncio.sleep(0))
-        self._loop.close()
-
-    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        server_r, server_w = await asyncio.open_connection(*self.target)
-        answered = [True]  # the server spoke last (or nobody yet): the next request is a trip
-
-        async def pump(
-            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool
-        ) -> None:
-            """Read as fast as data comes; deliver each chunk ``delay`` after it arrived."""
-            chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-            async def deliver() -> None:
-                while True:
-                    arrived, data = await chunks.get()
-                    if not data:
-                        break
-                    await asyncio.sleep(max(0.0, arrived + self.delay - self._loop.time()))
-                    writer.write(data)
-                    await writer.drain()
-
-            delivery = asyncio.ensure_future(deliver())
+    def _accept(self) -> None:
+        while True:
             try:
-                while data := await reader.read(65536):
-                    if upstream and answered[0]:
-                        with self._lock:
-                            self.round_trips += 1
-                    answered[0] = not upstream
-                    chunks.put_nowait((self._loop.time(), data))
-                chunks.put_nowait((self._loop.time(), b""))
-                await delivery
-            except (ConnectionError, asyncio.CancelledError):
-                delivery.cancel()
-            finally:
-                writer.close()
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, server):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._sockets.update((client, server))
+            link = _Link(self, client, server)
+            for source, sink, upstream in ((client, server, True), (server, client, False)):
+                threading.Thread(
+                    target=link.pump, args=(source, sink, upstream), daemon=True
+                ).start()
 
-        await asyncio.gather(pump(client_r, server_w, True), pump(server_r, client_w, False))
+
+class _Link:
+    """One proxied connection: a pump per direction, each with a delivery thread."""
+
+    def __init__(self, proxy: LatencyProxy, client: socket.socket, server: socket.socket) -> None:
+        self.proxy = proxy
+        self.client, self.server = client, server
+        self.answered = True  # the server spoke last (or nobody yet): the next request is a trip
+        self.open_directions = 2
+        self.lock = threading.Lock()
+
+    def pump(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
+        """Read as fast as data comes; hand each chunk on with the time it is due."""
+        chunks: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+        delivery = threading.Thread(target=self._deliver, args=(chunks, sink), daemon=True)
+        delivery.start()
+        proxy = self.proxy
+        try:
+            while data := source.recv(65536):
+                if upstream and self.answered:
+                    with proxy._lock:
+                        proxy.round_trips += 1
+                self.answered = not upstream
+                chunks.put((time.monotonic() + proxy.delay, data))
+        except OSError:
+            pass  # reset or shut down: end this direction like an end of stream
+        chunks.put((0.0, b""))
+        delivery.join()
+        with self.lock:
+            self.open_directions -= 1
+            done = self.open_directions == 0
+        if done:
+            with proxy._lock:
+                proxy._sockets.difference_update((self.client, self.server))
+            self.client.close()
+            self.server.close()
+
+    @staticmethod
+    def _deliver(chunks: queue.SimpleQueue[tuple[float, bytes]], sink: socket.socket) -> None:
+        while True:
+            due, data = chunks.get()
+            if not data:
+                with suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return
+            if (wait := due - time.monotonic()) > 0:
+                time.sleep(wait)
+            try:
+                sink.sendall(data)
+            except OSError:
+                return  # the other side is gone; the pump ends at its next read
