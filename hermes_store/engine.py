@@ -61,12 +61,14 @@ IDLE_PING_AFTER_S = 30.0
 PSYCOPG_PREPARE_THRESHOLD = 5
 #: The startup option asking the server for a plan per execution (see ``_psycopg_options``).
 CUSTOM_PLANS_OPTION = "-c plan_cache_mode=force_custom_plan"
-#: The autocommit pool of one-statement calls: small, since every store has two pools, and
-#: without overflow. Why: an overflow connection is closed when it comes back to a full pool,
-#: and a burst of calls (200 asyncio tasks, whose waiters wake only when the loop gets to them)
-#: returned connections faster than waiters took them: 135 new server connections per 2,000
-#: appends, at a few ms each, halved throughput. Callers beyond the pool wait for a connection.
-AUTOCOMMIT_POOL_SIZE = 10
+#: The autocommit pool of one-statement calls: small and without overflow. Small: each call
+#: holds a connection for one round trip, the server runs a few statements per core at once,
+#: and on a machine it shares every extra busy backend preempts the caller (an asyncio loop
+#: lagged 7-9 ms at p99 with 5 connections, 14-20 ms with 10). No overflow: an overflow
+#: connection is closed when it comes back to a full pool, and a burst (200 asyncio tasks,
+#: whose waiters wake only when the loop gets to them) returned connections faster than
+#: waiters took them: 135 new server connections per 2,000 appends, halving throughput.
+AUTOCOMMIT_POOL_SIZE = 5
 AUTOCOMMIT_MAX_OVERFLOW = 0
 #: Pool-record key: when the connection was last given back (``time.monotonic()``).
 IDLE_SINCE_KEY = "hermes_idle_since"
