@@ -13,6 +13,7 @@ median over rounds with [min..max].
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import statistics
@@ -30,7 +31,7 @@ from sqlalchemy.pool import NullPool
 from bench.timing import percentile
 from hermes_store import AsyncSessionDB, SessionDB
 
-ROUNDS = 3
+ROUNDS = 5
 TASKS = 50
 OPS_PER_TASK = 12
 SESSIONS = 200
@@ -102,7 +103,38 @@ async def _worker(db: Any, n: int) -> None:
         await asyncio.sleep(0)
 
 
-async def _lag_round(target: str, api: str) -> tuple[float, float]:
+class _FullCollections:
+    """Full (generation 2) garbage collections while it is entered, and how long each took:
+    one pauses every thread of the process, the loop included, for as long as the heap is
+    big, whatever the store does; shown beside the lag so a worst tick can be told apart."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._began = 0.0
+
+    def _watch(self, phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._began)
+
+    def __enter__(self) -> _FullCollections:
+        gc.callbacks.append(self._watch)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._watch)
+
+
+async def _lag_round(target: str, api: str) -> tuple[float, float, list[float]]:
+    with _FullCollections() as collections:
+        p99, worst = await _lagged(target, api)
+    return p99, worst, collections.pauses
+
+
+async def _lagged(target: str, api: str) -> tuple[float, float]:
     ticker = _Ticker()
     if api == "idle":  # the machine's own contribution: the ticker alone, as long
         ticking = asyncio.create_task(ticker.run())
@@ -192,10 +224,17 @@ def main() -> None:
             print(f"## Event-loop lag: {TASKS} tasks x {OPS_PER_TASK} calls, {messages:,} messages")
             print(f"(1 ms ticker, {ROUNDS} rounds)")
             print()
-            print("| backend | API | tick lag p99 (ms) | tick lag max (ms) |")
-            print("|---|---|---|---|")
+            print(
+                "| backend | API | tick lag p99 (ms) | tick lag max (ms) "
+                "| full GC pauses, longest (ms) |"
+            )
+            print("|---|---|---|---|---|")
             for backend, target in targets.items():
-                lags: dict[str, list[tuple[float, float]]] = {"async": [], "sync": [], "idle": []}
+                lags: dict[str, list[tuple[float, float, list[float]]]] = {
+                    "async": [],
+                    "sync": [],
+                    "idle": [],
+                }
                 names = list(lags)
                 for r in range(ROUNDS):
                     for api in names[r % 3 :] + names[: r % 3]:
@@ -206,9 +245,11 @@ def main() -> None:
                         "sync": "SessionDB on the loop",
                         "idle": "no store (the ticker alone: the machine's share)",
                     }[api]
-                    p99 = _spread([p for p, _ in found], 1000)
-                    worst = _spread([m for _, m in found], 1000)
-                    print(f"| {backend} | {label} | {p99} | {worst} |")
+                    p99 = _spread([p for p, _, _ in found], 1000)
+                    worst = _spread([m for _, m, _ in found], 1000)
+                    pauses = [pause for _, _, seen in found for pause in seen]
+                    gcs = f"{len(pauses)}, {max(pauses) * 1000:.0f}" if pauses else "0"
+                    print(f"| {backend} | {label} | {p99} | {worst} | {gcs} |")
             if pg is not None:
                 print()
                 print(f"## append_message on PostgreSQL ({APPENDS} appends, {ROUNDS} rounds)")
