@@ -22,6 +22,7 @@ Rewrites the section between the markers in docs/benchmarks.md (``--out -`` prin
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import sys
@@ -43,6 +44,7 @@ from bench.corpus import CJK_QUERY, COMMON_WORD, PHRASE, RARE_WORD, Corpus
 from bench.floor import Floor
 from bench.timing import Stats, interleaved
 from hermes_store import SessionDB, migrate, pgstream
+from hermes_store.engine import autocommit_engine
 from hermes_store.transfer import import_sessions, read_records, write_export
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,11 +83,14 @@ def statements(store: SessionDB, fn: Callable[[], object]) -> int:
     def capture(*args: Any) -> None:
         seen.append(args[2])
 
-    event.listen(store.engine, "before_cursor_execute", capture)
+    engines = (store.engine, autocommit_engine(store.engine))  # reads run on the second
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", capture)
     try:
         fn()
     finally:
-        event.remove(store.engine, "before_cursor_execute", capture)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", capture)
     return len(seen)
 
 
@@ -213,9 +218,10 @@ def search_rows(store: SessionDB, size: str, rounds: int) -> list[str]:
     lines = []
     for label, query, options in SEARCHES:
         hits = len(store.search_messages(query, **options))
-        sent = statements(store, lambda q=query, o=options: store.search_messages(q, **o))
+        search = functools.partial(store.search_messages, query, **options)
+        sent = statements(store, search)
         stats = interleaved(
-            {"ours": lambda q=query, o=options: store.search_messages(q, **o)},
+            {"ours": search},
             rounds=rounds,
             inner=5,
             warmup=2,
@@ -303,7 +309,7 @@ def main() -> None:
             data = corpus_file(args.messages)
             print(f"corpus: {len(data) / 1e6:.0f} MB", flush=True)
             if args.reuse_pg:  # a database holding this corpus already: no import rounds
-                imports = []
+                imports: list[Any] = []
                 url = (
                     sa.engine.make_url(args.pg)
                     .set(drivername="postgresql+psycopg", database=args.reuse_pg)
