@@ -18,7 +18,7 @@ import secrets
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,7 +317,7 @@ def adopt(conn: Connection) -> DatabaseState:
             if not had_fts:
                 log.info(
                     "built the full-text index of the adopted file in %.2f s (under the write "
-                    "lock: other writers waited)",
+                    "lock: other writers waited behind its heartbeat)",
                     time.monotonic() - started,
                 )
         state.revision = revision
@@ -339,25 +339,30 @@ def migration_connection(
     before the writes' own retries would; how long the lock was then held is logged.
 
     On a SQLite file the migration first takes a turn in the fair writer queue, as every write
-    does: it neither overtakes the writers already in line nor makes them fall back to SQLite's
-    busy handler. As the queue's head it asks for the lock with the head's short busy timeout,
-    and while it runs (an adoption can take seconds) it beats every 0.2 s, so the writers
-    behind it keep waiting in the kernel instead of spending their retries.
+    does (see :func:`_queues`; a legacy file's first adoption creates the lock file): it
+    neither overtakes the writers already in line nor makes them fall back to SQLite's busy
+    handler. As the queue's head it asks for the lock with the head's short busy timeout, and
+    while it runs it beats every 0.2 s, so the writers and openers behind it keep waiting in
+    the kernel instead of spending their retries. An adoption holds the lock in one piece (the
+    stamp, the revisions and the full-text rebuild commit together, so a file is either
+    untouched or at head): about 3 s for 450,000 messages on a quiet 2-core machine, 15-25 s
+    when it is loaded (``bench/adoption.py``); the time is logged. Those behind it wait as long
+    as it beats, and give up on a fixed budget only once it has stopped (see
+    :func:`_begin_migration`).
     """
     url = target.url if isinstance(target, Engine) else to_url(target)
     placement.current().check_dialect(url.get_backend_name())  # before a file is created
     path = sqlite_file(url)
     if path is not None:
         remove_stale_temps(path)
-    created = path is not None and preflight_sqlite(path) is None and create_private_file(path)
+    state = preflight_sqlite(path) if path is not None else None
+    created = path is not None and state is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
-    # Only a file whose writers use the queue (its lock file exists): a refused or new file
-    # is left without a lock file beside it.
-    queued = path is not None and Path(f"{path}{files.WRITER_LOCK_SUFFIX}").exists()
-    turns = writequeue.for_database(path).turn() if queued and path else nullcontext()
+    queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
     try:
-        with _lock_errors(url), mapped_errors(), turns as turn:
-            conn, transaction = _begin_migration(engine, retry or RetryPolicy(), turn)
+        with _lock_errors(url), mapped_errors(), queue.turn() if queue else nullcontext() as turn:
+            line = queue.progress if queue is not None and queue.enabled else None
+            conn, transaction = _begin_migration(engine, retry or RetryPolicy(), turn, line)
             locked_at = time.monotonic()
             with conn, transaction:
                 if turn is not None and turn.queued:
@@ -383,14 +388,44 @@ def migration_connection(
         engine.dispose()
 
 
+def _queues(path: Path, state: DatabaseState | None) -> bool:
+    """Whether a migration of ``path`` takes a turn in the writer queue (creating its lock file).
+
+    Where the lock file exists, always. Otherwise only for a file that holds tables (a legacy
+    file being adopted, one at an older revision): the processes opening such a file at once
+    must line up behind the one that migrates it, which beats while it works, instead of each
+    spending a fixed retry budget on SQLite's lock while an index rebuild may outlast it. Its
+    writers create the lock file at their first write anyway. A new or empty file, and a file
+    :func:`preflight_sqlite` refused, are left without a lock file beside them.
+    """
+    if Path(f"{path}{files.WRITER_LOCK_SUFFIX}").exists():
+        return True
+    return state is not None and not state.is_empty
+
+
 def _begin_migration(
-    engine: Engine, retry: RetryPolicy, turn: writequeue.Turn | None = None
+    engine: Engine,
+    retry: RetryPolicy,
+    turn: writequeue.Turn | None = None,
+    line: Callable[[], bytes] | None = None,
 ) -> tuple[Connection, sa.RootTransaction]:
-    """A connection with its write transaction begun, waiting for the lock as writes do (the
-    queue's head: short busy timeouts and a heartbeat, within the same overall budget)."""
+    """A connection with its write transaction begun, waiting for the lock as writes do.
+
+    The queue's head asks with short busy timeouts and beats, within the writes' overall
+    budget (``attempts`` x (busy timeout + longest pause)). A waiter outside the line (its
+    turn fell back: the line stood still for the queue's bounded wait, e.g. an adopter starved
+    of CPU between two statements) that can watch the line (``line``: the queue's progress
+    marks) gives up only once the line has not moved for that same budget: a head that is
+    alive and working (an adoption rebuilding a big index beats every 0.2 s) is waited for
+    however long its work takes, while one that stopped (SIGSTOP, hung) is given up on after
+    the budget, as before, and a dead one lets go of SQLite's lock (the kernel drops it). With
+    neither a turn nor a line (no queue), the writes' fixed retry policy applies.
+    """
     waits = retry.waits()
     head = turn is not None and turn.queued
+    budget = retry.attempts * (WRITER_BUSY_TIMEOUT_S + retry.max_wait)
     deadline: float | None = None
+    seen: bytes | None = None
     busy_ms = int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000) if head else None
     while True:
         conn = engine.connect()
@@ -402,14 +437,21 @@ def _begin_migration(
             if not is_retryable(error):
                 raise
             delay: float | None
+            now = time.monotonic()
             if head:
                 assert turn is not None
-                now = time.monotonic()
                 if deadline is None:
-                    deadline = now + retry.attempts * (WRITER_BUSY_TIMEOUT_S + retry.max_wait)
+                    deadline = now + budget
                 if now >= deadline:
                     raise
                 turn.still_trying()
+                delay = random.uniform(retry.min_wait, retry.max_wait)
+            elif line is not None:
+                moved = line()
+                if moved != seen:
+                    seen, deadline = moved, now + budget
+                if deadline is not None and now >= deadline:
+                    raise
                 delay = random.uniform(retry.min_wait, retry.max_wait)
             else:
                 delay = next(waits, None)

@@ -323,6 +323,26 @@ class WriteQueue:
         finally:
             os.close(fd)
 
+    def progress(self) -> bytes:
+        """The line's movement marks (bytes 8..31: the last head's ticket, the last byte
+        released, the head's heartbeat); they change while the line moves or its head works.
+
+        For a writer that waits outside the line (a fallback) and must tell a head that is
+        alive and working from one that stopped. Read on a descriptor of its own, opened and
+        closed here: the queue's locks are OFD locks, which closing another descriptor keeps.
+        A lock file that cannot be read (removed meanwhile) gives ``b""``: no movement, so the
+        waiter keeps to its fixed budget; the queue only orders writers, it never fails one.
+        """
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return os.pread(fd, 24, 8)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            log.debug("%s: cannot read the line's progress: %s", self.lock_path, error)
+            return b""
+
     # -- the turn ----------------------------------------------------------------------------
 
     @contextmanager

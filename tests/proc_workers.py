@@ -264,3 +264,69 @@ def open_and_append(target: str, index: int, barrier: Any, errors: Any) -> None:
     except BaseException as error:
         errors.put(f"{index}: {error!r}")
         raise
+
+
+#: A statement that keeps SQLite's virtual machine busy for a while (so the migration's
+#: progress handler runs and beats) without touching a table.
+BUSY_STATEMENT = (
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 200000) "
+    "SELECT count(*) FROM c"
+)
+
+
+def adopt_slowly(path: str, waiters: int, beats: int, ready: Any) -> None:
+    """A slow adopter: take the migration's connection on a legacy file (its turn in the writer
+    queue and SQLite's write lock) and signal ``ready``; keep SQLite working until ``waiters``
+    more processes have taken a ticket in the queue (they all wait for the lock), then until
+    the queue has seen ``beats`` more heartbeats of it (at least ``beats`` x 0.2 s: the
+    scenario's duration, counted in the adopter's own progress); then adopt the file."""
+    from alembic import command
+
+    from hermes_store import migrate, writequeue
+
+    queue = writequeue.for_database(path)
+    with migrate.migration_connection(path) as conn:
+        ready.set()
+        while queue.tickets()[0] < 1 + waiters:
+            conn.exec_driver_sql(BUSY_STATEMENT).scalar()
+        seen = {queue.progress()}
+        while len(seen) <= beats:
+            conn.exec_driver_sql(BUSY_STATEMENT).scalar()
+            seen.add(queue.progress())
+        command.upgrade(migrate.alembic_config(conn), "head")
+
+
+def open_behind_an_adopter(
+    target: str, index: int, attempts: int, queue_wait: float, barrier: Any, out: Any
+) -> None:
+    """Open ``target`` with a retry policy of ``attempts`` (and the writer queue's bounded wait
+    ``queue_wait``), append one message; report ``(index, error, migration retries, queue
+    fallbacks)``."""
+    import logging
+
+    from hermes_store import RetryPolicy, writequeue
+
+    os.environ[writequeue.ENV_WAIT] = str(queue_wait)
+    retries = 0
+
+    class Retries(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            nonlocal retries
+            retries += record.getMessage().startswith("migration waits for the write lock")
+
+    logger = logging.getLogger("hermes_store.migrate")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Retries())
+    error = ""
+    try:
+        barrier.wait(timeout=120)
+        db = SessionDB(target, retry=RetryPolicy(attempts=attempts))
+        try:
+            db.create_session(f"proc-{index}", "cli")
+            db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
+        finally:
+            db.close()
+    except BaseException as exc:
+        error = repr(exc)
+    fallbacks = writequeue.for_database(target).stats().fallbacks
+    out.put((index, error, retries, fallbacks))

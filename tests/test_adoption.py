@@ -526,3 +526,63 @@ def test_eight_processes_open_a_big_legacy_file_at_once(tmp_path: Path, round_: 
     assert len(full_text_ids(url, "concurrent")) == 8
     assert len(full_text_ids(url, "word976")) == len(range(976, BIG_LEGACY_MESSAGES, 977))
     fts_integrity_check(path)
+
+
+#: The openers' retry policy behind the slow adopter: a fixed budget of about 3.5 s (3 x the
+#: writer's 1 s busy timeout and a pause), which the adopter's work outlasts.
+SHORT_RETRY_ATTEMPTS = 3
+#: Once every opener waits, the adopter works on for this many of its heartbeats (0.2 s
+#: apart: 6 s or more, past the openers' fixed budget).
+ADOPTER_BEATS = 30
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "queue_wait",
+    [pytest.param(1.0, id="in-line"), pytest.param(0.05, id="fell-back")],
+)
+def test_openers_wait_for_a_working_adopter_past_their_retry_budget(
+    tmp_path: Path, queue_wait: float
+) -> None:
+    """An adoption outlasts the openers' whole retry budget, and they all open anyway: they
+    wait as long as the adopter is alive and working (its heartbeat), not a fixed budget.
+
+    A legacy file has no writer-queue lock file yet; the adopter creates it and takes the
+    head of the line. ``in-line``: the openers wait in the queue, in the kernel. ``fell-back``:
+    the queue's bounded wait is shorter than the adopter's heartbeat, so the openers leave the
+    line at once and retry on SQLite's lock; each retries more often than its fixed policy
+    allows, and keeps going because the line moves."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    openers = 3
+    ctx = multiprocessing.get_context("spawn")
+    ready, barrier, out = ctx.Event(), ctx.Barrier(openers), ctx.Queue()
+    adopter = ctx.Process(
+        target=proc_workers.adopt_slowly, args=(str(path), openers, ADOPTER_BEATS, ready)
+    )
+    adopter.start()
+    workers = [
+        ctx.Process(
+            target=proc_workers.open_behind_an_adopter,
+            args=(str(path), i, SHORT_RETRY_ATTEMPTS, queue_wait, barrier, out),
+        )
+        for i in range(openers)
+    ]
+    try:
+        assert ready.wait(timeout=120), "the adopter never took the lock"
+        for worker in workers:
+            worker.start()
+        reports = sorted(out.get(timeout=300) for _ in workers)
+    finally:
+        for proc in (adopter, *workers):
+            proc.join(timeout=120)
+    assert [error for _, error, _, _ in reports] == [""] * openers
+    assert [p.exitcode for p in (adopter, *workers)] == [0] * (openers + 1)
+    if queue_wait < 0.2:
+        assert all(fallbacks > 0 for _, _, _, fallbacks in reports), reports
+        assert all(retries >= SHORT_RETRY_ATTEMPTS for _, _, retries, _ in reports), reports
+    url = sqlite_url(path)
+    assert alembic_revision(url) == HEAD and schema_version(url) == 6
+    assert count(url, "messages") == 9 + openers
+    assert len(full_text_ids(url, "concurrent")) == openers
+    fts_integrity_check(path)

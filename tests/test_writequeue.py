@@ -192,6 +192,21 @@ def test_a_lock_file_that_cannot_exist_turns_the_queue_off(tmp_path: Path) -> No
     assert not queue.enabled
 
 
+def test_progress_marks_move_with_the_line_and_read_empty_without_a_lock_file(
+    tmp_path: Path,
+) -> None:
+    """What a waiter outside the line watches: the marks change when a turn ends or the head
+    beats, and a lock file that is not there reads as no movement (never an error)."""
+    queue = writequeue.WriteQueue(tmp_path / "state.db")
+    assert queue.progress() == b""
+    with queue.turn() as turn:
+        assert turn.queued
+        before = queue.progress()
+        turn.still_trying()
+        beating = queue.progress()
+    assert beating != before and queue.progress() != beating
+
+
 def test_switched_off_by_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(writequeue.ENV_SWITCH, "0")
     db = tmp_path / "off.db"
