@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.adoption --rounds 20 --sessions 300000
 
-The acceptance criterion of issue 9: every opener succeeds, every round, while one of them
+What the many-writers work must hold: every opener succeeds, every round, while one of them
 adopts the file and holds the write lock for the whole (long) full-text rebuild.
 
 Each round copies a cached template (built once per size under the temp dir, ``--rebuild``

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The four searches reported (issue 4): one query of each kind.
+#: The four searches reported: one query of each kind.
 COMMON_WORD = "server"
 RARE_WORD = "quasarite"
 PHRASE = '"rollback the migration"'

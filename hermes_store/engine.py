@@ -438,7 +438,7 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
         given = given if isinstance(given, str) else given[-1]
         if "plan_cache_mode" not in given:
             connect_args["options"] = f"{given} {CUSTOM_PLANS_OPTION}".strip()
-    return url, {**engine_kwargs, "connect_args": connect_args} if connect_args else engine_kwargs
+    return url, ({**engine_kwargs, "connect_args": connect_args} if connect_args else engine_kwargs)
 
 
 @dataclass(frozen=True)
