@@ -48,7 +48,6 @@ from tests import legacy
 
 #: The version the template is written at (a v3 file adopts through every later revision).
 TEMPLATE_VERSION = 3
-FTS_TRIGGERS = ("messages_fts_insert", "messages_fts_delete", "messages_fts_update")
 #: Hang guard only: a round whose openers have not all reported by then fails.
 OPENER_TIMEOUT_S = 900.0
 HELD = re.compile(r"held the write lock for ([0-9.]+) s")
@@ -97,12 +96,10 @@ def build_template(path: Path, sessions: int) -> tuple[int, int]:
     for leftover in (partial, Path(f"{partial}-wal"), Path(f"{partial}-shm")):
         leftover.unlink(missing_ok=True)
     legacy.build_legacy_db(partial, TEMPLATE_VERSION)
+    legacy.drop_full_text(partial)
     raw = sqlite3.connect(partial, isolation_level=None)
     try:
         raw.execute("BEGIN")
-        for trigger in FTS_TRIGGERS:
-            raw.execute(f"DROP TRIGGER {trigger}")
-        raw.execute("DROP TABLE messages_fts")
         raw.executemany(
             "INSERT INTO sessions (id, source, model, started_at, message_count, title) "
             "VALUES (?, 'cli', 'bench-model', ?, ?, ?)",

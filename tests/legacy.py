@@ -394,6 +394,22 @@ def build_legacy_db(
 # --- reading back ---------------------------------------------------------------------------
 
 
+def drop_full_text(path: str | Path) -> None:
+    """Remove the original store's full-text index (the FTS5 table and its three triggers)
+    from a legacy file: adopting it then rebuilds the index under the write lock, the longest
+    step an adoption takes."""
+    names = re.findall(r"CREATE TRIGGER IF NOT EXISTS (\w+)", FTS_DDL)
+    raw = sqlite3.connect(path, isolation_level=None)
+    try:
+        raw.execute("BEGIN")
+        for name in names:
+            raw.execute(f"DROP TRIGGER {name}")
+        raw.execute("DROP TABLE messages_fts")
+        raw.execute("COMMIT")
+    finally:
+        raw.close()
+
+
 def _connect_existing(path: str | Path) -> sqlite3.Connection:
     path = Path(path)
     if not path.is_file():

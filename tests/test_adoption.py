@@ -155,12 +155,7 @@ def test_legacy_file_without_fts_is_indexed_on_adoption(tmp_path: Path) -> None:
     """A legacy file whose FTS objects are gone gets them back, indexing the old content."""
     path = tmp_path / "state.db"
     legacy.build_legacy_db(path, 4)
-    con = sqlite3.connect(path)
-    for trigger in FTS_TRIGGERS:
-        con.execute(f"DROP TRIGGER {trigger}")
-    con.execute("DROP TABLE messages_fts")
-    con.commit()
-    con.close()
+    legacy.drop_full_text(path)
     assert hermes_store.upgrade(path) == HEAD
     assert full_text_ids(sqlite_url(path), "zebracorn") == [6]
     assert sorted(legacy.schema_signature(path)["triggers"]) == FTS_TRIGGERS
@@ -490,13 +485,11 @@ def build_big_legacy_db(path: Path, messages: int) -> None:
     """A v3 legacy file with many messages and no full-text index: adopting it rebuilds the
     index, holding the write lock for a while (others opening it meanwhile must wait)."""
     legacy.build_legacy_db(path, 3)
+    legacy.drop_full_text(path)
     raw = sqlite3.connect(path, isolation_level=None)
     try:
-        raw.execute("BEGIN")
-        for trigger in FTS_TRIGGERS:
-            raw.execute(f"DROP TRIGGER {trigger}")
-        raw.execute("DROP TABLE messages_fts")
         owner = raw.execute("SELECT id FROM sessions ORDER BY id LIMIT 1").fetchone()[0]
+        raw.execute("BEGIN")
         raw.executemany(
             "INSERT INTO messages (session_id, role, content, timestamp) VALUES (?, 'user', ?, ?)",
             (
