@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hermes_store import SessionDB, current, writequeue
+from hermes_store import current, ddl, fulltext, writequeue
 from hermes_store.migrate import head_revision
-from tests import legacy
+from tests import legacy, proc_workers
 
 #: The version the template is written at (a v3 file adopts through every later revision).
 TEMPLATE_VERSION = 3
@@ -179,12 +179,7 @@ def open_and_append(path: str, index: int, barrier: Any, out: Any) -> None:
     try:
         barrier.wait(timeout=OPENER_TIMEOUT_S)
         started = time.monotonic()
-        db = SessionDB(path)
-        try:
-            db.create_session(f"opener-{index}", "cli")
-            db.append_message(f"opener-{index}", "user", f"concurrent opener {index} arrived")
-        finally:
-            db.close()
+        proc_workers.write_one(path, index)
         report.seconds = time.monotonic() - started
     except BaseException as error:
         report.error = f"{type(error).__name__}: {error}"
@@ -237,14 +232,14 @@ def check_file(path: Path, sessions: int, messages: int, openers: int) -> list[s
             "messages": raw.execute("SELECT count(*) FROM messages").fetchone()[0],
             "indexed": raw.execute("SELECT count(*) FROM messages_fts_docsize").fetchone()[0],
             "openers found": raw.execute(
-                "SELECT count(*) FROM messages_fts WHERE messages_fts MATCH 'concurrent opener'"
+                "SELECT count(*) FROM messages_fts WHERE messages_fts MATCH 'concurrent message'"
             ).fetchone()[0],
         }
         want = {"sessions": sessions, "messages": messages, "indexed": messages,
                 "openers found": openers}  # fmt: skip
         problems += [f"{k}: {found[k]:,} (want {want[k]:,})" for k in want if found[k] != want[k]]
         try:
-            raw.execute("INSERT INTO messages_fts(messages_fts) VALUES('integrity-check')")
+            raw.execute(fulltext.integrity_statement(ddl.FTS_TABLE))
         except sqlite3.DatabaseError as error:
             problems.append(f"integrity-check: {error}")
     finally:

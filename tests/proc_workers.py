@@ -251,16 +251,22 @@ def hold_write_lock(path: str, seconds: float, ready: Any) -> None:
         conn.close()
 
 
+def write_one(target: str, index: int, **options: Any) -> None:
+    """Open ``target`` (with ``SessionDB`` ``options``), write session ``proc-<index>`` and one
+    message saying ``concurrent message <index>``, close it."""
+    db = SessionDB(target, **options)
+    try:
+        db.create_session(f"proc-{index}", "cli")
+        db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
+    finally:
+        db.close()
+
+
 def open_and_append(target: str, index: int, barrier: Any, errors: Any) -> None:
     """Wait for the other openers, open ``target``, write one session and one message."""
     try:
         barrier.wait(timeout=60)
-        db = SessionDB(target)
-        try:
-            db.create_session(f"proc-{index}", "cli")
-            db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
-        finally:
-            db.close()
+        write_one(target, index)
     except BaseException as error:
         errors.put(f"{index}: {error!r}")
         raise
@@ -320,12 +326,7 @@ def open_behind_an_adopter(
     error = ""
     try:
         barrier.wait(timeout=120)
-        db = SessionDB(target, retry=RetryPolicy(attempts=attempts))
-        try:
-            db.create_session(f"proc-{index}", "cli")
-            db.append_message(f"proc-{index}", "user", f"concurrent message {index}")
-        finally:
-            db.close()
+        write_one(target, index, retry=RetryPolicy(attempts=attempts))
     except BaseException as exc:
         error = repr(exc)
     fallbacks = writequeue.for_database(target).stats().fallbacks
