@@ -317,31 +317,31 @@ class WriteQueue:
 
     def tickets(self) -> tuple[int, int]:
         """``(issued, served)`` as recorded in the lock file (for tests and diagnostics)."""
-        fd = os.open(self.lock_path, os.O_RDONLY)
-        try:
-            return self._read_header(fd)
-        finally:
-            os.close(fd)
+        return self._unpack_header(self._peek(0, _HEADER.size))
 
     def progress(self) -> bytes:
         """The line's movement marks (bytes 8..31: the last head's ticket, the last byte
         released, the head's heartbeat); they change while the line moves or its head works.
 
         For a writer that waits outside the line (a fallback) and must tell a head that is
-        alive and working from one that stopped. Read on a descriptor of its own, opened and
-        closed here: the queue's locks are OFD locks, which closing another descriptor keeps.
-        A lock file that cannot be read (removed meanwhile) gives ``b""``: no movement, so the
-        waiter keeps to its fixed budget; the queue only orders writers, it never fails one.
+        alive and working from one that stopped. A lock file that cannot be read (removed
+        meanwhile) gives ``b""``: no movement, so the waiter keeps to its fixed budget; the
+        queue only orders writers, it never fails one.
         """
         try:
-            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                return os.pread(fd, 24, 8)
-            finally:
-                os.close(fd)
+            return self._peek(8, 24)
         except OSError as error:
             log.debug("%s: cannot read the line's progress: %s", self.lock_path, error)
             return b""
+
+    def _peek(self, offset: int, size: int) -> bytes:
+        """Bytes of the lock file, read on a short-lived descriptor of its own: the queue's
+        locks are OFD locks, which closing another descriptor keeps."""
+        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
 
     # -- the turn ----------------------------------------------------------------------------
 
@@ -420,12 +420,14 @@ class WriteQueue:
     def _slot(ticket: int) -> int:
         return SLOTS_AT + ticket % SLOTS
 
+    @classmethod
+    def _read_header(cls, fd: int) -> tuple[int, int]:
+        return cls._unpack_header(os.pread(fd, _HEADER.size, 0))
+
     @staticmethod
-    def _read_header(fd: int) -> tuple[int, int]:
-        raw = os.pread(fd, _HEADER.size, 0)
-        if len(raw) < _HEADER.size:
-            raw = raw.ljust(_HEADER.size, b"\0")
-        issued, served = _HEADER.unpack(raw)
+    def _unpack_header(raw: bytes) -> tuple[int, int]:
+        """``(issued, served)``; a new, still empty lock file reads as zeros."""
+        issued, served = _HEADER.unpack(raw.ljust(_HEADER.size, b"\0"))
         return issued, served
 
     # -- descriptors ---------------------------------------------------------------------------
