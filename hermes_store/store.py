@@ -28,6 +28,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from hermes_store import (
     fastpath,
     listing,
+    pggroup,
     pgstream,
     placement,
     retention,
@@ -608,7 +609,13 @@ class SessionDB:
         if self.is_sqlite:
             self.uow.run(lambda conn: _execute(conn, mode, params), driver_only=True)
         else:  # one UPDATE; adding twice is not setting twice: only absolute is retried
-            self.uow.run_statement(lambda conn: _execute(conn, mode, params), idempotent=absolute)
+            self.uow.run_statement(
+                lambda conn: _execute(conn, mode, params),
+                idempotent=absolute,
+                grouped=pggroup.Grouped(
+                    _token_statement(absolute), params, session_id, absolute, pggroup.rowcount
+                ),
+            )
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -662,6 +669,7 @@ class SessionDB:
             return self.uow.run_statement(
                 lambda conn: int(conn.execute(_pg_append(), params).scalar_one()),
                 idempotent=False,
+                grouped=pggroup.Grouped(_pg_append(), params, session_id, False, _message_id),
             )
         except sa.exc.IntegrityError as error:
             if _sqlstate(error) != _FOREIGN_KEY_VIOLATION:
@@ -1131,6 +1139,11 @@ def _pg_append() -> Select[Any]:
         .cte("bumped")
     )
     return select(inserted.c.id).add_cte(bumped)
+
+
+def _message_id(cursor: Any) -> int:
+    """The id ``_pg_append`` returns, read from the driver's cursor (a grouped append)."""
+    return int(pggroup.scalar(cursor))
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import ClauseElement
 
-from hermes_store import fastpath, groupcommit, writequeue
+from hermes_store import fastpath, groupcommit, pggroup, writequeue
 from hermes_store.engine import (
     BUSY_OPTION,
     WRITE_OPTION,
@@ -166,7 +166,7 @@ class UnitOfWork:
         if group_commit is None:
             switch = os.environ.get(groupcommit.ENV_SWITCH, "1").lower()
             group_commit = switch not in ("0", "off", "false", "no")
-        self._group_commit = group_commit and self.is_sqlite
+        self._group_commit = group_commit
         self._fresh_process_state()
         _LIVE.add(self)
 
@@ -185,8 +185,17 @@ class UnitOfWork:
         self._readers: dict[int, tuple[PoolProxiedConnection, weakref.finalize[Any, Any]]] = {}
         self._local = threading.local()
         self.stats = StoreStats()
+        grouped = self._group_commit
         self.group: groupcommit.GroupCommit | None = (
-            groupcommit.GroupCommit(self) if self._group_commit else None
+            groupcommit.GroupCommit(self) if grouped and self.is_sqlite else None
+        )
+        # Not under AsyncSessionDB: its calls share one thread (greenlets), so a caller waiting
+        # for another's group would block the very thread that must finish it.
+        dialect = self.engine.dialect
+        self.statement_groups: pggroup.StatementGroups | None = (
+            pggroup.for_database(self.engine.url)
+            if grouped and dialect.name == "postgresql" and not dialect.is_async
+            else None
         )
 
     @property
@@ -503,23 +512,29 @@ class UnitOfWork:
                 self._drop_writer(invalidate=False)
             log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
                         size, lost)  # fmt: skip
+        self._record_group(size, lost=lost is not None)
+        return lost
+
+    def _record_group(self, size: int, *, lost: bool) -> None:
+        """Count a group of ``size`` units that committed or was lost (both group commits)."""
         with self._count_lock:
-            if lost is None:
+            if lost:
+                self.stats.lost_groups += 1
+            else:
                 self.stats.groups += 1
                 self.stats.grouped_units += size
                 self.stats.max_group = max(self.stats.max_group, size)
-            else:
-                self.stats.lost_groups += 1
-        return lost
 
     def queued_units(self) -> int:
         """Hot writes of this process waiting for a group (0 without group commit)."""
-        return self.group.queued() if self.group is not None else 0
+        groups = self.group or self.statement_groups
+        return groups.queued() if groups is not None else 0
 
     def wait_for_queued_units(self, count: int, timeout: float) -> bool:
         """Block until at least ``count`` hot writes wait for a group (False: timed out, or no
         group commit); lets tests and callers know writes are queued without polling."""
-        return self.group.wait_for_queued(count, timeout) if self.group is not None else False
+        groups = self.group or self.statement_groups
+        return groups.wait_for_queued(count, timeout) if groups is not None else False
 
     def run_driver(self, fn: Callable[[Any], T]) -> T:
         """:meth:`run` with ``fn`` given the unit's DB-API cursor (statements compiled once);
@@ -581,7 +596,13 @@ class UnitOfWork:
 
     # -- one statement, one round trip (PostgreSQL) ------------------------------------------
 
-    def run_statement(self, fn: Callable[[Connection], T], *, idempotent: bool) -> T:
+    def run_statement(
+        self,
+        fn: Callable[[Connection], T],
+        *,
+        idempotent: bool,
+        grouped: pggroup.Grouped[T] | None = None,
+    ) -> T:
         """Run ``fn``, which issues ONE write statement, as its own transaction.
 
         PostgreSQL outside a ``transaction()`` block: on the autocommit pool, so the statement
@@ -590,9 +611,18 @@ class UnitOfWork:
         failed to send it) or when ``idempotent`` (running it twice equals running it once);
         otherwise :class:`DatabaseUnavailableError` says the write may or may not have landed.
         Inside an open unit, and on SQLite, it runs as :meth:`run` runs it.
+
+        ``grouped``: the same write as a prebuilt statement; while another write of this
+        process is in flight it waits and shares the next one's transaction
+        (:mod:`hermes_store.pggroup`).
         """
         if self.is_sqlite or self._current.get() is not None:
             return self.run(fn)
+        groups = self.statement_groups
+        if grouped is not None and groups is not None:
+            return groups.run(
+                grouped, lambda: self._autocommit(fn, write=True, idempotent=idempotent), self
+            )
         return self._autocommit(fn, write=True, idempotent=idempotent)
 
     def read(self, fn: Callable[[Connection], T]) -> T:

@@ -331,3 +331,56 @@ def open_behind_an_adopter(
         error = repr(exc)
     fallbacks = writequeue.for_database(target).stats().fallbacks
     out.put((index, error, retries, fallbacks))
+
+
+def write_sessions_in_random_order(
+    url: str, sessions: list[str], threads: int, ops: int, seed: int, start: Any, out: Any
+) -> None:
+    """``threads`` threads (a store each) append to and add tokens on ``sessions`` in a random
+    order; reports what landed per session, the errors and the process's group counters."""
+    import random
+
+    stores = [SessionDB(url) for _ in range(threads)]
+    appended = {session: 0 for session in sessions}
+    tokens = {session: 0 for session in sessions}
+    errors: list[str] = []
+    lock = threading.Lock()
+    ready = threading.Barrier(threads + 1)
+
+    def work(number: int) -> None:
+        rng = random.Random(seed * 1000 + number)
+        store = stores[number]
+        ready.wait()
+        for index in range(ops):
+            session = rng.choice(sessions)
+            try:
+                if index % 2:
+                    store.update_token_counts(session, input_tokens=1)
+                    with lock:
+                        tokens[session] += 1
+                else:
+                    store.append_message(session, "user", f"{seed}-{number}-{index}")
+                    with lock:
+                        appended[session] += 1
+            except Exception as error:
+                errors.append(f"{type(error).__name__}: {error}")
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    ready.wait()
+    for worker in workers:
+        worker.join()
+    stats = [store.stats() for store in stores]
+    for store in stores:
+        store.close()
+    out.put(
+        {
+            "appended": appended,
+            "tokens": tokens,
+            "errors": errors,
+            "groups": sum(s.groups for s in stats),
+            "lost_groups": sum(s.lost_groups for s in stats),
+        }
+    )

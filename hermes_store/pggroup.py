@@ -1,0 +1,304 @@
+"""Group commit on PostgreSQL: a process's concurrent one-statement writes share one
+transaction.
+
+Why: every ``append_message`` and ``update_token_counts`` of a session updates its row, and
+PostgreSQL holds a row's lock until the transaction's commit record is flushed, so writers of
+a busy session go one WAL flush at a time however cheap their round trips are. Here, while one
+write of this process is in flight, the others queue; the next leader sends them all as one
+transaction: one round trip, one flush and one hold of each row's lock for the whole group.
+
+How: a caller queues its statement; when no leader runs in this process it leads, takes every
+queued statement (up to :data:`MAX_GROUP`, its own among them) and sends them as ONE
+simple-protocol message on an autocommit connection. PostgreSQL runs a message of several
+statements as one implicit transaction, all of it or none; parameters are bound client-side
+by psycopg (its quoting). A lone write is a group of one: one statement, one round trip, as
+before. Statements are ordered by their lock key (the session id), so groups of different
+processes take row locks in the same order and never deadlock each other. Callers get their
+results only once the message's transaction committed.
+
+When a group fails:
+
+- the server refused a statement (a missing session's foreign key, a deadlock ...): the whole
+  transaction was rolled back, nothing landed; each caller runs its statement again, alone, on
+  the ordinary one-statement path (:meth:`UnitOfWork.run_statement`'s retries) and gets that
+  run's result or error, so only the faulty call fails;
+- the message never left this process (the driver says so): nothing landed; as above;
+- the connection broke while the message was on its way or running: the outcome is unknown.
+  Idempotent statements run again; the others raise :class:`DatabaseUnavailableError` ("may
+  or may not have landed"), as a lone statement lost in flight does: an unacknowledged write
+  is never applied twice.
+
+Only the store's hot one-statement writes outside ``transaction()`` blocks are grouped, and not
+under ``AsyncSessionDB`` (one thread serves all its calls). ``HERMES_STORE_GROUP_COMMIT=0``
+switches this off along with SQLite's group commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, Connection, Dialect
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import Compiled, SQLCompiler
+
+from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
+
+if TYPE_CHECKING:
+    from hermes_store.uow import UnitOfWork
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Most statements in one group: bounds a group's transaction (and a failed group's re-runs).
+MAX_GROUP = 32
+
+_QUEUED, _DONE, _FAILED, _RERUN = range(4)
+
+
+def scalar(cursor: Any) -> Any:
+    """The first column of the statement's first row (``RETURNING id``)."""
+    row = cursor.fetchone()
+    return row[0] if row is not None else None
+
+
+def rowcount(cursor: Any) -> int:
+    """The rows the statement changed."""
+    return int(cursor.rowcount)
+
+
+@dataclass(eq=False)
+class Grouped(Generic[T]):
+    """A one-statement write that may share a transaction with others: a prebuilt statement
+    (compiled once per dialect), its parameters, the key its row lock is taken in order of,
+    whether running it twice equals running it once, and how its result is read."""
+
+    statement: ClauseElement
+    params: Mapping[str, Any]
+    key: str
+    idempotent: bool
+    result: Callable[[Any], T]
+    state: int = field(default=_QUEUED, init=False)
+    value: Any = field(default=None, init=False)
+    error: BaseException | None = field(default=None, init=False)
+
+
+_compiled: dict[tuple[int, str], tuple[ClauseElement, Compiled]] = {}
+_compiled_lock = threading.Lock()
+
+
+def _bound(
+    statement: ClauseElement, params: Mapping[str, Any], dialect: Dialect
+) -> tuple[str, dict[str, Any]]:
+    """The driver's SQL and parameters for a prebuilt statement, compiled once per dialect
+    (the statement is kept in the cache, so its id stays unique)."""
+    key = (id(statement), dialect.name)
+    hit = _compiled.get(key)
+    if hit is None or hit[0] is not statement:
+        compiled = statement.compile(dialect=dialect)
+        if isinstance(compiled, SQLCompiler) and compiled._bind_processors:
+            raise TypeError("a grouped statement's parameters must need no bind processing")
+        hit = (statement, compiled)
+        with _compiled_lock:
+            _compiled[key] = hit
+    compiled = hit[1]
+    return compiled.string, dict(compiled.construct_params(dict(params)) or {})
+
+
+class StatementGroups:
+    """The group-commit queue of one PostgreSQL database in this process (get it with
+    :func:`for_database`): every store on the database, whatever its engine, queues here."""
+
+    def __init__(self, *, max_group: int = MAX_GROUP) -> None:
+        self.max_group = max_group
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[Grouped[Any]] = deque()
+        self._leading = False
+        self._watchers = 0
+
+    def run(self, unit: Grouped[T], alone: Callable[[], T], uow: UnitOfWork) -> T:
+        """``unit``'s result, committed in a group, or ``alone()``'s: the ordinary path, when
+        nothing else was queued or the group failed (see the module's docstring). A group led
+        by this caller runs on ``uow``'s engine and is counted in its stats."""
+        cond = self._cond
+        with cond:
+            self._queue.append(unit)
+            if self._watchers:
+                cond.notify_all()
+            while unit.state == _QUEUED and self._leading:
+                cond.wait()
+            lead = unit.state == _QUEUED
+            if lead:
+                self._leading = True
+        if lead:
+            try:
+                while unit.state == _QUEUED:  # mine may be past the first group
+                    with cond:
+                        take = min(len(self._queue), self.max_group)
+                        batch = [self._queue.popleft() for _ in range(take)]
+                    self._commit(batch, uow)
+            finally:
+                with cond:
+                    self._leading = False
+                    if unit.state == _QUEUED:  # interrupted: no later leader may run it
+                        self._queue.remove(unit)
+                    cond.notify_all()
+        if unit.state == _DONE:
+            return unit.value  # type: ignore[no-any-return]
+        if unit.state == _FAILED:
+            assert unit.error is not None
+            raise unit.error
+        with uow._count_lock:  # its group did not commit: run it again, alone
+            uow.stats.group_reruns += 1
+        return alone()
+
+    def queued(self) -> int:
+        """Statements waiting for a group (the running group's are no longer counted)."""
+        with self._cond:
+            return len(self._queue)
+
+    def wait_for_queued(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` statements wait for a group (False: timed out)."""
+        with self._cond:
+            self._watchers += 1
+            try:
+                return self._cond.wait_for(lambda: len(self._queue) >= count, timeout)
+            finally:
+                self._watchers -= 1
+
+    def _commit(self, batch: list[Grouped[Any]], uow: UnitOfWork) -> None:
+        """One group, sent and settled: every unit ends up done, failed (outcome unknown, not
+        idempotent) or to be run again alone; the waiting callers are woken."""
+        try:
+            self._send(batch, uow)
+        except BaseException as error:  # never leave a taken unit waiting
+            self._settle(batch, _RERUN)
+            if not isinstance(error, Exception):
+                raise
+            log.warning("a PostgreSQL write group was not sent (%s); its writes run alone", error)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _send(self, batch: list[Grouped[Any]], uow: UnitOfWork) -> None:
+        from psycopg import ClientCursor  # the postgresql extra; only PostgreSQL stores get here
+
+        dialect = uow.engine.dialect
+        dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+        ordered = sorted(batch, key=lambda unit: unit.key)
+        try:
+            conn = uow.autocommit_engine.connect()
+        except sa_exc.DBAPIError as error:  # nothing sent: the ordinary path retries it
+            log.info("no connection for a PostgreSQL write group (%s); writes run alone", error)
+            self._settle(batch, _RERUN)
+            return
+        try:
+            driver: Any = conn.connection.driver_connection
+            cursor = ClientCursor(driver)
+            text = ";\n".join(
+                cursor.mogrify(*_bound(unit.statement, unit.params, dialect)) for unit in ordered
+            )
+            dispatch = conn.dispatch  # the cursor events fire, as for any statement
+            try:
+                if dispatch.before_cursor_execute:
+                    dispatch.before_cursor_execute(conn, cursor, text, (), None, False)
+                cursor.execute(text)
+                if dispatch.after_cursor_execute:
+                    dispatch.after_cursor_execute(conn, cursor, text, (), None, False)
+            except dbapi_error as orig:
+                self._failed(uow, conn, batch, orig)
+                return
+            except BaseException:  # interrupted in flight: the outcome is unknown
+                conn.invalidate()
+                self._unknown(batch, "the write's group was interrupted in flight")
+                raise
+            self._settle_committed(uow, ordered, cursor)
+        finally:
+            conn.close()
+
+    def _settle_committed(self, uow: UnitOfWork, ordered: list[Grouped[Any]], cursor: Any) -> None:
+        """The group committed: hand each caller its result (never a re-run)."""
+        with self._cond:
+            for index, unit in enumerate(ordered):
+                try:
+                    if index:
+                        cursor.nextset()
+                    unit.state, unit.value = _DONE, unit.result(cursor)
+                except Exception as error:  # committed all the same: say so, never re-run it
+                    unit.state = _FAILED
+                    unit.error = HermesStoreError(
+                        f"the write committed (in a group) but its result was unreadable: {error}"
+                    )
+        uow._record_group(len(ordered), lost=False)
+        uow._count_writes(len(ordered))
+
+    def _failed(
+        self, uow: UnitOfWork, conn: Connection, batch: list[Grouped[Any]], orig: Exception
+    ) -> None:
+        """The group's message failed: refused by the server or never sent (nothing landed:
+        run each again alone), else lost in flight (unknown)."""
+        from hermes_store.uow import _lost, _never_sent
+
+        error = sa_exc.DBAPIError.instance(None, None, orig, type(orig), dialect=uow.engine.dialect)
+        assert isinstance(error, sa_exc.DBAPIError)
+        uow._record_group(len(batch), lost=True)
+        driver: Any = conn.connection.driver_connection
+        if not _lost(error) and not driver.closed:
+            log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
+            self._settle(batch, _RERUN)
+            return
+        conn.invalidate()
+        if _never_sent(error):
+            self._settle(batch, _RERUN)
+            return
+        self._unknown(
+            batch,
+            "lost the database connection while the write's group was in flight: it may or may "
+            f"not have landed (not retried, so it is never applied twice): {orig}",
+            cause=error,
+        )
+
+    def _unknown(
+        self, batch: list[Grouped[Any]], message: str, cause: BaseException | None = None
+    ) -> None:
+        """The group may or may not have committed: idempotent units run again, the others
+        fail with :class:`DatabaseUnavailableError`."""
+        unknown = DatabaseUnavailableError(message)
+        unknown.__cause__ = cause
+        with self._cond:
+            for unit in batch:
+                if unit.state != _QUEUED:
+                    continue
+                if unit.idempotent:
+                    unit.state = _RERUN
+                else:
+                    unit.state, unit.error = _FAILED, unknown
+
+    def _settle(self, batch: list[Grouped[Any]], state: int) -> None:
+        """Set the units of ``batch`` that are still undecided to ``state``."""
+        with self._cond:
+            for unit in batch:
+                if unit.state == _QUEUED:
+                    unit.state = state
+
+
+_registry: dict[tuple[int, str], StatementGroups] = {}
+_registry_lock = threading.Lock()
+
+
+def for_database(url: URL) -> StatementGroups:
+    """This process's group-commit queue for the database at ``url`` (keyed by the process,
+    so a forked child never waits on its parent's queue)."""
+    key = (os.getpid(), url.render_as_string(hide_password=False))
+    groups = _registry.get(key)
+    if groups is None:
+        with _registry_lock:
+            groups = _registry.setdefault(key, StatementGroups())
+    return groups

@@ -1,0 +1,258 @@
+"""Group commit on PostgreSQL (``hermes_store.pggroup``): the one-statement writes of a process
+that arrive while another is in flight share the next transaction; a failing write fails alone;
+a group lost while it committed is reported, never run twice; groups of different processes
+take row locks in one order (no deadlock). Directly and through PgBouncer.
+
+Every wait is on a condition: a row lock held by the test's own transaction keeps the first
+write in flight while the others queue (``wait_for_queued_units``), and the server's
+``pg_stat_activity`` says when a write waits for that lock."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection
+from sqlalchemy.pool import NullPool
+
+from hermes_store import DatabaseUnavailableError, SessionDB, UnknownSessionError
+from hermes_store.uow import StoreStats
+from tests import proc_workers
+from tests.conftest import url_string
+
+GUARD = 120.0  # a hang guard only
+
+
+@pytest.fixture(params=["postgresql", "pgbouncer"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def admin(pg_worker_url: URL | None, db_url: URL) -> Iterator[Connection]:
+    """A direct connection to the test database (never through PgBouncer)."""
+    assert pg_worker_url is not None
+    engine = sa.create_engine(pg_worker_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        yield conn
+    engine.dispose()
+
+
+class RowLock:
+    """The test's own transaction holding a session's row: writes to it wait."""
+
+    def __init__(self, url: URL, session: str) -> None:
+        self.engine = sa.create_engine(url, poolclass=NullPool)
+        self.conn = self.engine.connect()
+        self.conn.begin()
+        self.conn.execute(
+            sa.text("SELECT 1 FROM sessions WHERE id = :s FOR UPDATE"), {"s": session}
+        )
+        self.pid = self.conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+
+    def release(self) -> None:
+        if self.conn.in_transaction():
+            self.conn.commit()
+            self.conn.close()
+            self.engine.dispose()
+
+
+def _waiting_writer(admin: Connection, besides: int) -> int:
+    """The pid of the backend that waits for a row lock (once one does)."""
+    query = sa.text(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND pid <> :besides"
+    )
+    deadline = time.monotonic() + GUARD
+    while time.monotonic() < deadline:
+        pid = admin.execute(query, {"besides": besides}).scalar()
+        if pid is not None:
+            return int(pid)
+        time.sleep(0.01)  # polling the server's view of a lock wait: no event to wait on
+    raise AssertionError("no write ever waited for the row lock")
+
+
+def _call(outcomes: dict[str, Any], name: str, fn: Callable[[], Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            outcomes[name] = fn()
+        except Exception as error:
+            outcomes[name] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _total(stores: list[SessionDB]) -> StoreStats:
+    total = StoreStats()
+    for store in stores:
+        stats = store.stats()
+        total.groups += stats.groups
+        total.grouped_units += stats.grouped_units
+        total.max_group = max(total.max_group, stats.max_group)
+        total.lost_groups += stats.lost_groups
+    return total
+
+
+def _stores(url: URL, count: int) -> list[SessionDB]:
+    return [SessionDB(url_string(url)) for _ in range(count)]
+
+
+def _queue_behind_a_locked_write(
+    url: URL, admin: Connection, direct: URL, later: dict[str, Callable[[SessionDB], Any]]
+) -> tuple[dict[str, Any], list[SessionDB], RowLock, list[threading.Thread], int]:
+    """A first append to "s" in flight (waiting for the row lock), then ``later``'s calls
+    queued behind it, each through a store of its own."""
+    stores = _stores(url, 1 + len(later))
+    first = stores[0]
+    for session in ("s", "t"):
+        first.create_session(session, "cli")
+    lock = RowLock(direct, "s")
+    outcomes: dict[str, Any] = {}
+    threads = [_call(outcomes, "first", lambda: first.append_message("s", "user", "first"))]
+    waiting = _waiting_writer(admin, lock.pid)
+    for store, (name, fn) in zip(stores[1:], later.items(), strict=True):
+        threads.append(_call(outcomes, name, lambda fn=fn, store=store: fn(store)))
+    assert first.uow.wait_for_queued_units(len(later), GUARD)
+    return outcomes, stores, lock, threads, waiting
+
+
+def _finish(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(GUARD)
+        assert not thread.is_alive()
+
+
+def test_writes_queued_behind_one_in_flight_share_one_transaction(
+    db_url: URL, admin: Connection, pg_worker_url: URL
+) -> None:
+    later: dict[str, Callable[[SessionDB], Any]] = {
+        "second": lambda db: db.append_message("s", "assistant", "second"),
+        "tokens": lambda db: db.update_token_counts("s", input_tokens=7),
+        "other": lambda db: db.append_message("t", "user", "elsewhere"),
+    }
+    outcomes, stores, lock, threads, _ = _queue_behind_a_locked_write(
+        db_url, admin, pg_worker_url, later
+    )
+    try:
+        lock.release()
+        _finish(threads)
+        db = stores[0]
+        assert not [value for value in outcomes.values() if isinstance(value, Exception)]
+        by_id = {m["id"]: m["content"] for m in db.get_messages("s") + db.get_messages("t")}
+        assert by_id == {
+            outcomes["first"]: "first",
+            outcomes["second"]: "second",
+            outcomes["other"]: "elsewhere",
+        }
+        s = db.get_session("s")
+        assert s is not None and (s["message_count"], s["input_tokens"]) == (2, 7)
+        t = db.get_session("t")
+        assert t is not None and t["message_count"] == 1
+        stats = _total(stores)
+        assert (stats.groups, stats.grouped_units, stats.max_group) == (2, 4, 3)
+        assert stats.lost_groups == 0
+    finally:
+        lock.release()
+        for store in stores:
+            store.close()
+
+
+def test_a_failing_write_fails_alone_and_the_others_land(
+    db_url: URL, admin: Connection, pg_worker_url: URL
+) -> None:
+    later: dict[str, Callable[[SessionDB], Any]] = {
+        "second": lambda db: db.append_message("s", "assistant", "second"),
+        "missing": lambda db: db.append_message("nope", "user", "nowhere"),
+        "tokens": lambda db: db.update_token_counts("s", output_tokens=3),
+    }
+    outcomes, stores, lock, threads, _ = _queue_behind_a_locked_write(
+        db_url, admin, pg_worker_url, later
+    )
+    try:
+        lock.release()
+        _finish(threads)
+        db = stores[0]
+        assert isinstance(outcomes["missing"], UnknownSessionError)
+        assert [m["content"] for m in db.get_messages("s")] == ["first", "second"]
+        s = db.get_session("s")
+        assert s is not None and (s["message_count"], s["output_tokens"]) == (2, 3)
+        assert db.get_session("nope") is None
+        assert _total(stores).lost_groups == 1  # rolled back whole; each ran again alone
+    finally:
+        lock.release()
+        for store in stores:
+            store.close()
+
+
+def test_a_write_lost_while_committing_is_reported_and_never_repeated(
+    db_url: URL, admin: Connection, pg_worker_url: URL
+) -> None:
+    later: dict[str, Callable[[SessionDB], Any]] = {
+        f"queued{n}": lambda db, n=n: db.append_message("s", "user", f"queued {n}")
+        for n in range(3)
+    }
+    outcomes, stores, lock, threads, waiting = _queue_behind_a_locked_write(
+        db_url, admin, pg_worker_url, later
+    )
+    try:
+        # The first write's message was sent and waits on the server: its fate is unknown to
+        # the client once its connection is cut.
+        assert admin.execute(sa.text("SELECT pg_terminate_backend(:p, 5000)"), {"p": waiting})
+        lock.release()
+        _finish(threads)
+        db = stores[0]
+        assert isinstance(outcomes["first"], DatabaseUnavailableError)
+        assert "may or may not" in str(outcomes["first"])
+        landed = sorted(m["content"] for m in db.get_messages("s"))
+        assert landed == ["queued 0", "queued 1", "queued 2"]  # "first" was not re-run
+        s = db.get_session("s")
+        assert s is not None and s["message_count"] == 3
+    finally:
+        lock.release()
+        for store in stores:
+            store.close()
+
+
+@pytest.mark.slow
+def test_groups_of_two_processes_writing_many_sessions_never_deadlock(
+    db_url: URL, admin: Connection
+) -> None:
+    sessions = [f"s{n}" for n in range(4)]
+    with SessionDB(url_string(db_url)) as db:
+        for session in sessions:
+            db.create_session(session, "cli")
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(3)
+    results = ctx.Queue()
+    processes = [
+        ctx.Process(
+            target=proc_workers.write_sessions_in_random_order,
+            args=(url_string(db_url), sessions, 4, 60, seed, start, results),
+        )
+        for seed in range(2)
+    ]
+    for process in processes:
+        process.start()
+    start.wait(GUARD)
+    outcomes = [results.get(timeout=GUARD) for _ in processes]
+    for process in processes:
+        process.join(GUARD)
+        assert process.exitcode == 0
+    assert [error for outcome in outcomes for error in outcome["errors"]] == []
+    assert sum(outcome["lost_groups"] for outcome in outcomes) == 0  # no deadlock aborted one
+    assert sum(outcome["groups"] for outcome in outcomes) > 0
+    with SessionDB(url_string(db_url)) as db:
+        appended = sum(outcome["appended"][s] for outcome in outcomes for s in sessions)
+        assert sum(db.message_count(s) for s in sessions) == appended
+        for session in sessions:
+            row = db.get_session(session)
+            assert row is not None
+            assert row["message_count"] == sum(o["appended"][session] for o in outcomes)
+            assert row["input_tokens"] == sum(o["tokens"][session] for o in outcomes)
