@@ -9,7 +9,9 @@ database of the server in ``HERMES_STORE_TEST_PG_URL`` (or ``--url``):
   trips per call the proxy counted;
 - load 8x4 (8 processes x 4 threads, each thread its own store, appending to one shared
   session and adding to its counters; no proxy): throughput and p50/p99 latency; totals are
-  checked exactly after every run.
+  checked exactly after every run. ``--ops`` (default 100 appends + 100 token updates per
+  thread) sets the run's length: at 40 a run lasts about 2 s, and its ends, while threads
+  start and finish unevenly and fewer than 32 write at once, weigh on the figure.
 
 Contenders run as subprocesses importing ``hermes_store`` from their own source tree: ``new``
 (this checkout) and ``old`` (``git archive`` of ``--baseline``, default the commit before the
@@ -391,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--database", default="hermes_bench_pg_writes")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=40, help="timed calls per op and round")
-    parser.add_argument("--ops", type=int, default=40, help="appends per thread at 8x4")
+    parser.add_argument("--ops", type=int, default=100, help="appends per thread at 8x4")
     parser.add_argument("--baseline", default=BASELINE, help="git ref of the old code path")
     # Worker mode (internal).
     parser.add_argument("--worker", choices=("latency", "load", "trips"))

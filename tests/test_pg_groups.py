@@ -256,3 +256,39 @@ def test_groups_of_two_processes_writing_many_sessions_never_deadlock(
             assert row is not None
             assert row["message_count"] == sum(o["appended"][session] for o in outcomes)
             assert row["input_tokens"] == sum(o["tokens"][session] for o in outcomes)
+
+
+TRICKY = [
+    "it's",
+    "back\\slash \\' and \\\\",
+    "100% %(content)s %s {0}",
+    "a; DROP TABLE messages; --",
+    "$$ dollar $tag$ quoted $tag$",
+    "E'escaped\\n'",
+    "naïve 日本語 😀 \u2028",
+    "",
+]
+
+
+def test_values_reach_the_server_exactly_as_given(db_url: URL) -> None:
+    """A group is one message with client-side bound parameters: quotes, backslashes, percent
+    signs, semicolons and dollar quotes arrive as given, whatever the group's size."""
+    with SessionDB(url_string(db_url)) as db:
+        db.create_session("s", "cli")
+        ids = [
+            db.append_message("s", "tool", text, tool_name=text, tool_call_id=text)
+            for text in TRICKY
+        ]
+        db.update_token_counts("s", input_tokens=2**40, model=TRICKY[3], billing_mode=TRICKY[1])
+        stored = db.get_messages("s")
+        assert [m["id"] for m in stored] == ids
+        assert [(m["content"], m["tool_name"], m["tool_call_id"]) for m in stored] == [
+            (text, text, text) for text in TRICKY
+        ]
+        session = db.get_session("s")
+        assert session is not None
+        assert (session["input_tokens"], session["model"], session["billing_mode"]) == (
+            2**40,
+            TRICKY[3],
+            TRICKY[1],
+        )
