@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import URL, Connection, Dialect
+from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
@@ -90,19 +90,31 @@ class Grouped(Generic[T]):
     error: BaseException | None = field(default=None, init=False)
 
 
-_compiled: dict[tuple[int, str], tuple[ClauseElement, Compiled]] = {}
+SchemaMap = tuple[tuple[str | None, str | None], ...]
+_compiled: dict[tuple[int, str, SchemaMap], tuple[ClauseElement, Compiled]] = {}
 _compiled_lock = threading.Lock()
 
 
+def schema_map(engine: Engine) -> SchemaMap:
+    """The engine's ``schema_translate_map`` (a store in a schema of its own), hashable."""
+    given = engine.get_execution_options().get("schema_translate_map") or {}
+    return tuple(sorted(given.items(), key=repr))
+
+
 def _bound(
-    statement: ClauseElement, params: Mapping[str, Any], dialect: Dialect
+    statement: ClauseElement, params: Mapping[str, Any], dialect: Dialect, schemas: SchemaMap
 ) -> tuple[str, dict[str, Any]]:
-    """The driver's SQL and parameters for a prebuilt statement, compiled once per dialect
+    """The driver's SQL and parameters for a prebuilt statement, compiled once per dialect and
+    schema, with the store's schema written into the SQL as SQLAlchemy would translate it
     (the statement is kept in the cache, so its id stays unique)."""
-    key = (id(statement), dialect.name)
+    key = (id(statement), dialect.name, schemas)
     hit = _compiled.get(key)
     if hit is None or hit[0] is not statement:
-        compiled = statement.compile(dialect=dialect)
+        compiled = statement.compile(
+            dialect=dialect,
+            schema_translate_map=dict(schemas) or None,
+            render_schema_translate=bool(schemas),
+        )
         if isinstance(compiled, SQLCompiler) and compiled._bind_processors:
             raise TypeError("a grouped statement's parameters must need no bind processing")
         hit = (statement, compiled)
@@ -191,6 +203,7 @@ class StatementGroups:
         from psycopg import ClientCursor  # the postgresql extra; only PostgreSQL stores get here
 
         dialect = uow.engine.dialect
+        schemas = schema_map(uow.engine)
         dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
         ordered = sorted(batch, key=lambda unit: unit.key)
         try:
@@ -203,7 +216,8 @@ class StatementGroups:
             driver: Any = conn.connection.driver_connection
             cursor = ClientCursor(driver)
             text = ";\n".join(
-                cursor.mogrify(*_bound(unit.statement, unit.params, dialect)) for unit in ordered
+                cursor.mogrify(*_bound(unit.statement, unit.params, dialect, schemas))
+                for unit in ordered
             )
             dispatch = conn.dispatch  # the cursor events fire, as for any statement
             try:
@@ -289,14 +303,15 @@ class StatementGroups:
                     unit.state = state
 
 
-_registry: dict[tuple[int, str], StatementGroups] = {}
+_registry: dict[tuple[int, str, SchemaMap], StatementGroups] = {}
 _registry_lock = threading.Lock()
 
 
-def for_database(url: URL) -> StatementGroups:
-    """This process's group-commit queue for the database at ``url`` (keyed by the process,
-    so a forked child never waits on its parent's queue)."""
-    key = (os.getpid(), url.render_as_string(hide_password=False))
+def for_database(engine: Engine) -> StatementGroups:
+    """This process's group-commit queue for ``engine``'s database and schema (keyed by the
+    process, so a forked child never waits on its parent's queue; by the schema, so a group
+    is written into one schema)."""
+    key = (os.getpid(), engine.url.render_as_string(hide_password=False), schema_map(engine))
     groups = _registry.get(key)
     if groups is None:
         with _registry_lock:

@@ -193,7 +193,7 @@ class UnitOfWork:
         # for another's group would block the very thread that must finish it.
         dialect = self.engine.dialect
         self.statement_groups: pggroup.StatementGroups | None = (
-            pggroup.for_database(self.engine.url)
+            pggroup.for_database(self.engine)
             if grouped and dialect.name == "postgresql" and not dialect.is_async
             else None
         )

@@ -292,3 +292,24 @@ def test_values_reach_the_server_exactly_as_given(db_url: URL) -> None:
             TRICKY[3],
             TRICKY[1],
         )
+
+
+def test_a_store_in_a_schema_of_its_own_groups_into_that_schema(db_url: URL) -> None:
+    """A group is SQL written by the store, not by SQLAlchemy's execution: it must still land
+    in the store's schema, never in same-named tables of the search path (here another store,
+    in ``public``, holding a session of the same id)."""
+    url = url_string(db_url)
+    with SessionDB(url) as public, SessionDB(url, schema="grouped") as placed:
+        for db in (public, placed):
+            db.create_session("s", "cli")
+        placed.append_message("s", "user", "in the schema")
+        placed.update_token_counts("s", input_tokens=5)
+        public.append_message("s", "user", "in public")
+        assert [m["content"] for m in placed.get_messages("s")] == ["in the schema"]
+        assert [m["content"] for m in public.get_messages("s")] == ["in public"]
+        placed_row, public_row = placed.get_session("s"), public.get_session("s")
+        assert placed_row is not None and public_row is not None
+        assert (placed_row["message_count"], placed_row["input_tokens"]) == (1, 5)
+        assert (public_row["message_count"], public_row["input_tokens"]) == (1, 0)
+        assert placed.stats().lost_groups == 0  # it went into its schema at the first try
+        assert placed.uow.statement_groups is not public.uow.statement_groups
