@@ -77,14 +77,15 @@ def rowcount(cursor: Any) -> int:
 @dataclass(eq=False)
 class Grouped(Generic[T]):
     """A one-statement write that may share a transaction with others: a prebuilt statement
-    (compiled once per dialect), its parameters, the key its row lock is taken in order of,
-    whether running it twice equals running it once, and how its result is read."""
+    (compiled once per dialect), its parameters, the key its row lock is taken in order of, and
+    how its result is read. ``idempotent`` (running it twice equals running it once) is set by
+    :meth:`UnitOfWork.run_statement` from its own argument."""
 
     statement: ClauseElement
     params: Mapping[str, Any]
     key: str
-    idempotent: bool
     result: Callable[[Any], T]
+    idempotent: bool = field(default=False, init=False)
     state: int = field(default=_QUEUED, init=False)
     value: Any = field(default=None, init=False)
     error: BaseException | None = field(default=None, init=False)
@@ -125,8 +126,8 @@ def _bound(
 
 
 class StatementGroups:
-    """The group-commit queue of one PostgreSQL database in this process (get it with
-    :func:`for_database`): every store on the database, whatever its engine, queues here."""
+    """The group-commit queue of one PostgreSQL database and schema in this process (get it
+    with :func:`for_database`): every store on them, whatever its engine, queues here."""
 
     def __init__(self, *, max_group: int = MAX_GROUP) -> None:
         self.max_group = max_group

@@ -613,11 +613,7 @@ class SessionDB:
                 lambda conn: _execute(conn, mode, params),
                 idempotent=absolute,
                 grouped=pggroup.Grouped(
-                    _token_statement(absolute, checked=False),
-                    params,
-                    session_id,
-                    absolute,
-                    pggroup.rowcount,
+                    _token_statement(absolute, checked=False), params, session_id, pggroup.rowcount
                 ),
             )
 
@@ -673,7 +669,7 @@ class SessionDB:
             return self.uow.run_statement(
                 lambda conn: int(conn.execute(_pg_append(), params).scalar_one()),
                 idempotent=False,
-                grouped=pggroup.Grouped(_pg_append(), params, session_id, False, _message_id),
+                grouped=pggroup.Grouped(_pg_append(), params, session_id, _message_id),
             )
         except sa.exc.IntegrityError as error:
             if _sqlstate(error) != _FOREIGN_KEY_VIOLATION:

@@ -620,6 +620,7 @@ class UnitOfWork:
             return self.run(fn)
         groups = self.statement_groups
         if grouped is not None and groups is not None:
+            grouped.idempotent = idempotent
             return groups.run(
                 grouped, lambda: self._autocommit(fn, write=True, idempotent=idempotent), self
             )
