@@ -61,64 +61,76 @@ ENV_SWITCH = "HERMES_STORE_GROUP_COMMIT"
 _ABORTS_TRANSACTION = frozenset({5, 6, 7, 9, 10, 11, 13, 26})  # BUSY LOCKED NOMEM INTERRUPT
 # IOERR CORRUPT FULL NOTADB
 
-_QUEUED, _DONE, _FAILED, _RERUN = range(4)
+QUEUED, DONE, FAILED, RERUN = range(4)  #: a queued unit's state (``Queued.state``)
 
 
-class Pending(Generic[T]):
-    """One queued unit and, once its group ended, its outcome."""
+class Queued:
+    """A unit in a :class:`LeaderQueue` and, once its group ended, its outcome."""
 
-    __slots__ = ("error", "fn", "result", "state")
+    __slots__ = ("error", "result", "state")
 
-    def __init__(self, fn: Callable[[Any], T]) -> None:
-        self.fn = fn
-        self.state = _QUEUED
-        self.result: T | None = None
+    def __init__(self) -> None:
+        self.state = QUEUED
+        self.result: Any = None
         self.error: BaseException | None = None
 
 
-class GroupCommit:
-    """The group-commit queue of one Unit of Work (one per process and file)."""
+U = TypeVar("U", bound=Queued)
 
-    def __init__(self, uow: UnitOfWork, *, max_group: int = MAX_GROUP) -> None:
-        self._uow = uow
+
+class LeaderQueue(Generic[U]):
+    """Units of one process queue; whoever finds no leader leads, running groups (its
+    :meth:`_lead`) until its own unit is settled; the others wait for the outcome. Shared by
+    SQLite's group commit (here) and PostgreSQL's (:mod:`hermes_store.pggroup`)."""
+
+    def __init__(self, *, max_group: int = MAX_GROUP) -> None:
         self.max_group = max_group
         self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[Pending[Any]] = deque()
+        self._queue: deque[U] = deque()
         self._leading = False
         self._watchers = 0
 
-    def run(self, fn: Callable[[Any], T]) -> tuple[bool, T | None]:
-        """Run ``fn(writer_connection)`` in a group; ``(True, result)`` once committed, or
-        ``(False, None)``: the group's transaction was lost, run ``fn`` again alone."""
-        pending: Pending[T] = Pending(fn)
+    def _settled(self, unit: U) -> tuple[bool, Any]:
+        """Queue ``unit``, lead or wait until its group ended: ``(True, result)`` when it was
+        committed, ``(False, None)`` when it must run again alone; a unit that failed raises."""
         cond = self._cond
         with cond:
-            self._queue.append(pending)
+            self._queue.append(unit)
             if self._watchers:
                 cond.notify_all()
-            while pending.state == _QUEUED and self._leading:
+            while unit.state == QUEUED and self._leading:
                 cond.wait()
-            lead = pending.state == _QUEUED
+            lead = unit.state == QUEUED
             if lead:
                 self._leading = True
         if lead:
             try:
-                while pending.state == _QUEUED:  # mine may be past the first group
-                    self._lead(pending)
+                while unit.state == QUEUED:  # mine may be past the first group
+                    self._lead(unit)
             finally:
                 with cond:
                     self._leading = False
-                    if pending.state == _QUEUED:  # interrupted: no later leader may run it
-                        self._queue.remove(pending)
-                        pending.state = _RERUN
+                    if unit.state == QUEUED:  # interrupted: no later leader may run it
+                        self._queue.remove(unit)
+                        unit.state = RERUN
                     cond.notify_all()
-        if pending.state == _DONE:
-            return True, pending.result
-        if pending.state == _FAILED:
-            assert pending.error is not None
+        if unit.state == DONE:
+            return True, unit.result
+        if unit.state == FAILED:
+            assert unit.error is not None
             with mapped_errors():
-                raise pending.error
+                raise unit.error
         return False, None
+
+    def _lead(self, own: U) -> None:
+        """Run one group (taking queued units with :meth:`_take`); settle every unit taken."""
+        raise NotImplementedError
+
+    def _take(self) -> list[U]:
+        """Up to ``max_group`` queued units, oldest first (the group's)."""
+        with self._cond:
+            take = min(len(self._queue), self.max_group)
+            return [self._queue.popleft() for _ in range(take)]
 
     def queued(self) -> int:
         """Units waiting for a group (the running group's are no longer counted)."""
@@ -135,6 +147,29 @@ class GroupCommit:
             finally:
                 self._watchers -= 1
 
+
+class Pending(Queued, Generic[T]):
+    """One queued unit of work: a function of the writer connection."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any], T]) -> None:
+        super().__init__()
+        self.fn = fn
+
+
+class GroupCommit(LeaderQueue[Pending[Any]]):
+    """The group-commit queue of one Unit of Work (one per process and file)."""
+
+    def __init__(self, uow: UnitOfWork, *, max_group: int = MAX_GROUP) -> None:
+        super().__init__(max_group=max_group)
+        self._uow = uow
+
+    def run(self, fn: Callable[[Any], T]) -> tuple[bool, T | None]:
+        """Run ``fn(writer_connection)`` in a group; ``(True, result)`` once committed, or
+        ``(False, None)``: the group's transaction was lost, run ``fn`` again alone."""
+        return self._settled(Pending(fn))
+
     def _lead(self, own: Pending[Any]) -> None:
         """One group: the turn, BEGIN, up to ``max_group`` queued units, COMMIT, wake them."""
         uow = self._uow
@@ -146,9 +181,7 @@ class GroupCommit:
             try:
                 with uow._write_turn() as turn:
                     conn = uow._begin_driver(turn)
-                    with self._cond:
-                        take = min(len(self._queue), self.max_group)
-                        batch = [self._queue.popleft() for _ in range(take)]
+                    batch = self._take()
                     try:
                         lost = self._execute(conn, batch)
                     except BaseException as error:  # never leave a taken unit waiting
@@ -170,20 +203,20 @@ class GroupCommit:
                     else:
                         continue
                 with self._cond:  # BEGIN failed for good: only the leader's unit fails
-                    if own.state == _QUEUED:
+                    if own.state == QUEUED:
                         self._queue.remove(own)
-                        own.state, own.error = _FAILED, error
+                        own.state, own.error = FAILED, error
                 return
             break
         with self._cond:
             for pending in batch:
                 if lost is not None:
-                    pending.state, pending.result, pending.error = _RERUN, None, None
-                elif pending.state == _QUEUED:
-                    pending.state = _DONE
+                    pending.state, pending.result, pending.error = RERUN, None, None
+                elif pending.state == QUEUED:
+                    pending.state = DONE
             self._cond.notify_all()
         if lost is None:
-            uow._count_writes(sum(1 for pending in batch if pending.state == _DONE))
+            uow._count_writes(sum(1 for pending in batch if pending.state == DONE))
 
     def _execute(self, conn: Any, batch: list[Pending[Any]]) -> BaseException | None:
         """Each unit in its own savepoint; the error that lost the transaction, if any."""
@@ -204,7 +237,7 @@ class GroupCommit:
                     driver.execute("RELEASE hermes_unit")
                 except dbapi_error as undo_error:
                     return undo_error
-                pending.state, pending.error = _FAILED, error
+                pending.state, pending.error = FAILED, error
                 continue
             try:
                 driver.execute("RELEASE hermes_unit")

@@ -8,7 +8,7 @@ write of this process is in flight, the others queue; the next leader sends them
 transaction: one round trip, one flush and one hold of each row's lock for the whole group.
 
 How: a caller queues its statement; when no leader runs in this process it leads, takes every
-queued statement (up to :data:`MAX_GROUP`, its own among them) and sends them as ONE
+queued statement (up to 32, its own among them) and sends them as ONE
 simple-protocol message on an autocommit connection. PostgreSQL runs a message of several
 statements as one implicit transaction, all of it or none; parameters are bound client-side
 by psycopg (its quoting). A lone write is a group of one: one statement, one round trip, as
@@ -38,9 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import exc as sa_exc
@@ -49,6 +47,7 @@ from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
 from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
+from hermes_store.groupcommit import DONE, FAILED, QUEUED, RERUN, LeaderQueue, Queued
 
 if TYPE_CHECKING:
     from hermes_store.uow import UnitOfWork
@@ -56,11 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Most statements in one group: bounds a group's transaction (and a failed group's re-runs).
-MAX_GROUP = 32
-
-_QUEUED, _DONE, _FAILED, _RERUN = range(4)
 
 
 def scalar(cursor: Any) -> Any:
@@ -74,21 +68,28 @@ def rowcount(cursor: Any) -> int:
     return int(cursor.rowcount)
 
 
-@dataclass(eq=False)
-class Grouped(Generic[T]):
+class Grouped(Queued, Generic[T]):
     """A one-statement write that may share a transaction with others: a prebuilt statement
     (compiled once per dialect), its parameters, the key its row lock is taken in order of, and
-    how its result is read. ``idempotent`` (running it twice equals running it once) is set by
-    :meth:`UnitOfWork.run_statement` from its own argument."""
+    how its result is read from the cursor. ``idempotent`` (running it twice equals running it
+    once) is set by :meth:`UnitOfWork.run_statement` from its own argument."""
 
-    statement: ClauseElement
-    params: Mapping[str, Any]
-    key: str
-    result: Callable[[Any], T]
-    idempotent: bool = field(default=False, init=False)
-    state: int = field(default=_QUEUED, init=False)
-    value: Any = field(default=None, init=False)
-    error: BaseException | None = field(default=None, init=False)
+    __slots__ = ("idempotent", "key", "params", "read", "statement", "uow")
+
+    def __init__(
+        self,
+        statement: ClauseElement,
+        params: Mapping[str, Any],
+        key: str,
+        read: Callable[[Any], T],
+    ) -> None:
+        super().__init__()
+        self.statement = statement
+        self.params = params
+        self.key = key
+        self.read = read
+        self.idempotent = False
+        self.uow: UnitOfWork | None = None  # the caller's: a group it leads runs on its engine
 
 
 SchemaMap = tuple[tuple[str | None, str | None], ...]
@@ -125,66 +126,29 @@ def _bound(
     return compiled.string, dict(compiled.construct_params(dict(params)) or {})
 
 
-class StatementGroups:
+class StatementGroups(LeaderQueue[Grouped[Any]]):
     """The group-commit queue of one PostgreSQL database and schema in this process (get it
     with :func:`for_database`): every store on them, whatever its engine, queues here."""
 
-    def __init__(self, *, max_group: int = MAX_GROUP) -> None:
-        self.max_group = max_group
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[Grouped[Any]] = deque()
-        self._leading = False
-        self._watchers = 0
+    def __init__(self, schemas: SchemaMap) -> None:
+        super().__init__()
+        self.schemas = schemas  # the schema translation its statements are compiled with
 
     def run(self, unit: Grouped[T], alone: Callable[[], T], uow: UnitOfWork) -> T:
         """``unit``'s result, committed in a group, or ``alone()``'s: the ordinary path, when
-        nothing else was queued or the group failed (see the module's docstring). A group led
-        by this caller runs on ``uow``'s engine and is counted in its stats."""
-        cond = self._cond
-        with cond:
-            self._queue.append(unit)
-            if self._watchers:
-                cond.notify_all()
-            while unit.state == _QUEUED and self._leading:
-                cond.wait()
-            lead = unit.state == _QUEUED
-            if lead:
-                self._leading = True
-        if lead:
-            try:
-                while unit.state == _QUEUED:  # mine may be past the first group
-                    with cond:
-                        take = min(len(self._queue), self.max_group)
-                        batch = [self._queue.popleft() for _ in range(take)]
-                    self._commit(batch, uow)
-            finally:
-                with cond:
-                    self._leading = False
-                    if unit.state == _QUEUED:  # interrupted: no later leader may run it
-                        self._queue.remove(unit)
-                    cond.notify_all()
-        if unit.state == _DONE:
-            return unit.value  # type: ignore[no-any-return]
-        if unit.state == _FAILED:
-            assert unit.error is not None
-            raise unit.error
+        its group failed (see the module's docstring). A group led by this caller runs on
+        ``uow``'s engine and is counted in its stats."""
+        unit.uow = uow
+        done, result = self._settled(unit)
+        if done:
+            return result  # type: ignore[no-any-return]
         with uow._count_lock:  # its group did not commit: run it again, alone
             uow.stats.group_reruns += 1
         return alone()
 
-    def queued(self) -> int:
-        """Statements waiting for a group (the running group's are no longer counted)."""
-        with self._cond:
-            return len(self._queue)
-
-    def wait_for_queued(self, count: int, timeout: float) -> bool:
-        """Block until at least ``count`` statements wait for a group (False: timed out)."""
-        with self._cond:
-            self._watchers += 1
-            try:
-                return self._cond.wait_for(lambda: len(self._queue) >= count, timeout)
-            finally:
-                self._watchers -= 1
+    def _lead(self, own: Grouped[Any]) -> None:
+        assert own.uow is not None
+        self._commit(self._take(), own.uow)
 
     def _commit(self, batch: list[Grouped[Any]], uow: UnitOfWork) -> None:
         """One group, sent and settled: every unit ends up done, failed (outcome unknown, not
@@ -192,7 +156,7 @@ class StatementGroups:
         try:
             self._send(batch, uow)
         except BaseException as error:  # never leave a taken unit waiting
-            self._settle(batch, _RERUN)
+            self._settle(batch, RERUN)
             if not isinstance(error, Exception):
                 raise
             log.warning("a PostgreSQL write group was not sent (%s); its writes run alone", error)
@@ -204,20 +168,19 @@ class StatementGroups:
         from psycopg import ClientCursor  # the postgresql extra; only PostgreSQL stores get here
 
         dialect = uow.engine.dialect
-        schemas = schema_map(uow.engine)
         dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
         ordered = sorted(batch, key=lambda unit: unit.key)
         try:
             conn = uow.autocommit_engine.connect()
         except sa_exc.DBAPIError as error:  # nothing sent: the ordinary path retries it
             log.info("no connection for a PostgreSQL write group (%s); writes run alone", error)
-            self._settle(batch, _RERUN)
+            self._settle(batch, RERUN)
             return
         try:
             driver: Any = conn.connection.driver_connection
             cursor = ClientCursor(driver)
             text = ";\n".join(
-                cursor.mogrify(*_bound(unit.statement, unit.params, dialect, schemas))
+                cursor.mogrify(*_bound(unit.statement, unit.params, dialect, self.schemas))
                 for unit in ordered
             )
             dispatch = conn.dispatch  # the cursor events fire, as for any statement
@@ -245,9 +208,9 @@ class StatementGroups:
                 try:
                     if index:
                         cursor.nextset()
-                    unit.state, unit.value = _DONE, unit.result(cursor)
+                    unit.state, unit.result = DONE, unit.read(cursor)
                 except Exception as error:  # committed all the same: say so, never re-run it
-                    unit.state = _FAILED
+                    unit.state = FAILED
                     unit.error = HermesStoreError(
                         f"the write committed (in a group) but its result was unreadable: {error}"
                     )
@@ -267,11 +230,11 @@ class StatementGroups:
         driver: Any = conn.connection.driver_connection
         if not _lost(error) and not driver.closed:
             log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
-            self._settle(batch, _RERUN)
+            self._settle(batch, RERUN)
             return
         conn.invalidate()
         if _never_sent(error):
-            self._settle(batch, _RERUN)
+            self._settle(batch, RERUN)
             return
         self._unknown(
             batch,
@@ -289,18 +252,18 @@ class StatementGroups:
         unknown.__cause__ = cause
         with self._cond:
             for unit in batch:
-                if unit.state != _QUEUED:
+                if unit.state != QUEUED:
                     continue
                 if unit.idempotent:
-                    unit.state = _RERUN
+                    unit.state = RERUN
                 else:
-                    unit.state, unit.error = _FAILED, unknown
+                    unit.state, unit.error = FAILED, unknown
 
     def _settle(self, batch: list[Grouped[Any]], state: int) -> None:
         """Set the units of ``batch`` that are still undecided to ``state``."""
         with self._cond:
             for unit in batch:
-                if unit.state == _QUEUED:
+                if unit.state == QUEUED:
                     unit.state = state
 
 
@@ -312,9 +275,10 @@ def for_database(engine: Engine) -> StatementGroups:
     """This process's group-commit queue for ``engine``'s database and schema (keyed by the
     process, so a forked child never waits on its parent's queue; by the schema, so a group
     is written into one schema)."""
-    key = (os.getpid(), engine.url.render_as_string(hide_password=False), schema_map(engine))
+    schemas = schema_map(engine)
+    key = (os.getpid(), engine.url.render_as_string(hide_password=False), schemas)
     groups = _registry.get(key)
     if groups is None:
         with _registry_lock:
-            groups = _registry.setdefault(key, StatementGroups())
+            groups = _registry.setdefault(key, StatementGroups(schemas))
     return groups

@@ -13,6 +13,8 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -100,33 +102,49 @@ def _total(stores: list[SessionDB]) -> StoreStats:
     return total
 
 
-def _stores(url: URL, count: int) -> list[SessionDB]:
-    return [SessionDB(url_string(url)) for _ in range(count)]
+@dataclass
+class Scene:
+    """A first append to "s" in flight (its backend ``waiting`` for the test's row lock) and
+    calls queued behind it, each through a store of its own; ``outcomes`` by call name."""
+
+    stores: list[SessionDB]
+    lock: RowLock
+    threads: list[threading.Thread]
+    waiting: int
+    outcomes: dict[str, Any]
+
+    def finish(self) -> SessionDB:
+        """Let the writes go, wait for every call; the first store, to read back with."""
+        self.lock.release()
+        for thread in self.threads:
+            thread.join(GUARD)
+            assert not thread.is_alive()
+        return self.stores[0]
 
 
-def _queue_behind_a_locked_write(
+@contextmanager
+def queued_behind_a_locked_write(
     url: URL, admin: Connection, direct: URL, later: dict[str, Callable[[SessionDB], Any]]
-) -> tuple[dict[str, Any], list[SessionDB], RowLock, list[threading.Thread], int]:
-    """A first append to "s" in flight (waiting for the row lock), then ``later``'s calls
-    queued behind it, each through a store of its own."""
-    stores = _stores(url, 1 + len(later))
+) -> Iterator[Scene]:
+    stores = [SessionDB(url_string(url)) for _ in range(1 + len(later))]
     first = stores[0]
-    for session in ("s", "t"):
-        first.create_session(session, "cli")
-    lock = RowLock(direct, "s")
-    outcomes: dict[str, Any] = {}
-    threads = [_call(outcomes, "first", lambda: first.append_message("s", "user", "first"))]
-    waiting = _waiting_writer(admin, lock.pid)
-    for store, (name, fn) in zip(stores[1:], later.items(), strict=True):
-        threads.append(_call(outcomes, name, lambda fn=fn, store=store: fn(store)))
-    assert first.uow.wait_for_queued_units(len(later), GUARD)
-    return outcomes, stores, lock, threads, waiting
-
-
-def _finish(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.join(GUARD)
-        assert not thread.is_alive()
+    lock: RowLock | None = None
+    try:
+        for session in ("s", "t"):
+            first.create_session(session, "cli")
+        lock = RowLock(direct, "s")
+        outcomes: dict[str, Any] = {}
+        threads = [_call(outcomes, "first", lambda: first.append_message("s", "user", "first"))]
+        waiting = _waiting_writer(admin, lock.pid)
+        for store, (name, fn) in zip(stores[1:], later.items(), strict=True):
+            threads.append(_call(outcomes, name, lambda fn=fn, store=store: fn(store)))
+        assert first.uow.wait_for_queued_units(len(later), GUARD)
+        yield Scene(stores, lock, threads, waiting, outcomes)
+    finally:
+        if lock is not None:
+            lock.release()
+        for store in stores:
+            store.close()
 
 
 def test_writes_queued_behind_one_in_flight_share_one_transaction(
@@ -137,13 +155,9 @@ def test_writes_queued_behind_one_in_flight_share_one_transaction(
         "tokens": lambda db: db.update_token_counts("s", input_tokens=7),
         "other": lambda db: db.append_message("t", "user", "elsewhere"),
     }
-    outcomes, stores, lock, threads, _ = _queue_behind_a_locked_write(
-        db_url, admin, pg_worker_url, later
-    )
-    try:
-        lock.release()
-        _finish(threads)
-        db = stores[0]
+    with queued_behind_a_locked_write(db_url, admin, pg_worker_url, later) as scene:
+        db = scene.finish()
+        outcomes = scene.outcomes
         assert not [value for value in outcomes.values() if isinstance(value, Exception)]
         by_id = {m["id"]: m["content"] for m in db.get_messages("s") + db.get_messages("t")}
         assert by_id == {
@@ -155,13 +169,9 @@ def test_writes_queued_behind_one_in_flight_share_one_transaction(
         assert s is not None and (s["message_count"], s["input_tokens"]) == (2, 7)
         t = db.get_session("t")
         assert t is not None and t["message_count"] == 1
-        stats = _total(stores)
+        stats = _total(scene.stores)
         assert (stats.groups, stats.grouped_units, stats.max_group) == (2, 4, 3)
         assert stats.lost_groups == 0
-    finally:
-        lock.release()
-        for store in stores:
-            store.close()
 
 
 def test_a_failing_write_fails_alone_and_the_others_land(
@@ -172,23 +182,14 @@ def test_a_failing_write_fails_alone_and_the_others_land(
         "missing": lambda db: db.append_message("nope", "user", "nowhere"),
         "tokens": lambda db: db.update_token_counts("s", output_tokens=3),
     }
-    outcomes, stores, lock, threads, _ = _queue_behind_a_locked_write(
-        db_url, admin, pg_worker_url, later
-    )
-    try:
-        lock.release()
-        _finish(threads)
-        db = stores[0]
-        assert isinstance(outcomes["missing"], UnknownSessionError)
+    with queued_behind_a_locked_write(db_url, admin, pg_worker_url, later) as scene:
+        db = scene.finish()
+        assert isinstance(scene.outcomes["missing"], UnknownSessionError)
         assert [m["content"] for m in db.get_messages("s")] == ["first", "second"]
         s = db.get_session("s")
         assert s is not None and (s["message_count"], s["output_tokens"]) == (2, 3)
         assert db.get_session("nope") is None
-        assert _total(stores).lost_groups == 1  # rolled back whole; each ran again alone
-    finally:
-        lock.release()
-        for store in stores:
-            store.close()
+        assert _total(scene.stores).lost_groups == 1  # rolled back whole; each ran again alone
 
 
 def test_a_write_lost_while_committing_is_reported_and_never_repeated(
@@ -198,26 +199,19 @@ def test_a_write_lost_while_committing_is_reported_and_never_repeated(
         f"queued{n}": lambda db, n=n: db.append_message("s", "user", f"queued {n}")
         for n in range(3)
     }
-    outcomes, stores, lock, threads, waiting = _queue_behind_a_locked_write(
-        db_url, admin, pg_worker_url, later
-    )
-    try:
+    with queued_behind_a_locked_write(db_url, admin, pg_worker_url, later) as scene:
         # The first write's message was sent and waits on the server: its fate is unknown to
         # the client once its connection is cut.
-        assert admin.execute(sa.text("SELECT pg_terminate_backend(:p, 5000)"), {"p": waiting})
-        lock.release()
-        _finish(threads)
-        db = stores[0]
-        assert isinstance(outcomes["first"], DatabaseUnavailableError)
-        assert "may or may not" in str(outcomes["first"])
+        terminate = sa.text("SELECT pg_terminate_backend(:p, 5000)")
+        assert admin.execute(terminate, {"p": scene.waiting}).scalar()
+        db = scene.finish()
+        first = scene.outcomes["first"]
+        assert isinstance(first, DatabaseUnavailableError)
+        assert "may or may not" in str(first)
         landed = sorted(m["content"] for m in db.get_messages("s"))
         assert landed == ["queued 0", "queued 1", "queued 2"]  # "first" was not re-run
         s = db.get_session("s")
         assert s is not None and s["message_count"] == 3
-    finally:
-        lock.release()
-        for store in stores:
-            store.close()
 
 
 @pytest.mark.slow
