@@ -12,7 +12,8 @@ per run, and prints a markdown table of medians with [min..max] over the rounds:
   every writer meets SQLite's busy handler;
 - ``original``: the original store (``tests/seed_store.py``, raw ``sqlite3``).
 
-Sets: ``8x4+2r`` (8 processes x 4 threads, 2 reader processes), ``16x1``, and ``mixed``
+Sets: ``8x4+2r`` (8 processes x 4 threads, 2 reader processes), ``16x1``, ``1x1`` (one
+writer alone: the commit ceiling the other sets share), and ``mixed``
 (8 x 4 of the contender plus 2 original-store processes x 4 threads on the same file; with
 the contender ``original`` every process is the original store: the run of the same size the
 original processes' latency is compared with). Ratios are taken per round against the
@@ -99,6 +100,7 @@ class LoadResult:
         all_writes = len(w) + len(self.other_latencies)
         return {
             "write_p50_ms": percentile(w, 0.50) * 1000,
+            "write_mean_ms": statistics.fmean(w) * 1000 if w else float("nan"),
             "write_p99_ms": percentile(w, 0.99) * 1000,
             "write_max_ms": (max(w) if w else float("nan")) * 1000,
             "writes_per_s": all_writes / self.seconds if self.seconds else float("nan"),
@@ -338,6 +340,8 @@ def scenarios(ops: int) -> list[Scenario]:
     return [
         Scenario("8x4+2r", KINDS, ORIGINAL, lambda k, n: [Group(k, 8, 4, n)], 2, ops),
         Scenario("16x1", KINDS, ORIGINAL, lambda k, n: [Group(k, 16, 1, n)], 0, 2 * ops),
+        # One writer alone: no waiting at all, so its writes/s is the file's commit ceiling.
+        Scenario("1x1", KINDS, ORIGINAL, lambda k, n: [Group(k, 1, 1, n)], 0, 32 * ops),
         Scenario(
             "mixed 8x4 + 2x4 original",
             ("ours", "before", ORIGINAL),
@@ -351,6 +355,7 @@ def scenarios(ops: int) -> list[Scenario]:
 
 METRICS = (
     ("p50 ms", "write_p50_ms", "{:.1f}"),
+    ("mean ms", "write_mean_ms", "{:.1f}"),
     ("p99 ms", "write_p99_ms", "{:.0f}"),
     ("max ms", "write_max_ms", "{:.0f}"),
     ("writes/s", "writes_per_s", "{:.0f}"),
@@ -498,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ops", type=int, default=12, help="operations per thread at 8x4")
-    parser.add_argument("--sets", default="", help="comma list of 8x4+2r,16x1,mixed (all)")
+    parser.add_argument("--sets", default="", help="comma list of 8x4+2r,16x1,1x1,mixed (all)")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--out", default="", help="rewrite this file's load section (a .md)")
     args = parser.parse_args(argv)

@@ -219,9 +219,12 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
             uow._count_writes(sum(1 for pending in batch if pending.state == DONE))
 
     def _execute(self, conn: Any, batch: list[Pending[Any]]) -> BaseException | None:
-        """Each unit in its own savepoint; the error that lost the transaction, if any."""
+        """Each unit in its own savepoint; the error that lost the transaction, if any. A
+        unit alone needs none: its transaction is its savepoint."""
         driver: Any = conn.connection.driver_connection
         dbapi_error: type[Exception] = self._uow._dbapi_error
+        if len(batch) == 1:
+            return self._execute_alone(conn, driver, batch[0])
         for pending in batch:
             try:
                 driver.execute("SAVEPOINT hermes_unit")
@@ -243,6 +246,21 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
                 driver.execute("RELEASE hermes_unit")
             except dbapi_error as error:
                 return error
+        return None
+
+    def _execute_alone(self, conn: Any, driver: Any, pending: Pending[Any]) -> BaseException | None:
+        """A group of one: a unit that raises rolls the transaction back (the COMMIT that
+        follows then has nothing to do) and only its caller sees the error."""
+        try:
+            pending.result = pending.fn(conn)
+        except Exception as error:
+            if _aborts_transaction(error) or not driver.in_transaction:
+                return error
+            try:
+                driver.rollback()
+            except self._uow._dbapi_error as undo_error:
+                return undo_error
+            pending.state, pending.error = FAILED, error
         return None
 
 

@@ -158,6 +158,28 @@ def test_a_units_error_rolls_back_only_that_unit(db: SessionDB) -> None:
     assert db.get_session("nobody") is None
 
 
+def test_a_unit_alone_that_fails_midway_leaves_nothing(db: SessionDB) -> None:
+    """A group of one runs without a savepoint: a unit that wrote and then raised is rolled
+    back whole, only its caller sees the error, and the writer goes on."""
+    before = db.stats()
+
+    def half_then_fail(conn: Any) -> None:
+        cursor = conn.connection.driver_connection.cursor()
+        cursor.execute("UPDATE sessions SET title = 'half' WHERE id = 's'")
+        raise RuntimeError("the unit failed after writing")
+
+    with pytest.raises(RuntimeError, match="after writing"):
+        db.uow.run(half_then_fail, driver_only=True)
+    after = db.stats()
+    assert after.groups - before.groups == 1 and after.max_group == 1
+    assert after.lost_groups == 0
+    assert after.write_units == before.write_units
+    session = db.get_session("s")
+    assert session is not None and session["title"] is None
+    db.append_message("s", "user", "after")
+    assert _contents(db) == ["after"]
+
+
 def _refuse_commits(engine: sa.Engine, armed: list[int]) -> None:
     """An authorizer on every real connection of ``engine`` that refuses the next ``armed[0]``
     COMMIT statements (SQLite then keeps the transaction open and returns SQLITE_AUTH)."""
