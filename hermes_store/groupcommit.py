@@ -10,7 +10,7 @@ How: a caller queues its unit (a function of the writer connection). When no lea
 the process it becomes the leader: it takes the writer's turn (the fair queue across
 processes, then the in-process lock), begins, and only then takes up to :data:`MAX_GROUP`
 queued units, oldest first, so every unit that arrived while it waited for the turn rides
-along. Each unit runs inside its own ``SAVEPOINT``:
+along. Each unit runs inside its own ``SAVEPOINT`` (a unit alone: inside its transaction):
 
 - a unit that raises rolls back to its savepoint: only its own work is undone and only its
   caller sees the error; the others go on;
@@ -220,14 +220,15 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
 
     def _execute(self, conn: Any, batch: list[Pending[Any]]) -> BaseException | None:
         """Each unit in its own savepoint; the error that lost the transaction, if any. A
-        unit alone needs none: its transaction is its savepoint."""
+        unit alone needs none: its transaction is its savepoint (rolled back on its error,
+        the COMMIT that follows then has nothing to do)."""
         driver: Any = conn.connection.driver_connection
         dbapi_error: type[Exception] = self._uow._dbapi_error
-        if len(batch) == 1:
-            return self._execute_alone(conn, driver, batch[0])
+        alone = len(batch) == 1
         for pending in batch:
             try:
-                driver.execute("SAVEPOINT hermes_unit")
+                if not alone:
+                    driver.execute("SAVEPOINT hermes_unit")
             except dbapi_error as error:
                 return error
             try:
@@ -236,31 +237,20 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
                 if _aborts_transaction(error) or not driver.in_transaction:
                     return error
                 try:
-                    driver.execute("ROLLBACK TO hermes_unit")
-                    driver.execute("RELEASE hermes_unit")
+                    if alone:
+                        driver.rollback()
+                    else:
+                        driver.execute("ROLLBACK TO hermes_unit")
+                        driver.execute("RELEASE hermes_unit")
                 except dbapi_error as undo_error:
                     return undo_error
                 pending.state, pending.error = FAILED, error
                 continue
             try:
-                driver.execute("RELEASE hermes_unit")
+                if not alone:
+                    driver.execute("RELEASE hermes_unit")
             except dbapi_error as error:
                 return error
-        return None
-
-    def _execute_alone(self, conn: Any, driver: Any, pending: Pending[Any]) -> BaseException | None:
-        """A group of one: a unit that raises rolls the transaction back (the COMMIT that
-        follows then has nothing to do) and only its caller sees the error."""
-        try:
-            pending.result = pending.fn(conn)
-        except Exception as error:
-            if _aborts_transaction(error) or not driver.in_transaction:
-                return error
-            try:
-                driver.rollback()
-            except self._uow._dbapi_error as undo_error:
-                return undo_error
-            pending.state, pending.error = FAILED, error
         return None
 
 
