@@ -142,8 +142,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         done, result = self._settled(unit)
         if done:
             return result  # type: ignore[no-any-return]
-        with uow._count_lock:  # its group did not commit: run it again, alone
-            uow.stats.group_reruns += 1
+        uow._record_rerun()  # its group did not commit: run it again, alone
         return alone()
 
     def _lead(self, own: Grouped[Any]) -> None:
@@ -222,10 +221,9 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
     ) -> None:
         """The group's message failed: refused by the server or never sent (nothing landed:
         run each again alone), else lost in flight (unknown)."""
-        from hermes_store.uow import _lost, _never_sent
+        from hermes_store.uow import _lost, _never_sent, _wrapped
 
-        error = sa_exc.DBAPIError.instance(None, None, orig, type(orig), dialect=uow.engine.dialect)
-        assert isinstance(error, sa_exc.DBAPIError)
+        error = _wrapped(orig, uow.engine.dialect)
         uow._record_group(len(batch), lost=True)
         driver: Any = conn.connection.driver_connection
         if not _lost(error) and not driver.closed:

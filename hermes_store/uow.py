@@ -415,8 +415,7 @@ class UnitOfWork:
             done, result = self.group.run(fn)
             if done:
                 return result  # type: ignore[return-value]
-            with self._count_lock:  # its group's transaction was lost: run it again, alone
-                self.stats.group_reruns += 1
+            self._record_rerun()  # its group's transaction was lost: run it again, alone
         waits = self.retry.waits()
         while True:
             try:
@@ -524,6 +523,12 @@ class UnitOfWork:
                 self.stats.groups += 1
                 self.stats.grouped_units += size
                 self.stats.max_group = max(self.stats.max_group, size)
+
+    def _record_rerun(self) -> None:
+        """Count a unit that runs again alone because its group did not commit (both group
+        commits)."""
+        with self._count_lock:
+            self.stats.group_reruns += 1
 
     def queued_units(self) -> int:
         """Hot writes of this process waiting for a group (0 without group commit)."""
