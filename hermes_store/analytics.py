@@ -13,8 +13,10 @@ the costs) that the store keeps up to date on every write, so they cost one pass
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from collections.abc import Sequence
+from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import sqlalchemy as sa
@@ -25,6 +27,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
+from hermes_store.errors import InvalidInputError
 from hermes_store.models import ChatSession, Message
 
 if TYPE_CHECKING:
@@ -35,6 +38,8 @@ Dimension = Literal["day", "model", "source"]
 Query: TypeAlias = Select[*tuple[Any, ...]]
 #: One source (``"cli"``), several (``["cli", "telegram"]``) or None for all.
 Sources: TypeAlias = str | Sequence[str] | None
+#: A time bound: epoch seconds, a datetime (naive = UTC), a date or a pandas.Timestamp.
+When: TypeAlias = float | datetime | date
 TOKEN_COLUMNS = (
     "input_tokens",
     "output_tokens",
@@ -82,13 +87,44 @@ def _source_filter(source: Sources) -> ColumnElement[bool] | None:
     return ChatSession.source.in_(list(source))
 
 
+def epoch_seconds(name: str, value: When | None) -> float | None:
+    """A ``since``/``until`` bound as the float epoch seconds the columns hold.
+
+    Accepts epoch seconds (int or float), a ``datetime`` (naive means UTC; an aware one is
+    converted), a ``date`` (midnight UTC) and a ``pandas.Timestamp`` (a ``datetime``), so the
+    same call filters the same rows on SQLite and PostgreSQL instead of comparing a float
+    column with a timestamp (no rows on SQLite, a type error on PostgreSQL).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be a time, not a bool")
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise InvalidInputError(f"{name} must be a finite number of epoch seconds")
+        return float(value)
+    if isinstance(value, datetime):
+        if value != value:  # pandas.NaT
+            raise InvalidInputError(f"{name} is not a time (NaT)")
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return aware.timestamp()
+    if isinstance(value, date):
+        return datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp()
+    raise InvalidInputError(
+        f"{name} must be epoch seconds, a datetime, a date or a pandas.Timestamp,"
+        f" not {type(value).__name__}"
+    )
+
+
 def _session_filters(
-    statement: Query, since: float | None, until: float | None, source: Sources
+    statement: Query, since: When | None, until: When | None, source: Sources
 ) -> Query:
-    if since is not None:
-        statement = statement.where(ChatSession.started_at >= since)
-    if until is not None:
-        statement = statement.where(ChatSession.started_at < until)
+    low = epoch_seconds("since", since)
+    high = epoch_seconds("until", until)
+    if low is not None:
+        statement = statement.where(ChatSession.started_at >= low)
+    if high is not None:
+        statement = statement.where(ChatSession.started_at < high)
     by_source = _source_filter(source)
     if by_source is not None:
         statement = statement.where(by_source)
@@ -119,14 +155,15 @@ def _usage_columns() -> list[ColumnElement[Any]]:
 def usage(
     by: Dimension | Sequence[Dimension] = "model",
     *,
-    since: float | None = None,
-    until: float | None = None,
+    since: When | None = None,
+    until: When | None = None,
     source: Sources = None,
 ) -> Query:
     """Sessions, messages, tool calls, the five token counters and both costs, grouped ``by``.
 
     ``by`` is ``"day"``, ``"model"``, ``"source"`` or a sequence of them (``("day", "model")``).
-    ``since``/``until`` bound ``started_at`` (epoch seconds); ``source`` keeps one source or
+    ``since``/``until`` bound ``started_at`` (epoch seconds, a ``datetime`` (naive = UTC), a
+    ``date`` or a ``pandas.Timestamp``); ``source`` keeps one source or
     a list of them.
     Rows are ordered by the dimensions (days oldest first).
     """
@@ -140,34 +177,34 @@ def usage(
 
 
 def usage_per_day(
-    *, since: float | None = None, until: float | None = None, source: Sources = None
+    *, since: When | None = None, until: When | None = None, source: Sources = None
 ) -> Query:
     """:func:`usage` by UTC day of ``started_at``, oldest day first."""
     return usage("day", since=since, until=until, source=source)
 
 
 def usage_per_model(
-    *, since: float | None = None, until: float | None = None, source: Sources = None
+    *, since: When | None = None, until: When | None = None, source: Sources = None
 ) -> Query:
     """:func:`usage` by model (sessions without a model form one ``None`` row)."""
     return usage("model", since=since, until=until, source=source)
 
 
 def usage_per_source(
-    *, since: float | None = None, until: float | None = None, source: Sources = None
+    *, since: When | None = None, until: When | None = None, source: Sources = None
 ) -> Query:
     """:func:`usage` by source (``cli``, ``telegram``, ...)."""
     return usage("source", since=since, until=until, source=source)
 
 
 def totals(
-    *, since: float | None = None, until: float | None = None, source: Sources = None
+    *, since: When | None = None, until: When | None = None, source: Sources = None
 ) -> Query:
     """One row: the :func:`usage` figures over every (matching) session."""
     return _session_filters(select(*_usage_columns()), since, until, source)
 
 
-def tool_usage(*, since: float | None = None, source: Sources = None) -> Query:
+def tool_usage(*, since: When | None = None, source: Sources = None) -> Query:
     """Per ``messages.tool_name``: calls, sessions using it, first and last use; busiest first.
 
     The agent records a tool's name on the ``role="tool"`` reply, so each row counts results.
@@ -187,8 +224,9 @@ def tool_usage(*, since: float | None = None, source: Sources = None) -> Query:
         .group_by(Message.tool_name)
         .order_by(calls.desc(), Message.tool_name)
     )
-    if since is not None:
-        statement = statement.where(Message.timestamp >= since)
+    low = epoch_seconds("since", since)
+    if low is not None:
+        statement = statement.where(Message.timestamp >= low)
     by_source = _source_filter(source)
     if by_source is not None:
         statement = statement.join(ChatSession, ChatSession.id == Message.session_id).where(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from hermes_store import SessionDB, analytics
+from hermes_store import InvalidInputError, SessionDB, analytics
 from hermes_store.models import ChatSession
 from hermes_store.models import sessions_table as S
 
@@ -160,3 +160,38 @@ def test_to_dataframe_without_pandas_says_what_to_install(
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(ImportError, match=r"hermes-store\[analytics\]"):
         analytics.to_dataframe(analytics.totals(), store)
+
+
+@pytest.mark.parametrize(
+    "bound",
+    [
+        EARLY - 30,
+        int(EARLY - 30),
+        datetime(2025, 3, 2, 0, 0, 0),  # naive: UTC
+        datetime(2025, 3, 2, 0, 0, 0, tzinfo=UTC),
+        datetime(2025, 3, 2, 1, 0, 0, tzinfo=timezone(timedelta(hours=1))),
+        date(2025, 3, 2),
+    ],
+    ids=["float", "int", "naive", "aware-utc", "aware-plus-one", "date"],
+)
+def test_time_bounds_take_every_kind_of_time(usage_db: SessionDB, bound: object) -> None:
+    """A datetime bound filters the same rows as its epoch seconds, on both backends."""
+    by_day = rows(usage_db, analytics.usage_per_day(since=bound))  # type: ignore[arg-type]
+    assert [row["sessions"] for row in by_day] == [2, 2]
+    assert rows(usage_db, analytics.totals(until=bound))[0]["sessions"] == 1  # type: ignore[arg-type]
+    tools = rows(usage_db, analytics.tool_usage(since=bound))  # type: ignore[arg-type]
+    assert isinstance(tools, list)
+
+
+def test_a_pandas_timestamp_is_a_time_bound(usage_db: SessionDB) -> None:
+    pd = pytest.importorskip("pandas")
+    by_day = rows(usage_db, analytics.usage_per_day(since=pd.Timestamp("2025-03-02")))
+    assert [row["sessions"] for row in by_day] == [2, 2]
+    with pytest.raises(InvalidInputError, match="NaT"):
+        analytics.usage_per_day(since=pd.NaT)
+
+
+@pytest.mark.parametrize("bound", ["2025-03-02", True, float("nan")])
+def test_a_bound_that_is_not_a_time_is_refused(bound: object) -> None:
+    with pytest.raises(InvalidInputError, match="since"):
+        analytics.usage_per_day(since=bound)  # type: ignore[arg-type]
