@@ -449,6 +449,11 @@ class AsyncSessionDB:
     async def resolve_session_id(self, session_id_or_prefix: str) -> str | None:
         return await self._call(SessionDB.resolve_session_id, session_id_or_prefix)
 
+    async def unique_id_prefixes(
+        self, session_ids: Sequence[str], minimum: int = 8
+    ) -> dict[str, str]:
+        return await self._call(SessionDB.unique_id_prefixes, session_ids, minimum)
+
     async def delete_session(self, session_id: str) -> bool:
         return await self._call(SessionDB.delete_session, session_id)
 

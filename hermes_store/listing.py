@@ -16,6 +16,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from hermes_store import fastpath
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
+from hermes_store.titles import escape_like
 
 MAX_COMPRESSION_HOPS = 100
 PREVIEW_CHARS = 60
@@ -283,3 +284,41 @@ def children_of(conn: Connection, session_id: str) -> list[dict[str, Any]]:
         .order_by(S.c.started_at, S.c.id)
     )
     return [dict(row._mapping) for row in conn.execute(statement)]
+
+
+def unique_id_prefixes(
+    conn: Connection, session_ids: Iterable[str], minimum: int = 8
+) -> dict[str, str]:
+    """Each id cut to the shortest prefix (at least ``minimum`` characters) that no other
+    session in the whole database starts with, so a shortened id always resolves.
+
+    The id's neighbours in index order give the length; a prefix count confirms it (a
+    collation that does not sort by bytes only makes the first guess short).
+    """
+    below = select(S.c.id).where(S.c.id < bindparam("id")).order_by(S.c.id.desc()).limit(1)
+    above = select(S.c.id).where(S.c.id > bindparam("id")).order_by(S.c.id).limit(1)
+    sharing = (
+        select(func.count()).select_from(S).where(S.c.id.like(bindparam("pattern"), escape="\\"))
+    )
+    shortened: dict[str, str] = {}
+    for session_id in dict.fromkeys(session_ids):
+        found = (conn.scalar(query, {"id": session_id}) for query in (below, above))
+        neighbours = [n for n in found if n is not None]
+        shared = max((_common_prefix(session_id, n) for n in neighbours), default=0)
+        length = max(minimum, shared + 1)
+        while length < len(session_id):
+            pattern = escape_like(session_id[:length]) + "%"
+            if conn.scalar(sharing, {"pattern": pattern}) == 1:
+                break
+            length += 1
+        shortened[session_id] = session_id[:length]
+    return shortened
+
+
+def _common_prefix(a: str, b: str) -> int:
+    size = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        size += 1
+    return size

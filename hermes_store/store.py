@@ -421,6 +421,17 @@ class SessionDB:
             ).all()
         return ids[0] if len(ids) == 1 else None
 
+    def unique_id_prefixes(self, session_ids: Sequence[str], minimum: int = 8) -> dict[str, str]:
+        """Each id shortened to a prefix no other session in the database shares (at least
+        ``minimum`` characters): what a listing may show, since such a prefix always resolves
+        through :meth:`resolve_session_id`."""
+        ids = list(session_ids)
+        for session_id in ids:
+            validate.text("session_id", session_id)
+        validate.integer("minimum", minimum, minimum=1, maximum=1 << 16)
+        with self._read() as conn:
+            return listing.unique_id_prefixes(conn, ids, minimum)
+
     def delete_session(self, session_id: str) -> bool:
         """Delete a session and its messages; its children are orphaned, never deleted."""
         validate.text("session_id", session_id)

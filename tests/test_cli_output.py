@@ -414,3 +414,37 @@ def test_importing_the_cli_loads_no_database_or_rendering_library() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_every_id_a_narrow_list_shows_resolves(tmp_path: Path) -> None:
+    """The agent's ``YYYYMMDD_HHMMSS_hex`` ids share long prefixes with sessions the listing
+    does not show: a shortened id must still name exactly one session in the database."""
+    target = tmp_path / "state.db"
+    with SessionDB(target) as db:
+        for n in range(30):
+            db.create_session(f"20251203_10{n:02d}00_{n:06x}", "telegram")
+        for n in range(3):
+            db.create_session(f"20251203_10{n:02d}01_{n:06x}", "cli")
+    runner = CliRunner(env={"COLUMNS": "80", "NO_COLOR": "1", "HERMES_STORE_URL": None})
+    table = run(runner, target, "sessions", "list", "--source", "cli", "--format", "table").stdout
+    shown = [line.split()[0] for line in table.splitlines() if line.startswith("2025")]
+    assert len(shown) == 3
+    for prefix in shown:
+        done = run(runner, target, "sessions", "show", prefix, "--format", "json")
+        assert done.exit_code == 0, (prefix, done.stderr)
+        assert json.loads(done.stdout)["id"].startswith(prefix)
+
+
+def test_unique_id_prefixes_are_unique_in_the_database(store: SessionDB) -> None:
+    for session_id in ("abc_1", "abc_10", "abc_2", "abd", "b%_x", "b%_y", "zz"):
+        store.create_session(session_id, "cli")
+    shortened = store.unique_id_prefixes(["abc_1", "abd", "b%_x", "zz", "abc_10"], minimum=1)
+    assert shortened == {
+        "abc_1": "abc_1",
+        "abd": "abd",
+        "b%_x": "b%_x",
+        "zz": "z",
+        "abc_10": "abc_10",
+    }
+    for session_id, prefix in shortened.items():
+        assert store.resolve_session_id(prefix) == session_id

@@ -121,18 +121,6 @@ def fold(text: str, limit: int = 100) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-def short_ids(ids: list[str], minimum: int = 8) -> dict[str, str]:
-    """Each id cut to the shortest prefix (at least ``minimum``) no other listed id shares;
-    every command that takes a session accepts such a prefix."""
-    ordered = sorted(set(ids))
-    short = {}
-    for index, session_id in enumerate(ordered):
-        neighbours = ordered[max(index - 1, 0) : index] + ordered[index + 1 : index + 2]
-        shared = max((len(os.path.commonprefix([session_id, n])) for n in neighbours), default=0)  # noqa: RUF071
-        short[session_id] = session_id[: max(minimum, shared + 1)]
-    return short
-
-
 def unmark(snippet: str) -> str:
     """A search snippet without its ``>>>match<<<`` markers, on one line."""
     return " ".join(snippet.replace(">>>", "").replace("<<<", "").split())

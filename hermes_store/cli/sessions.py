@@ -30,7 +30,6 @@ from hermes_store.cli.output import (
     num,
     print_rows,
     progress,
-    short_ids,
     when,
     width,
 )
@@ -114,10 +113,11 @@ def sessions_list(
       hermes-store sessions list | cut -f1,2
     """
     chosen = chosen_format(fmt, as_json)
-    rows = _list_rows(app.store(read_only=True), sources, excluded, children, limit)
+    db = app.store(read_only=True)
+    rows = _list_rows(db, sources, excluded, children, limit)
     if chosen == "table":
         ids = [row["id"] for row in rows]
-        shown = {i: i for i in ids} if width() >= FULL_ID_WIDTH else short_ids(ids)
+        shown = {i: i for i in ids} if width() >= FULL_ID_WIDTH else db.unique_id_prefixes(ids)
         columns = [
             Column("id", "id", lambda r: r["id"], shown=lambda r: shown[r["id"]]),
             Column("title", "title", lambda r: r.get("title"), wraps=True),
