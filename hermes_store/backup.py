@@ -148,7 +148,9 @@ def backup(
     if target.is_dir():
         raise InvalidInputError(f"{target} is a folder: give the backup file's name")
     if target.exists() and not overwrite:
-        raise InvalidInputError(f"{target} exists (pass overwrite=True / --force to replace it)")
+        raise InvalidInputError(
+            f"{target} exists (pass overwrite=True to replace it)"
+        ).with_cli_message(f"{target} exists (use --force to replace it)")
     if overwrite and files.sidecars(target):
         raise InvalidInputError(
             f"{target} has -wal/-shm files beside it: it looks like a database in use; "

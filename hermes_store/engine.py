@@ -97,7 +97,14 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
     if isinstance(target, URL):
         url = target
     elif isinstance(target, str) and "://" in target:
-        url = make_url(target)
+        try:
+            url = make_url(target)
+        except ValueError as error:  # int() of a non-numeric port
+            raise InvalidInputError(
+                "malformed database URL: its port must be a number"
+                if "int()" in str(error)
+                else f"malformed database URL: {error}"
+            ) from None
     else:
         path = Path(os.fspath(target)).expanduser().resolve()
         if len(os.fsencode(path)) > MAX_PATH_BYTES:

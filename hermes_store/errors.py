@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Self
 
 from sqlalchemy import exc as sa_exc
 
@@ -30,6 +31,15 @@ PG_RETRYABLE = frozenset({"40001", "40P01"})
 
 class HermesStoreError(Exception):
     """Root of every error this package raises on purpose."""
+
+    #: The message in the command line's words, where the message advises Python arguments
+    #: (``overwrite=True``) that have a command-line option instead.
+    cli_message: str | None = None
+
+    def with_cli_message(self, text: str) -> Self:
+        """This error, telling a command-line user ``text`` instead of the message."""
+        self.cli_message = text
+        return self
 
 
 class UnknownSessionError(HermesStoreError, ValueError):
@@ -172,8 +182,19 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
         and sqlstate is None
         and type(orig).__module__.startswith("psycopg")
     ):
-        return DatabaseUnavailableError(f"cannot reach the database: {text}")
+        return DatabaseUnavailableError(_connect_failure(text))
     return None
+
+
+def _connect_failure(text: str) -> str:
+    """Says whether the server was reached: a refused login or a missing database is not an
+    unreachable server."""
+    _, fatal, detail = text.partition("FATAL:")
+    if not fatal:
+        return f"cannot reach the database: {text}"
+    detail = " ".join(detail.split())
+    hint = " (create it first, e.g. `createdb NAME`)" if "does not exist" in detail else ""
+    return f"the database server refused the connection: {detail}{hint}"
 
 
 def _sqlite_io_error(orig: BaseException | None, text: str) -> HermesStoreError:

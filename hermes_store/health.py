@@ -15,7 +15,15 @@ from sqlalchemy.engine import URL, Connection
 
 from hermes_store import ddl, files, fulltext, migrate
 from hermes_store.engine import sqlite_file
-from hermes_store.errors import HermesStoreError, mapped_errors, open_errors
+from hermes_store.errors import (
+    AccessDeniedError,
+    DatabaseLockedError,
+    DatabaseUnavailableError,
+    HermesStoreError,
+    SchemaTooNewError,
+    mapped_errors,
+    open_errors,
+)
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 
@@ -27,20 +35,60 @@ def one_line(error: object) -> str:
     return first if len(first) <= 500 else first[:497] + "..."
 
 
-def read_state(url: URL) -> migrate.DatabaseState | None:
-    """The database's tables and versions, read without locking (None: no such file)."""
+def read_state(url: URL, *, adoptable: bool = True) -> migrate.DatabaseState | None:
+    """The database's tables and versions, read without locking (None: no such file).
+
+    Refuses a schema this release cannot open unless ``adoptable`` is False.
+    """
     path = sqlite_file(url)
     if path is not None:
         with open_errors(path):  # a full disk is not "an unreadable file"
-            return migrate.preflight_sqlite(path)
+            return migrate.preflight_sqlite(path, adoptable=adoptable)
     engine = migrate.read_engine(url)
     try:
         with mapped_errors(), engine.connect() as conn:
             state = migrate.read_state(conn)
     finally:
         engine.dispose()
-    migrate.check_adoptable(state, url.render_as_string(hide_password=True))
+    if adoptable:
+        migrate.check_adoptable(state, url.render_as_string(hide_password=True))
     return state
+
+
+@dataclass(frozen=True)
+class SchemaStatus:
+    """Where a database's schema stands against this release (``hermes-store db current``)."""
+
+    exists: bool
+    revision: str | None
+    schema_version: int | None
+    head: str
+    at_head: bool
+    legacy: bool
+    #: Written by a newer release (a revision or schema_version this one does not know).
+    too_new: bool
+
+
+def schema_status(url: URL) -> SchemaStatus:
+    """The database's revision and versions, read only; a newer release's file is reported,
+    not refused."""
+    too_new = False
+    try:
+        state = read_state(url)
+    except SchemaTooNewError:
+        state = read_state(url, adoptable=False)
+        too_new = True
+    revision = revision_of(state)
+    head = migrate.head_revision()
+    return SchemaStatus(
+        exists=state is not None and not state.is_empty,
+        revision=revision,
+        schema_version=state.schema_version if state else None,
+        head=head,
+        at_head=revision == head and state is not None and not state.is_legacy,
+        legacy=bool(state and state.is_legacy),
+        too_new=too_new,
+    )
 
 
 def revision_of(state: migrate.DatabaseState | None) -> str | None:
@@ -212,9 +260,16 @@ def _row_checks(conn: Connection) -> list[Check]:
 
 
 def run_doctor(url: URL) -> list[Check]:
-    """Every health check of ``url``, reading only (no migration, nothing written)."""
+    """Every health check of ``url``, reading only (no migration, nothing written).
+
+    A database that cannot be reached at all (server down, access denied, locked) raises, as
+    every other call does: there is nothing to examine. What the checks find, an unusable file
+    included, is reported.
+    """
     try:
         state = read_state(url)
+    except (DatabaseUnavailableError, AccessDeniedError, DatabaseLockedError):
+        raise
     except HermesStoreError as error:
         return [Check("database", "error", one_line(error))]
     if state is None or state.is_empty:

@@ -225,8 +225,10 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
             )
 
 
-def preflight_sqlite(path: Path) -> DatabaseState | None:
+def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | None:
     """Refuse files that are not adoptable, reading them only (None: the file does not exist).
+    With ``adoptable=False`` a readable database's state is returned whatever its schema (a
+    newer release's file included), for reports.
 
     The file is only ``stat``-ed and read through SQLite, never with a plain file handle:
     closing one would drop the SQLite locks this process's live connections hold on it.
@@ -263,7 +265,8 @@ def preflight_sqlite(path: Path) -> DatabaseState | None:
             state = _probe(path, immutable=False)
         except sa.exc.DBAPIError as again:
             raise _unreadable(where, info.st_size, again) from again
-    check_adoptable(state, where)
+    if adoptable:
+        check_adoptable(state, where)
     return state
 
 
@@ -685,10 +688,10 @@ def check_head(target: Engine | sa.URL) -> None:
             if state.is_legacy
             else "no schema"
         )
+        behind = f"{where} is at {found}, behind {head}; it was opened without migrating: "
         raise SchemaBehindError(
-            f"{where} is at {found}, behind {head}; it was opened without migrating: "
-            'run `hermes-store db upgrade` (or open it with migrate="auto")'
-        )
+            behind + 'run `hermes-store db upgrade` (or open it with migrate="auto")'
+        ).with_cli_message(behind + "run `hermes-store db upgrade`")
 
 
 def _create_sqlite_at_head(path: Path) -> None:

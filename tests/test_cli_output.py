@@ -271,7 +271,7 @@ def test_postgresql_without_the_driver_is_one_line_exit_3() -> None:
     [
         ("mysql://u@localhost/db", "unsupported database"),
         ("oracle://u@localhost/db", "unsupported database"),
-        ("postgresql://u@localhost:port/db", "invalid literal"),
+        ("postgresql://u@localhost:port/db", "port must be a number"),
         ("nosuchdialect://x/y", "unsupported database"),
     ],
 )

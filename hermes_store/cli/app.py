@@ -71,9 +71,10 @@ def boundary_error(error: Exception) -> click.ClickException | None:
     from hermes_store.errors import HermesStoreError  # imports SQLAlchemy: only on errors
 
     if isinstance(error, HermesStoreError):
+        message = one_line(error.cli_message or error)
         if isinstance(error, ValueError):
-            return Problem(one_line(error))
-        return DatabaseProblem(one_line(error))
+            return Problem(message)
+        return DatabaseProblem(message)
     if isinstance(error, ImportError):  # a database driver that is not installed
         name = (error.name or "").split(".")[0]
         hint = DRIVER_HINTS.get(name, f"a database driver is not installed ({one_line(error)})")

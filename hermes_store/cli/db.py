@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import click
 
 from hermes_store.cli.app import (
@@ -83,29 +85,21 @@ def db_downgrade(app: App, revision: str, yes: bool) -> None:
 @pass_app
 def db_current(app: App, fmt: str | None, as_json: bool) -> None:
     """Show the database's revision and schema_version."""
-    from hermes_store import health, migrate
+    from hermes_store import health
 
-    state = health.read_state(app.url)
-    revision = health.revision_of(state)
-    head = migrate.head_revision()
-    info = {
-        "database": app.where,
-        "exists": state is not None and not state.is_empty,
-        "revision": revision,
-        "schema_version": state.schema_version if state else None,
-        "head": head,
-        "at_head": revision == head and state is not None and not state.is_legacy,
-        "legacy": bool(state and state.is_legacy),
-    }
+    status = health.schema_status(app.url)
+    info = {"database": app.where, **asdict(status)}
 
     def human() -> None:
-        if not info["exists"]:
+        if not status.exists:
             echo(f"{app.where}: no schema yet (`hermes-store db upgrade` creates it)")
             return
-        note = "(head)" if info["at_head"] else f"(head is {head})"
-        if info["legacy"]:
+        note = "(head)" if status.at_head else f"(head is {status.head})"
+        if status.too_new:
+            note = "(written by a newer hermes_store: upgrade hermes_store to open it)"
+        elif status.legacy:
             note = "(legacy file, not adopted yet: `hermes-store db upgrade` adopts it)"
-        echo(f"{app.where}: {revision} {note}, schema_version {info['schema_version']}")
+        echo(f"{app.where}: {status.revision} {note}, schema_version {status.schema_version}")
 
     print_record(chosen_format(fmt, as_json, piped="table"), info, human)
 

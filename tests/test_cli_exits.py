@@ -1,0 +1,82 @@
+"""Exit codes and wording a new user meets: the exit code table holds, and every message
+speaks the command line's language (options, not Python arguments)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from sqlalchemy.engine import URL
+
+from hermes_store import SessionDB
+from hermes_store.cli import cli
+from tests import legacy
+from tests.conftest import url_string
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner(env={"COLUMNS": "100", "NO_COLOR": "1", "HERMES_STORE_URL": None})
+
+
+def run(runner: CliRunner, db: str | Path, *args: str) -> Result:
+    return runner.invoke(cli, ["--db", str(db), *args])
+
+
+def error_line(result: Result, code: int) -> str:
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+def test_doctor_on_an_unreachable_server_exits_3(runner: CliRunner) -> None:
+    line = error_line(run(runner, "postgresql://127.0.0.1:1/nowhere", "doctor"), 3)
+    assert "cannot reach the database" in line
+
+
+def test_a_non_numeric_port_is_a_usage_error_in_words(runner: CliRunner) -> None:
+    line = error_line(run(runner, "postgresql://u:secret@db.example:abc/x", "stats"), 2)
+    assert "port must be a number" in line
+    assert "int()" not in line and "secret" not in line
+
+
+def test_a_missing_database_is_not_an_unreachable_server(runner: CliRunner, pg_url: URL) -> None:
+    missing = pg_url.set(database=f"{pg_url.database}_missing")
+    line = error_line(run(runner, url_string(missing), "stats"), 3)
+    assert "cannot reach" not in line
+    assert "refused the connection" in line and "does not exist" in line
+
+
+def test_cli_messages_name_options_not_python_arguments(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("s1", "cli")
+    taken = tmp_path / "taken.db"
+    taken.write_bytes(b"")
+    line = error_line(run(runner, path, "backup", str(taken)), 1)
+    assert "--force" in line and "overwrite=" not in line
+    old = tmp_path / "v3.db"
+    legacy.build_legacy_db(old, 3)
+    line = error_line(run(runner, old, "sessions", "list"), 3)
+    assert "hermes-store db upgrade" in line and "migrate=" not in line
+
+
+def test_db_current_reports_a_newer_releases_file(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path):
+        pass
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE alembic_version SET version_num = 'z9_from_the_future'")
+        con.execute("UPDATE schema_version SET version = 9")
+    human = run(runner, path, "db", "current")
+    assert human.exit_code == 0, human.stderr
+    assert "z9_from_the_future" in human.stdout and "newer hermes_store" in human.stdout
+    report = json.loads(run(runner, path, "db", "current", "--json").stdout)
+    assert report["too_new"] is True and report["schema_version"] == 9
+    assert report["revision"] == "z9_from_the_future" and report["at_head"] is False
+    # Opening it is still refused: reporting is not adopting.
+    assert run(runner, path, "stats").exit_code == 3
