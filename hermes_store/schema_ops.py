@@ -14,6 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from alembic import context, op
+from alembic.util import CommandError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def drop_columns(table: str, *names: str, autoincrement: bool = False) -> None:
             op.drop_column(table, name)
         return
     if offline():
-        raise RuntimeError(
+        raise CommandError(
             "an offline (--sql) downgrade cannot rebuild a SQLite table: it needs the live "
             "schema; run the downgrade against the database instead"
         )

@@ -4,7 +4,10 @@ speaks the command line's language (options, not Python arguments)."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,37 @@ def test_db_current_reports_a_newer_releases_file(runner: CliRunner, tmp_path: P
     assert report["revision"] == "z9_from_the_future" and report["at_head"] is False
     # Opening it is still refused: reporting is not adopting.
     assert run(runner, path, "stats").exit_code == 3
+
+
+def _migrations(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "HERMES_STORE_URL"}
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_store.migrations", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("downgrade", "head:base", "--sql"),  # offline: a SQLite rebuild needs the live schema
+        ("downgrade", "base"),  # online, on a file that does not exist
+        ("current",),
+    ],
+    ids=["offline-downgrade", "downgrade-missing", "current-missing"],
+)
+def test_the_migrations_command_line_fails_in_one_line(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    done = _migrations(tmp_path, "-x", "url=new.db", *args)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output
+    failed = [line for line in output.splitlines() if line.startswith("FAILED: ")]
+    assert len(failed) == 1, output
+    assert not (tmp_path / "new.db").exists()  # nothing left behind

@@ -15,10 +15,12 @@ from typing import Any
 
 from alembic import context
 from alembic.operations.ops import AlterColumnOp
+from alembic.util import CommandError
 from sqlalchemy.engine import Connection
 
 from hermes_store import ddl, migrate, placement
-from hermes_store.engine import to_url, url_from_environment
+from hermes_store.engine import sqlite_file, to_url, url_from_environment
+from hermes_store.errors import HermesStoreError
 from hermes_store.models import Base
 
 config = context.config
@@ -143,7 +145,18 @@ def run_migrations_online() -> None:
         _run_own_connection()
 
 
+def _downgrading() -> bool:
+    """A downgrade: from the command line (Alembic's parsed command), or down to base."""
+    command = getattr(config.cmd_opts, "cmd", None)
+    if command and getattr(command[0], "__name__", "") == "downgrade":
+        return True
+    return _mutating() and context.get_revision_argument() == "base"
+
+
 def _run_own_connection() -> None:
+    path = sqlite_file(to_url(_url()))
+    if path is not None and not path.exists() and _downgrading():
+        raise CommandError(f"there is no database at {path}: nothing to downgrade")
     if _mutating():
         with migrate.migration_connection(_url()) as conn:
             _run(conn)
@@ -158,7 +171,11 @@ def _run_own_connection() -> None:
         engine.dispose()
 
 
-if context.is_offline_mode():
-    run_migrations_offline()
-else:
-    run_migrations_online()
+try:
+    if context.is_offline_mode():
+        run_migrations_offline()
+    else:
+        run_migrations_online()
+except HermesStoreError as error:
+    # Alembic's command line reports a CommandError as one ``FAILED: ...`` line.
+    raise CommandError(str(error)) from error
