@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from hermes_store import ddl, files, fulltext, migrate
-from hermes_store.engine import create_private_file, sqlite_file
+from hermes_store.engine import create_private_file, sqlite_file, unreadable_in_wal
 from hermes_store.errors import HermesStoreError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -219,7 +219,8 @@ def _copy(
     flusher: _Flusher,
 ) -> int:
     """Copy ``source`` into the empty file ``partial``; returns the pages copied."""
-    live = files.connect_sqlite(source)
+    # A file in a folder this process cannot write is read as the stores read it: immutable.
+    live = files.connect_sqlite(source, immutable=unreadable_in_wal(source))
     # Our own descriptor on our own private copy, only to flush it: closed after the copy's
     # connection (closing a descriptor drops this process's locks on that file).
     flusher.fd = os.open(partial, os.O_RDONLY)

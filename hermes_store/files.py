@@ -40,12 +40,16 @@ def sqlite_uri(path: Path, **params: str) -> URL:
     return URL.create("sqlite", database=f"file:{encoded}", query={**params, "uri": "true"})
 
 
-def connect_sqlite(path: Path, *, timeout: float = 5.0) -> sqlite3.Connection:
+def connect_sqlite(
+    path: Path, *, timeout: float = 5.0, immutable: bool = False
+) -> sqlite3.Connection:
     """A plain ``sqlite3`` connection (autocommit: the caller issues BEGIN) through a
     percent-encoded ``file:`` URI: for the backup API and maintenance, which need the driver's
-    own connection. A SQLite connection shares this process's locks; a file handle would not."""
+    own connection. A SQLite connection shares this process's locks; a file handle would not.
+    ``immutable`` opens it read-only without locks (a file in a read-only folder)."""
+    database = str(sqlite_uri(path).database)
     return sqlite3.connect(
-        str(sqlite_uri(path).database),
+        database + "?mode=ro&immutable=1" if immutable else database,
         uri=True,
         isolation_level=None,
         timeout=timeout,

@@ -8,6 +8,8 @@ import os
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,42 @@ def test_the_migrations_command_line_fails_in_one_line(
     failed = [line for line in output.splitlines() if line.startswith("FAILED: ")]
     assert len(failed) == 1, output
     assert not (tmp_path / "new.db").exists()  # nothing left behind
+
+
+@contextmanager
+def read_only_folder(folder: Path) -> Iterator[None]:
+    """No file can be created in ``folder``, for root too (the immutable attribute; a plain
+    mode suffices for other users)."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(folder)], check=True)
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+
+
+def test_a_database_in_a_read_only_folder_can_be_backed_up(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    path = folder / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("s1", "cli")
+        db.append_message("s1", "user", "kept in a read-only folder")
+    for extra in folder.glob("state.db?*"):
+        extra.unlink()  # the queue's lock file: a folder copied read-only has none
+    target = tmp_path / "copy.db"
+    with read_only_folder(folder):
+        assert not os.access(folder, os.W_OK) or os.geteuid() == 0
+        done = run(runner, path, "backup", str(target), "--verify")
+        assert done.exit_code == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    with SessionDB(target) as copy:
+        assert copy.get_messages("s1")[0]["content"] == "kept in a read-only folder"
