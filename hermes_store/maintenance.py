@@ -183,7 +183,25 @@ def optimize(db: SessionDB) -> Report:
     else:
         report.notes.append("PostgreSQL: autovacuum returns freed space (VACUUM FULL offline)")
     report.bytes_after = database_bytes(db)
+    _explain_growth(db, report)
     return report
+
+
+def _explain_growth(db: SessionDB, report: Report) -> None:
+    """Say why a file that was optimised occupies more than before: merging writes the new
+    index segments before the old pages are freed, through the WAL, which then keeps its size
+    (SQLite writes over it) until a checkpoint finds no reader and cuts it back."""
+    path = sqlite_file(db.engine.url)
+    if path is None or report.bytes_after <= report.bytes_before:
+        return
+    wal = Path(f"{path}-wal")
+    wal_bytes = wal.stat().st_size if wal.exists() else 0
+    report.notes.append(
+        f"{report.bytes_after - report.bytes_before:,} bytes more than before: the WAL holds "
+        f"{wal_bytes:,} bytes of pages already copied into the file, which later writes reuse "
+        "(it is removed when the last connection closes); the file itself is "
+        f"{path.stat().st_size:,} bytes"
+    )
 
 
 def vacuum_offline(path: Path) -> tuple[int, int]:

@@ -702,6 +702,7 @@ def _create_sqlite_at_head(path: Path) -> None:
     temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.new")
     try:
         create_private_file(temp)
+        _format_incremental(temp)
         engine = create_engine(temp, poolclass=NullPool)
         try:
             with mapped_errors(), engine.connect() as conn:
@@ -719,6 +720,23 @@ def _create_sqlite_at_head(path: Path) -> None:
     finally:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{temp}{suffix}").unlink(missing_ok=True)
+
+
+def _format_incremental(path: Path) -> None:
+    """Write the empty file's first page with ``auto_vacuum=INCREMENTAL``, so ``db optimize``
+    can hand freed pages back in short steps instead of only by rewriting the whole file.
+
+    It must come first: the page size and this setting are fixed once the first page exists
+    (switching to WAL writes it). The setting lives in the file's header; the original store
+    reads and writes such a file as any other.
+    """
+    plain = sa.create_engine(files.sqlite_uri(path), poolclass=NullPool)
+    try:
+        with mapped_errors(), plain.connect() as conn:
+            conn.exec_driver_sql("PRAGMA auto_vacuum = INCREMENTAL")
+            conn.exec_driver_sql("PRAGMA journal_mode = WAL")
+    finally:
+        plain.dispose()
 
 
 #: A database is created in well under a second: a temporary file this old whose creator is

@@ -574,3 +574,44 @@ def test_cli_optimize_on_postgresql_reports_sizes(pg_url: URL) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["backend"] == "postgresql" and report["bytes_before"] > 0
+
+
+def test_a_new_file_gives_freed_pages_back_online_and_stays_the_original_stores(
+    tmp_path: Path,
+) -> None:
+    """Files this package creates have incremental vacuum on: a prune and an online optimize
+    return the space without ``--vacuum``; the original store still reads and writes them."""
+    from tests.seed_store import SeedSessionDB
+
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        with store.uow.connect(write=False) as conn:
+            assert conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() == 2  # INCREMENTAL
+        _fill(store, 50, messages=20)
+        retention.run(store, retention.Policy(-1))
+        report = maintenance.optimize(store)
+        assert report.pages_freed > 0
+        assert not any("--vacuum" in note for note in report.notes)
+    seed = SeedSessionDB(path)
+    try:
+        seed.create_session("from-the-original", "cli")
+        seed.append_message("from-the-original", "user", "written by the original store")
+    finally:
+        seed.close()
+    with SessionDB(path) as store:
+        assert store.search_messages("original")[0]["session_id"] == "from-the-original"
+        assert store.check_search_index()
+
+
+def test_optimize_says_why_the_total_grew(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        for number in range(20):
+            sid = f"s{number:05d}"
+            store.create_session(sid, "cli")
+            for turn in range(30):
+                store.append_message(sid, "user", f"note {number} {turn} " + "word " * 40)
+        report = maintenance.optimize(store)
+    # Six hundred small commits leave a WAL that the merge's pages make larger still.
+    assert report.bytes_after > report.bytes_before
+    assert any("bytes more than before" in note and "WAL" in note for note in report.notes)
