@@ -10,6 +10,7 @@ shape or version this package does not know, is refused before a single byte is 
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import os
 import random
@@ -584,6 +585,22 @@ def upgrade(
         if reached == head_revision():
             repair_at_head(conn)
         return reached
+
+
+def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = None) -> str:
+    """The SQL that upgrades ``target`` from ``start`` to ``revision``, without connecting to
+    it (Alembic's offline mode, ``--sql``), for a DBA to review or run. The backend comes from
+    the URL; ``start`` defaults to the database's own revision when it can be read, else base.
+    """
+    url = target.url if isinstance(target, Engine) else to_url(target)
+    placement.current().check_dialect(url.get_backend_name())
+    buffer = io.StringIO()
+    config = alembic_config()
+    config.output_buffer = buffer
+    config.attributes["url"] = url
+    destination = f"{start}:{revision}" if start else revision
+    command.upgrade(config, destination, sql=True)
+    return buffer.getvalue()
 
 
 def downgrade(target: Target, revision: str) -> str | None:

@@ -158,3 +158,46 @@ def test_a_database_in_a_read_only_folder_can_be_backed_up(
         assert "Traceback" not in done.stderr
     with SessionDB(target) as copy:
         assert copy.get_messages("s1")[0]["content"] == "kept in a read-only folder"
+
+
+def _commands() -> list[tuple[str, ...]]:
+    import click
+
+    found: list[tuple[str, ...]] = []
+
+    def walk(group: click.Group, prefix: tuple[str, ...]) -> None:
+        for name, command in group.commands.items():
+            if isinstance(command, click.Group):
+                walk(command, (*prefix, name))
+            else:
+                found.append((*prefix, name))
+
+    walk(cli, ())
+    return found
+
+
+@pytest.mark.parametrize("command", _commands(), ids=" ".join)
+def test_every_command_has_an_example_and_an_uncut_summary(
+    runner: CliRunner, command: tuple[str, ...]
+) -> None:
+    shown = runner.invoke(cli, [*command, "--help"])
+    assert shown.exit_code == 0
+    assert "Examples:" in shown.stdout and f"hermes-store {' '.join(command)}" in shown.stdout
+    listing = runner.invoke(cli, [*command[:-1], "--help"]).stdout
+    line = next(line for line in listing.splitlines() if line.split()[:1] == [command[-1]])
+    assert not line.rstrip().endswith("..."), line
+
+
+def test_db_upgrade_sql_prints_the_sql_and_connects_to_nothing(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    missing = tmp_path / "never-created.db"
+    created = run(runner, missing, "db", "upgrade", "--sql")
+    assert created.exit_code == 0, created.stderr
+    assert "CREATE TABLE sessions" in created.stdout and "CREATE VIRTUAL TABLE" in created.stdout
+    assert not missing.exists()
+    server = "postgresql://hermes@127.0.0.1:1/nowhere"  # nothing listens there
+    step = run(runner, server, "db", "upgrade", "v5_billing_columns:head", "--sql")
+    assert step.exit_code == 0, step.stderr
+    assert "ALTER TABLE messages ADD COLUMN reasoning TEXT" in step.stdout
+    assert "CREATE TABLE sessions" not in step.stdout

@@ -19,7 +19,7 @@ def _sqlite_only(app: App, what: str) -> None:
         raise Problem(f"{what} works on SQLite files only. {backup.PG_BACKUP_HINT}")
 
 
-@click.command("backup")
+@click.command("backup", short_help="Snapshot the live SQLite file (while agents write).")
 @click.argument("dest", metavar="DEST", type=click.Path(dir_okay=False))
 @click.option("--verify", is_flag=True, help="Open the copy and run the integrity checks.")
 @click.option(
@@ -65,7 +65,7 @@ def backup_cmd(
     )
 
 
-@click.command("restore")
+@click.command("restore", short_help="Write a snapshot back into the live SQLite file.")
 @click.argument("snapshot", metavar="SNAPSHOT", type=click.Path(exists=True, dir_okay=False))
 @yes_option
 @format_option

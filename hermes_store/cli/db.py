@@ -26,7 +26,7 @@ from hermes_store.cli.output import (
 )
 
 
-@click.group()
+@click.group(short_help="Migrate, inspect and optimize the schema.")
 def db() -> None:
     """Schema migrations (Alembic); a state.db written by the original store is adopted first.
 
@@ -38,13 +38,32 @@ def db() -> None:
     """
 
 
-@db.command("upgrade")
+@db.command("upgrade", short_help="Create, adopt or upgrade the schema.")
 @click.argument("revision", default="head")
+@click.option(
+    "--sql",
+    "offline",
+    is_flag=True,
+    help="Print the SQL instead of running it, connecting to nothing (as Alembic's --sql): "
+    "from an empty database, or from START with REVISION given as START:END.",
+)
 @pass_app
-def db_upgrade(app: App, revision: str) -> None:
-    """Upgrade to REVISION (default: head), creating or adopting the database."""
+def db_upgrade(app: App, revision: str, offline: bool) -> None:
+    """Upgrade to REVISION (default: head), creating or adopting the database.
+
+    \b
+    Examples:
+      hermes-store db upgrade
+      hermes-store --db postgresql://hermes@db/hermes db upgrade --sql > create.sql
+      hermes-store --db postgresql://hermes@db/hermes db upgrade v5_billing_columns:head --sql
+      hermes-store db upgrade v5_billing_columns
+    """
     from hermes_store import health, migrate
 
+    if offline:
+        start, _, end = revision.rpartition(":")
+        click.echo(migrate.upgrade_sql(app.url, end or "head", start=start or None), nl=False)
+        return
     before = health.read_state(app.url)
     after = migrate.upgrade(app.url, revision)
     if before is not None and before.is_legacy:
@@ -53,7 +72,7 @@ def db_upgrade(app: App, revision: str) -> None:
     echo(f"{app.where}: {start} -> {after}")
 
 
-@db.command("downgrade")
+@db.command("downgrade", short_help="Step the schema down to a revision.")
 @click.argument("revision")
 @yes_option
 @pass_app
@@ -80,11 +99,17 @@ def db_downgrade(app: App, revision: str, yes: bool) -> None:
     echo(f"{app.where}: {before or 'empty'} -> {after or 'base'}")
 
 
-@db.command("current")
+@db.command("current", short_help="The revision and schema_version.")
 @format_option
 @pass_app
 def db_current(app: App, fmt: str | None, as_json: bool) -> None:
-    """Show the database's revision and schema_version."""
+    """Show the database's revision and schema_version (a newer release's file is reported).
+
+    \b
+    Examples:
+      hermes-store db current
+      hermes-store --db postgresql://hermes@db/hermes db current --json
+    """
     from hermes_store import health
 
     status = health.schema_status(app.url)
@@ -104,11 +129,17 @@ def db_current(app: App, fmt: str | None, as_json: bool) -> None:
     print_record(chosen_format(fmt, as_json, piped="table"), info, human)
 
 
-@db.command("history")
+@db.command("history", short_help="Every revision, oldest first.")
 @format_option
 @pass_app
 def db_history(app: App, fmt: str | None, as_json: bool) -> None:
-    """List the revisions, oldest first, marking the database's current one."""
+    """List the revisions, oldest first, marking the database's current one.
+
+    \b
+    Examples:
+      hermes-store db history
+      hermes-store db history --format tsv | grep current
+    """
     from alembic.script import ScriptDirectory
 
     from hermes_store import health, migrate
@@ -151,12 +182,17 @@ def db_history(app: App, fmt: str | None, as_json: bool) -> None:
     print_rows(chosen, columns, rows)
 
 
-@db.command("check")
+@db.command("check", short_help="Compare the database with the models.")
 @pass_app
 def db_check(app: App) -> None:
     """Compare the database with the models (alembic check); exit 1 on drift.
 
     A legacy file is adopted inside a transaction that is rolled back: the file is not changed.
+
+    \b
+    Examples:
+      hermes-store db check
+      hermes-store --db postgresql://hermes@db/hermes db check && echo "no drift"
     """
     import io
 
@@ -200,7 +236,7 @@ def db_check(app: App) -> None:
     echo(f"{app.where}: no drift (at {head})")
 
 
-@db.command("optimize")
+@db.command("optimize", short_help="Merge the index, free pages, in short steps.")
 @click.option(
     "--vacuum",
     is_flag=True,

@@ -24,7 +24,7 @@ MARKS = {
 }
 
 
-@click.command()
+@click.command(short_help="Check the database's health; exit 1 on a problem.")
 @click.option(
     "--rebuild-index", is_flag=True, help="Rebuild the full-text index first (then check)."
 )

@@ -21,7 +21,7 @@ from hermes_store.cli.output import (
 )
 
 
-@click.command()
+@click.command(short_help="Full-text search over every message.")
 @click.argument("query")
 @sources_option("Only messages of sessions of this source (repeatable).")
 @click.option(

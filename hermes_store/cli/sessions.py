@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 FULL_ID_WIDTH = 160
 
 
-@click.group()
+@click.group(short_help="List, show, rename, delete and prune sessions.")
 def sessions() -> None:
     """List, show, rename, delete and prune sessions.
 
@@ -82,7 +82,7 @@ def _list_rows(
     return rows[:limit]
 
 
-@sessions.command("list")
+@sessions.command("list", short_help="Sessions, newest first.")
 @sources_option("Only sessions of this source: cli, telegram, ... (repeatable).")
 @click.option(
     "--exclude-source", "excluded", multiple=True, help="Leave out a source (repeatable)."
@@ -201,7 +201,7 @@ def _label(row: RowDict | None, session_id: str) -> str:
     return f"{session_id} ({row.get('title') or 'untitled'}, {row['source']})"
 
 
-@sessions.command("show")
+@sessions.command("show", short_help="One session and its conversation.")
 @click.argument("ref", metavar="ID|PREFIX|TITLE")
 @click.option("--full", is_flag=True, help="Unfold reasoning, tool arguments and tool results.")
 @click.option("--system-prompt", is_flag=True, help="Print the session's system prompt too.")
@@ -300,7 +300,7 @@ def sessions_show(
         _print_message(cast(RowDict, message), full)
 
 
-@sessions.command("rename")
+@sessions.command("rename", short_help="Set or clear a session's title.")
 @click.argument("ref", metavar="ID|PREFIX|TITLE")
 @click.argument("title")
 @pass_app
@@ -320,13 +320,19 @@ def sessions_rename(app: App, ref: str, title: str) -> None:
     echo(f"{session_id}: " + (f"title is now {new!r}" if new else "title cleared"))
 
 
-@sessions.command("delete")
+@sessions.command("delete", short_help="Delete a session and its messages.")
 @click.argument("ref", metavar="ID|PREFIX|TITLE")
 @yes_option
 @pass_app
 def sessions_delete(app: App, ref: str, yes: bool) -> None:
     """Delete a session and its messages (its children are kept, unparented); asks first
-    unless --yes, and refuses without a terminal unless --yes."""
+    unless --yes, and refuses without a terminal unless --yes.
+
+    \b
+    Examples:
+      hermes-store sessions delete 20251203_101512_a1b2c3
+      hermes-store sessions delete "Database migration plan #2" --yes
+    """
     store = app.store()
     session_id = resolve_session(store, ref)
     session: RowDict = cast(RowDict | None, store.get_session(session_id)) or {}
@@ -338,7 +344,7 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     echo(f"Deleted session {label}.")
 
 
-@sessions.command("prune")
+@sessions.command("prune", short_help="Delete old ended sessions, in chunks.")
 @click.option(
     "--older-than",
     "days",

@@ -61,7 +61,7 @@ def _raw(name: str) -> Callable[[RowDict], Any]:
     return lambda row: row[name]
 
 
-@click.command()
+@click.command(short_help="Sessions, messages, tokens and cost.")
 @click.option(
     "--days",
     default=30,

@@ -20,7 +20,7 @@ from hermes_store.cli.output import (
 )
 
 
-@click.command("export")
+@click.command("export", short_help="Write sessions as JSON Lines or Markdown.")
 @click.option("--session", "session_ref", metavar="ID|PREFIX|TITLE", help="Only this session.")
 @sources_option()
 @click.option(
@@ -111,7 +111,7 @@ def export(
     echo(f"Exported {count} session(s), {messages} message(s) to {output}{note}.", err=True)
 
 
-@click.command("import")
+@click.command("import", short_help="Restore a JSON Lines export.")
 @click.argument(
     "file", metavar="FILE.jsonl", type=click.Path(exists=True, dir_okay=False, allow_dash=True)
 )

@@ -34,8 +34,10 @@ if (
 
 
 def _url() -> str:
+    """``-x url=...``, else the URL a library call handed over, else the environment's."""
     x_url = context.get_x_argument(as_dictionary=True).get("url")
-    url = to_url(x_url) if x_url else url_from_environment()
+    given = config.attributes.get("url")
+    url = to_url(x_url) if x_url else given if given is not None else url_from_environment()
     return url.render_as_string(hide_password=False)
 
 
