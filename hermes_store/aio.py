@@ -454,6 +454,16 @@ class AsyncSessionDB:
     ) -> dict[str, str]:
         return await self._call(SessionDB.unique_id_prefixes, session_ids, minimum)
 
+    async def count_sessions(
+        self,
+        sources: Sequence[str] | None = None,
+        exclude_sources: Sequence[str] | None = None,
+        include_children: bool = False,
+    ) -> int:
+        return await self._call(
+            SessionDB.count_sessions, sources, exclude_sources, include_children
+        )
+
     async def delete_session(self, session_id: str) -> bool:
         return await self._call(SessionDB.delete_session, session_id)
 

@@ -150,6 +150,25 @@ def list_sessions_rich(
     return rows
 
 
+def count_sessions(
+    conn: Connection,
+    *,
+    sources: Sequence[str],
+    exclude_sources: Sequence[str],
+    include_children: bool,
+) -> int:
+    """How many sessions :func:`list_sessions_rich` pages through for these filters (any
+    number of sources), so a listing can say how much it left out."""
+    criteria: list[ColumnElement[bool]] = []
+    if not include_children:
+        criteria.append(S.c.parent_session_id.is_(None))
+    if sources:
+        criteria.append(S.c.source.in_(list(sources)))
+    if exclude_sources:
+        criteria.append(S.c.source.not_in(list(exclude_sources)))
+    return int(conn.scalar(select(func.count()).select_from(S).where(*criteria)) or 0)
+
+
 def _page_ids(include_children: bool, by_source: bool, excluding: bool) -> Select[Any]:
     """The page's ids and start times, newest first (bound filters, limit and offset)."""
     criteria: list[ColumnElement[bool]] = []

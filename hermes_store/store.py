@@ -842,6 +842,26 @@ class SessionDB:
         with self._read() as conn:
             return int(conn.scalar(statement) or 0)
 
+    def count_sessions(
+        self,
+        sources: Sequence[str] | None = None,
+        exclude_sources: Sequence[str] | None = None,
+        include_children: bool = False,
+    ) -> int:
+        """How many sessions :meth:`list_sessions_rich` would list with these filters, paged
+        through to the end (``sources``: any of them; None or empty: every source)."""
+        sources = validate.names("sources", sources)
+        exclude_sources = validate.names("exclude_sources", exclude_sources)
+        validate.flag("include_children", include_children)
+        return self.uow.read(
+            lambda conn: listing.count_sessions(
+                conn,
+                sources=sources or (),
+                exclude_sources=exclude_sources or (),
+                include_children=include_children,
+            )
+        )
+
     # -- listing and search -----------------------------------------------------------------
 
     def search_sessions(

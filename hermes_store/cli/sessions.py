@@ -88,7 +88,14 @@ def _list_rows(
     "--exclude-source", "excluded", multiple=True, help="Leave out a source (repeatable)."
 )
 @click.option("--children", is_flag=True, help="Include child sessions (subagents, continuations).")
-@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--limit",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="How many sessions, newest first; 0 lists every one.",
+)
+@click.option("--all", "every", is_flag=True, help="Every session (the same as --limit 0).")
 @format_option
 @pass_app
 def sessions_list(
@@ -97,6 +104,7 @@ def sessions_list(
     excluded: tuple[str, ...],
     children: bool,
     limit: int,
+    every: bool,
     fmt: str | None,
     as_json: bool,
 ) -> None:
@@ -111,9 +119,13 @@ def sessions_list(
       hermes-store sessions list --limit 50
       hermes-store sessions list --source telegram --source discord --format csv
       hermes-store sessions list | cut -f1,2
+      hermes-store sessions list --all | grep -i deploy
     """
     chosen = chosen_format(fmt, as_json)
     db = app.store(read_only=True)
+    total = db.count_sessions(sources, excluded, children)
+    if every or limit == 0:
+        limit = max(total, 1)
     rows = _list_rows(db, sources, excluded, children, limit)
     if chosen == "table":
         ids = [row["id"] for row in rows]
@@ -134,7 +146,10 @@ def sessions_list(
             Column("last_active", "last active", lambda r: when(r.get("last_active")), optional=1),
             Column("preview", "preview", lambda r: r.get("preview"), wraps=True, optional=3),
         ]
-        print_rows(chosen, columns, rows, title=f"{len(rows)} session(s) in {app.where}")
+        shown_of = f"{len(rows)} of {total:,}" if len(rows) < total else f"{len(rows)}"
+        print_rows(chosen, columns, rows, title=f"{shown_of} session(s) in {app.where}")
+        if len(rows) < total:
+            echo(click.style("(newest first: --limit N or --all for more)", dim=True))
         return
     columns = [
         Column("id", "id", lambda r: r["id"]),

@@ -1,0 +1,69 @@
+"""What users of gh, sqlite-utils and alembic expect of a command line: a listing says when
+it is cut and can list everything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from hermes_store import SessionDB
+from hermes_store.cli import cli
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner(env={"COLUMNS": "120", "NO_COLOR": "1", "HERMES_STORE_URL": None})
+
+
+def run(runner: CliRunner, db: str | Path, *args: str) -> Result:
+    return runner.invoke(cli, ["--db", str(db), *args])
+
+
+@pytest.fixture
+def many(tmp_path: Path) -> Path:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        for n in range(45):
+            db.create_session(f"s{n:03d}", "cli" if n % 3 else "telegram")
+        db.create_session("child", "cli", parent_session_id="s000")
+    return path
+
+
+def test_a_cut_listing_says_so_on_a_terminal(runner: CliRunner, many: Path) -> None:
+    table = run(runner, many, "sessions", "list", "--format", "table").stdout
+    assert "20 of 45 session(s)" in table and "--all" in table
+    whole = run(runner, many, "sessions", "list", "--format", "table", "--limit", "50").stdout
+    assert "45 session(s)" in whole and " of " not in whole.splitlines()[0]
+    telegram = run(runner, many, "sessions", "list", "--source", "telegram", "--format", "table")
+    assert "15 session(s)" in telegram.stdout
+    with_children = run(runner, many, "sessions", "list", "--children", "--format", "table")
+    assert "20 of 46 session(s)" in with_children.stdout
+
+
+@pytest.mark.parametrize("flag", [["--all"], ["--limit", "0"]])
+def test_all_lists_every_session(runner: CliRunner, many: Path, flag: list[str]) -> None:
+    piped = run(runner, many, "sessions", "list", *flag)
+    assert piped.exit_code == 0, piped.stderr
+    ids = [line.split("\t")[0] for line in piped.stdout.splitlines()[1:]]
+    assert len(ids) == 45 and len(set(ids)) == 45
+    listed = json.loads(run(runner, many, "sessions", "list", "--json", *flag).stdout)
+    assert len(listed) == 45
+
+
+def test_count_sessions_matches_what_paging_lists(many: Path) -> None:
+    with SessionDB(many) as db:
+        for sources, excluded, children in [
+            (None, None, False),
+            (["cli"], None, False),
+            (["cli", "telegram"], None, True),
+            (None, ["telegram"], False),
+        ]:
+            listed = []
+            for source in sources or [None]:
+                listed += db.list_sessions_rich(
+                    source=source, exclude_sources=excluded, limit=1000, include_children=children
+                )
+            assert db.count_sessions(sources, excluded, children) == len(listed)
