@@ -41,15 +41,20 @@ def sqlite_uri(path: Path, **params: str) -> URL:
 
 
 def connect_sqlite(
-    path: Path, *, timeout: float = 5.0, immutable: bool = False
+    path: Path, *, timeout: float = 5.0, read_only: bool = False, immutable: bool = False
 ) -> sqlite3.Connection:
     """A plain ``sqlite3`` connection (autocommit: the caller issues BEGIN) through a
     percent-encoded ``file:`` URI: for the backup API and maintenance, which need the driver's
     own connection. A SQLite connection shares this process's locks; a file handle would not.
-    ``immutable`` opens it read-only without locks (a file in a read-only folder)."""
+    ``read_only`` opens it ``mode=ro``; ``immutable`` also without locks (a file in a
+    read-only folder)."""
     database = str(sqlite_uri(path).database)
+    if immutable:
+        database += "?mode=ro&immutable=1"
+    elif read_only:
+        database += "?mode=ro"
     return sqlite3.connect(
-        database + "?mode=ro&immutable=1" if immutable else database,
+        database,
         uri=True,
         isolation_level=None,
         timeout=timeout,

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
 from hermes_store.cli import cli
+from tests.conftest import url_string
 
 
 @pytest.fixture
@@ -67,3 +69,43 @@ def test_count_sessions_matches_what_paging_lists(many: Path) -> None:
                     source=source, exclude_sources=excluded, limit=1000, include_children=children
                 )
             assert db.count_sessions(sources, excluded, children) == len(listed)
+
+
+def test_query_reads_and_refuses_every_write(runner: CliRunner, db_url: URL) -> None:
+    target = url_string(db_url)
+    with SessionDB(target) as db:
+        db.create_session("q1", "cli", model="gpt")
+        db.create_session("q2", "telegram", model="claude")
+        db.append_message("q1", "user", "hello")
+    listed = run(runner, target, "query", "SELECT id, source FROM sessions ORDER BY id", "--json")
+    assert listed.exit_code == 0, listed.stderr
+    assert json.loads(listed.stdout) == [
+        {"id": "q1", "source": "cli"},
+        {"id": "q2", "source": "telegram"},
+    ]
+    hostile = "x' OR '1'='1"
+    bound = run(
+        runner, target, "query", "SELECT id FROM sessions WHERE model = :m", "-p", f"m={hostile}"
+    )
+    assert bound.exit_code == 0 and bound.stdout.strip() == "id"  # a value, never SQL
+    piped = run(runner, target, "query", "SELECT count(*) AS n FROM messages")
+    assert piped.stdout.splitlines() == ["n", "1"]
+    for write in (
+        "DELETE FROM messages",
+        "UPDATE sessions SET title = 'x'",
+        "CREATE TABLE intruder (a INTEGER)",
+        "DROP TABLE messages",
+        "SELECT 1; DELETE FROM messages",
+    ):
+        refused = run(runner, target, "query", write)
+        assert refused.exit_code == 1, (write, refused.stdout, refused.stderr)
+        assert refused.stderr.startswith("Error: ") and "Traceback" not in refused.stderr
+    with SessionDB(target) as db:
+        assert db.session_count() == 2 and db.message_count() == 1
+        assert db.get_session("q1")["title"] is None  # type: ignore[index]
+
+
+def test_query_cut_by_limit_says_so(runner: CliRunner, many: Path) -> None:
+    cut = run(runner, many, "query", "SELECT id FROM sessions", "--limit", "5", "--format", "tsv")
+    assert cut.exit_code == 0 and len(cut.stdout.splitlines()) == 6
+    assert "--limit" in cut.stderr

@@ -21,7 +21,7 @@ imported up front: every command imports what it needs when it runs.
 
 from __future__ import annotations
 
-from hermes_store.cli import backup, db, doctor, search, sessions, stats, transfer
+from hermes_store.cli import backup, db, doctor, query, search, sessions, stats, transfer
 from hermes_store.cli.app import (
     EXIT_DATABASE,
     EXIT_OK,
@@ -36,6 +36,7 @@ for _command in (
     db.db,
     sessions.sessions,
     search.search,
+    query.query,
     transfer.export,
     transfer.import_,
     backup.backup_cmd,

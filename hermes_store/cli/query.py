@@ -1,0 +1,79 @@
+"""``hermes-store query``: read-only SQL (the library's :func:`hermes_store.query`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from hermes_store.cli.app import App, pass_app
+from hermes_store.cli.output import (
+    Column,
+    RowDict,
+    chosen_format,
+    echo,
+    format_option,
+    print_rows,
+)
+
+
+@click.command("query", short_help="Run read-only SQL; print the rows.")
+@click.argument("sql")
+@click.option(
+    "-p",
+    "--param",
+    "params",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Bind :NAME to VALUE (a string; repeatable).",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many rows.")
+@format_option
+@pass_app
+def query(
+    app: App,
+    sql: str,
+    params: tuple[str, ...],
+    limit: int | None,
+    fmt: str | None,
+    as_json: bool,
+) -> None:
+    """Run one read-only SQL statement and print its rows (writes are refused by the
+    database itself: SQLite opened read-only, PostgreSQL in a READ ONLY transaction).
+
+    \b
+    Examples:
+      hermes-store query "SELECT source, count(*) AS n FROM sessions GROUP BY source"
+      hermes-store query "SELECT id, title FROM sessions WHERE model = :m" -p m=gpt-5 --json
+      hermes-store query "SELECT role, count(*) FROM messages GROUP BY role" --format csv
+    """
+    from hermes_store.query import read_only_query
+
+    bound: dict[str, Any] = {}
+    for item in params:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--param")
+        bound[name] = value
+    result = read_only_query(app.url, sql, bound, max_rows=limit)
+    rows: list[RowDict] = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+    columns = [
+        Column(name, name, _value(name), wraps=True, right=_numeric(result.rows, index))
+        for index, name in enumerate(result.columns)
+    ]
+    chosen = chosen_format(fmt, as_json)
+    count = f"{len(rows)} row(s)" + (" (cut by --limit)" if result.truncated else "")
+    print_rows(chosen, columns, rows, title=count if chosen == "table" else None)
+    if chosen != "table" and result.truncated:
+        echo(f"cut at {limit} rows by --limit", err=True)
+
+
+def _value(name: str) -> Any:
+    return lambda row: row[name]
+
+
+def _numeric(rows: list[tuple[Any, ...]], index: int) -> bool:
+    values = [row[index] for row in rows if row[index] is not None]
+    return bool(values) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in values
+    )

@@ -1,0 +1,131 @@
+"""Read-only SQL for people: ``hermes-store query "SELECT ..."``, as sqlite-utils and
+datasette users expect, on SQLite and PostgreSQL.
+
+The database refuses writes itself, so no parsing of the SQL decides what is safe: SQLite
+opens the file ``mode=ro`` with ``PRAGMA query_only``, PostgreSQL runs the statement in a
+``READ ONLY`` transaction that is rolled back. One statement per call (both drivers refuse
+several). Ctrl-C interrupts a long SQLite query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
+
+from hermes_store import files
+from hermes_store.engine import create_engine, sqlite_file, to_url, unreadable_in_wal
+from hermes_store.errors import InvalidInputError, NotADatabaseError, mapped_errors
+
+__all__ = ["QueryResult", "read_only_query"]
+
+#: SQLite virtual-machine steps between two chances for Ctrl-C to stop a query.
+_INTERRUPT_EVERY = 100_000
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """The column names and the rows (each a tuple, in column order) of one statement."""
+
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+    #: True when ``max_rows`` cut the result.
+    truncated: bool = False
+
+
+def read_only_query(
+    target: str | URL,
+    sql: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    max_rows: int | None = None,
+) -> QueryResult:
+    """Run one statement that may only read, with ``:name`` parameters bound by the driver."""
+    if not isinstance(sql, str) or not sql.strip():
+        raise InvalidInputError("the query is empty")
+    if max_rows is not None and (isinstance(max_rows, bool) or max_rows < 1):
+        raise InvalidInputError("max_rows must be a whole number >= 1")
+    url = to_url(target)
+    path = sqlite_file(url)
+    if path is not None:
+        return _on_sqlite(path, sql, dict(params or {}), max_rows)
+    return _on_server(url, sql, dict(params or {}), max_rows)
+
+
+def _refused(error: sqlite3.Error | sa.exc.DBAPIError) -> InvalidInputError | None:
+    """A statement the database refused because it writes, or that is malformed: the input's
+    fault, said in words."""
+    text = str(getattr(error, "orig", error))
+    if "readonly" in text.replace(" ", "").lower() or "read-only" in text.lower():
+        return InvalidInputError(f"the query tried to write; queries only read: {text}")
+    return None
+
+
+def _on_sqlite(path: Path, sql: str, params: dict[str, Any], max_rows: int | None) -> QueryResult:
+    if not path.exists():
+        raise NotADatabaseError(f"there is no database at {path}")
+    connection = files.connect_sqlite(path, read_only=True, immutable=unreadable_in_wal(path))
+    with contextlib.closing(connection):
+        connection.execute("PRAGMA query_only = ON")
+        connection.set_progress_handler(lambda: 0, _INTERRUPT_EVERY)  # lets Ctrl-C through
+        try:
+            cursor = connection.execute(sql, params)
+            return _collect([d[0] for d in cursor.description or ()], cursor.fetchmany, max_rows)
+        except sqlite3.ProgrammingError as error:  # several statements, a missing parameter
+            raise InvalidInputError(f"the query cannot run: {error}") from None
+        except sqlite3.Error as error:
+            refused = _refused(error)
+            if refused is not None:
+                raise refused from None
+            raise InvalidInputError(f"the database refused the query: {error}") from None
+
+
+def _on_server(url: URL, sql: str, params: dict[str, Any], max_rows: int | None) -> QueryResult:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with mapped_errors(), engine.connect() as conn:
+            conn = conn.execution_options(postgresql_readonly=True)
+            with conn.begin() as transaction:
+                try:
+                    result = conn.execute(sa.text(sql), params)
+                    columns = list(result.keys()) if result.returns_rows else []
+                    found = _collect(
+                        columns, result.fetchmany if result.returns_rows else _none, max_rows
+                    )
+                except sa.exc.DBAPIError as error:
+                    refused = _refused(error)
+                    if refused is not None:
+                        raise refused from None
+                    sqlstate = getattr(error.orig, "sqlstate", None) or ""
+                    if sqlstate.startswith(("42", "22")) or "multiple commands" in str(error):
+                        raise InvalidInputError(
+                            f"the database refused the query: {error.orig}"
+                        ) from None
+                    raise
+                finally:
+                    transaction.rollback()
+            return found
+    finally:
+        engine.dispose()
+
+
+def _none(size: int) -> list[tuple[Any, ...]]:
+    return []
+
+
+def _collect(columns: list[str], fetch: Callable[[int], Any], max_rows: int | None) -> QueryResult:
+    rows: list[tuple[Any, ...]] = []
+    while True:
+        batch = fetch(1000)
+        if not batch:
+            return QueryResult(columns, rows)
+        rows.extend(tuple(row) for row in batch)
+        if max_rows is not None and len(rows) > max_rows:
+            return QueryResult(columns, rows[:max_rows], truncated=True)
