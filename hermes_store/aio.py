@@ -47,7 +47,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from hermes_store import validate
 from hermes_store.engine import Target, default_db_path, to_url
-from hermes_store.errors import HermesStoreError, InvalidInputError
+from hermes_store.errors import HermesStoreError, InvalidInputError, extras_named
 from hermes_store.rows import (
     ConversationTurn,
     ExportRecord,
@@ -218,10 +218,13 @@ class AsyncSessionDB:
                     opening = partial(SessionDB, target, **self._options)  # type: ignore[arg-type]
                     self._sync = await self._settle(*_on_thread(self._pool, opening))
                 else:
-                    engine = self._async_engine()
+                    with extras_named():
+                        engine = self._async_engine()
                     try:
                         opening = partial(SessionDB, engine.sync_engine, **self._options)
-                        self._sync = await self._settle(*_on_greenlet(opening))
+                        with extras_named():
+                            settling = _on_greenlet(opening)
+                        self._sync = await self._settle(*settling)
                     except BaseException:
                         if self._owns_engine:
                             await engine.dispose()

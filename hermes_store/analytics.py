@@ -27,7 +27,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
-from hermes_store.errors import InvalidInputError
+from hermes_store.errors import InvalidInputError, extras_named
 from hermes_store.models import ChatSession, Message
 
 if TYPE_CHECKING:
@@ -303,13 +303,8 @@ def to_dataframe(
     SQLite file path (opened read-only as it is: no migration). Needs pandas
     (``pip install 'hermes-store[analytics]'``).
     """
-    try:
+    with extras_named():
         pandas: Any = importlib.import_module("pandas")
-    except ImportError as error:
-        raise ImportError(
-            "to_dataframe() needs pandas: pip install 'hermes-store[analytics]' "
-            "(or pip install pandas)"
-        ) from error
 
     def frame(conn: Connection) -> Any:
         result = conn.execute(statement)

@@ -125,6 +125,48 @@ class UnrecognizedSchemaError(SchemaError):
     """The database holds tables whose shape matches no known schema version."""
 
 
+class MissingExtraError(StoreConfigError, ImportError):
+    """A feature's optional dependencies are not installed; the message names the extra to
+    install. Also an ``ImportError``, which is what callers caught before."""
+
+
+#: Modules of the optional extras, and the extra that installs each.
+_EXTRAS = {
+    "psycopg": ("postgresql", "PostgreSQL needs its driver (psycopg 3)"),
+    "psycopg_binary": ("postgresql", "PostgreSQL needs its driver (psycopg 3)"),
+    "greenlet": ("async", "AsyncSessionDB on PostgreSQL needs greenlet"),
+    "pandas": ("analytics", "to_dataframe() needs pandas"),
+    "matplotlib": ("analytics", "the charts need matplotlib"),
+}
+
+
+def missing_extra(error: ImportError) -> MissingExtraError | None:
+    """The package error naming the extra to install for a failed import of an optional
+    dependency (None for any other import error)."""
+    name = (error.name or "").split(".")[0]
+    if not name and "greenlet" in str(error):  # SQLAlchemy's asyncio says it in words
+        name = "greenlet"
+    found = _EXTRAS.get(name)
+    if found is None:
+        return None
+    extra, what = found
+    return MissingExtraError(f"{what}: pip install 'hermes-store[{extra}]'")
+
+
+@contextmanager
+def extras_named() -> Iterator[None]:
+    """Around code that imports an optional dependency: a missing one names its extra."""
+    try:
+        yield
+    except MissingExtraError:
+        raise
+    except ImportError as error:
+        mapped = missing_extra(error)
+        if mapped is None:
+            raise
+        raise mapped from error
+
+
 def _sqlite_code(orig: BaseException | None) -> int | None:
     code = getattr(orig, "sqlite_errorcode", None)
     return None if code is None else int(code) & 0xFF

@@ -51,6 +51,7 @@ from hermes_store.errors import (
     InvalidInputError,
     TitleInUseError,
     UnknownSessionError,
+    extras_named,
 )
 from hermes_store.migrate import check_head, ensure_head
 from hermes_store.models import Counter
@@ -226,12 +227,13 @@ class SessionDB:
     ) -> tuple[UnitOfWork, bool]:
         """The engine and unit of work for ``target``; ``migrate``: the open-time mode for a
         server (SQLite files are brought to head before the shared writer is looked up)."""
-        engine = create_engine(
-            target,
-            writer_busy_timeout=options.writer_busy_timeout,
-            reader_busy_timeout=options.reader_busy_timeout,
-            synchronous=options.synchronous,
-        )
+        with extras_named():
+            engine = create_engine(
+                target,
+                writer_busy_timeout=options.writer_busy_timeout,
+                reader_busy_timeout=options.reader_busy_timeout,
+                synchronous=options.synchronous,
+            )
         owns = not isinstance(target, Engine)
         try:
             if migrate is not None:

@@ -25,10 +25,6 @@ EXIT_DATABASE = 3
 
 #: Backends the store runs on; any other URL is refused as a usage error before connecting.
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
-DRIVER_HINTS = {
-    "psycopg": "the PostgreSQL driver is not installed: pip install 'hermes-store[postgresql]'",
-}
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -75,10 +71,13 @@ def boundary_error(error: Exception) -> click.ClickException | None:
         if isinstance(error, ValueError):
             return Problem(message)
         return DatabaseProblem(message)
-    if isinstance(error, ImportError):  # a database driver that is not installed
-        name = (error.name or "").split(".")[0]
-        hint = DRIVER_HINTS.get(name, f"a database driver is not installed ({one_line(error)})")
-        return DatabaseProblem(hint)
+    if isinstance(error, ImportError):  # an optional dependency that is not installed
+        from hermes_store.errors import missing_extra
+
+        named = missing_extra(error)
+        return DatabaseProblem(
+            one_line(named) if named is not None else f"a module is missing ({one_line(error)})"
+        )
     from alembic.util import CommandError
     from sqlalchemy import exc as sa_exc
 
