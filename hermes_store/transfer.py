@@ -369,6 +369,7 @@ def import_sessions(
     batch_size: int = 100,
     max_batch_messages: int = 5000,
     allow_redacted: bool = False,
+    report: ImportReport | None = None,
 ) -> ImportReport:
     """Restore exported sessions into ``db``: ids, timestamps and counters exactly as exported.
 
@@ -376,9 +377,10 @@ def import_sessions(
 
     Each batch is validated first, then written as one unit of work and checked before it
     commits. Sessions whose id exists are skipped (with their messages); a message whose id
-    is taken gets a new one. Returns the counts.
+    is taken gets a new one. Returns the counts; ``report``, when given, is the one filled in
+    as each batch commits (what landed when an import is interrupted).
     """
-    total = ImportReport()
+    total = ImportReport() if report is None else report
     pending: dict[str, str] = {}
     batch: list[_Prepared] = []
     batch_messages = 0

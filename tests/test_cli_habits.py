@@ -4,7 +4,15 @@ it is cut and can list everything."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -109,3 +117,70 @@ def test_query_cut_by_limit_says_so(runner: CliRunner, many: Path) -> None:
     cut = run(runner, many, "query", "SELECT id FROM sessions", "--limit", "5", "--format", "tsv")
     assert cut.exit_code == 0 and len(cut.stdout.splitlines()) == 6
     assert "--limit" in cut.stderr
+
+
+def _cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HERMES_STORE_URL", "COLUMNS")}
+    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], env=env, text=True, stderr=subprocess.PIPE, **kwargs
+    )
+
+
+def _wait_for(condition: Callable[[], bool], what: str, deadline_s: float = 120.0) -> None:
+    """Until ``condition`` holds (a generous deadline: a loaded machine is slow, not wrong)."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_and_says_what_landed(tmp_path: Path) -> None:
+    source = tmp_path / "source.db"
+    with SessionDB(source) as db:
+        for n in range(5):
+            db.create_session(f"imp{n}", "cli")
+            db.append_message(f"imp{n}", "user", f"message {n}")
+    exported = tmp_path / "all.jsonl"
+    assert (
+        CliRunner().invoke(cli, ["--db", str(source), "export", "-o", str(exported)]).exit_code == 0
+    )
+    lines = exported.read_text(encoding="utf-8").splitlines(keepends=True)
+    target = tmp_path / "target.db"
+    SessionDB(target).close()
+
+    def imported() -> int:
+        with sqlite3.connect(target) as con:
+            return int(con.execute("SELECT count(*) FROM sessions").fetchone()[0])
+
+    process = _cli("--db", str(target), "import", "-", "--batch-size", "1", stdin=subprocess.PIPE)
+    assert process.stdin is not None
+    process.stdin.writelines(lines[:3])  # three whole batches; the rest never comes
+    process.stdin.flush()
+    _wait_for(lambda: imported() == 3, "three committed batches")
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Interrupted. 3 session(s) and 3 message(s) were imported" in err
+    assert "Traceback" not in err and "Aborted" not in err
+    assert imported() == 3
+
+
+@pytest.mark.slow
+def test_an_export_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        for n in range(200):
+            db.create_session(f"s{n:03d}", "cli")
+            db.append_messages(f"s{n:03d}", [{"role": "user", "content": "word " * 200}] * 5)
+    for fmt in ("jsonl", "md"):
+        process = _cli(
+            "--db", str(path), "export", "--format", fmt, "-o", "-", stdout=subprocess.PIPE
+        )
+        assert process.stdout is not None and process.stderr is not None
+        assert process.stdout.readline()  # like `| head -1`: one line, then the reader is gone
+        process.stdout.close()
+        err = process.stderr.read()
+        assert process.wait(timeout=120) == 0, err
+        assert err == "", err

@@ -7,6 +7,7 @@ Only click is imported here: SQLAlchemy, Alembic and rich load when a command ne
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,6 +23,8 @@ EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
 EXIT_DATABASE = 3
+#: Ended by Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 #: Backends the store runs on; any other URL is refused as a usage error before connecting.
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
@@ -44,6 +47,10 @@ class BadArgument(click.ClickException):
     """Exit 2 without click's usage banner (an unknown revision, a bad URL)."""
 
     exit_code = EXIT_USAGE
+
+
+def echo_err(text: str) -> None:
+    click.echo(text, err=True)
 
 
 def one_line(error: object) -> str:
@@ -104,6 +111,17 @@ class HermesGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            app = ctx.find_object(App)
+            landed = app.landed() if app is not None and app.landed is not None else None
+            echo_err(f"Interrupted. {landed or 'Nothing was written.'}")
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except BrokenPipeError:
+            # A reader that stopped early (``| head``) is not an error: end quietly, and point
+            # stdout at /dev/null so the interpreter's last flush cannot complain either.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise click.exceptions.Exit(EXIT_OK) from None
         except Exception as error:
             mapped = boundary_error(error)
             if mapped is None:
@@ -119,6 +137,8 @@ class App:
         self._db = db
         self._url: URL | None = None
         self._store: SessionDB | None = None
+        #: What a command has committed so far, said when Ctrl-C stops it (None: nothing).
+        self.landed: Callable[[], str | None] | None = None
 
     @property
     def url(self) -> URL:

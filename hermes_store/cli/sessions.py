@@ -454,6 +454,17 @@ def sessions_prune(
             yes=yes,
             what=f"delete {len(candidates)} session(s)",
         )
+    deleted = [0, 0]
+
+    def chunk_done(sessions: int, messages: int) -> None:
+        deleted[0] += sessions
+        deleted[1] += messages
+        bar.advance(sessions)
+
+    app.landed = lambda: (
+        f"{deleted[0]} session(s) and {deleted[1]} message(s) were deleted (whole chunks); "
+        "the others are kept."
+    )
     with progress(len(candidates), "pruning") as bar:
         report = retention.run(
             store,
@@ -461,7 +472,7 @@ def sessions_prune(
             chunk=chunk,
             secure_delete=secure_delete,
             merge_index=True,
-            on_chunk=lambda sessions, _messages: bar.advance(sessions),
+            on_chunk=chunk_done,
         )
     if chosen_format(fmt, as_json, piped="table") == "json":
         echo_json(asdict(report))

@@ -76,6 +76,11 @@ def export(
     if split and output == "-":
         raise click.UsageError("--split writes files into a folder: -o DIR")
     store = app.store(read_only=True)
+    app.landed = lambda: (
+        "The output written so far is incomplete; the database was not changed."
+        if output == "-" or split
+        else f"Nothing was exported: {output} was left as it was; the database was not changed."
+    )
     session_id = resolve_session(store, session_ref) if session_ref else None
     exported, total = transfer.export_records(store, session_id=session_id, sources=sources)
     records: Iterator[RowDict] = (cast(RowDict, record) for record in exported)
@@ -138,15 +143,21 @@ def import_(
     from hermes_store import transfer
 
     store = app.store(create=True)
+    report = transfer.ImportReport()
+    app.landed = lambda: (
+        f"{report.sessions} session(s) and {report.messages} message(s) were imported (whole "
+        "batches); run the same import again to add the rest (known ids are skipped)."
+    )
     with (
         transfer.import_reader(file, app.url) as (handle, size),
         progress(size, "importing", bytes_=True) as bar,
     ):
-        report = transfer.import_sessions(
+        transfer.import_sessions(
             store,
             transfer.read_records(handle, bar.advance),
             batch_size=batch_size,
             allow_redacted=force,
+            report=report,
         )
 
     def human() -> None:
