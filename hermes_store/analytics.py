@@ -31,6 +31,8 @@ from hermes_store.errors import InvalidInputError, extras_named
 from hermes_store.models import ChatSession, Message
 
 if TYPE_CHECKING:
+    import pandas
+
     from hermes_store.store import SessionDB
 
 Dimension = Literal["day", "model", "source"]
@@ -40,6 +42,8 @@ Query: TypeAlias = Select[*tuple[Any, ...]]
 Sources: TypeAlias = str | Sequence[str] | None
 #: A time bound: epoch seconds, a datetime (naive = UTC), a date or a pandas.Timestamp.
 When: TypeAlias = float | datetime | date
+#: What a query runs on: a store, an Engine or Connection, a URL, or a SQLite file path.
+Target: TypeAlias = "SessionDB | Engine | Connection | URL | str | os.PathLike[str]"
 TOKEN_COLUMNS = (
     "input_tokens",
     "output_tokens",
@@ -172,7 +176,8 @@ def usage(
         raise ValueError("usage() needs at least one dimension")
     dimensions = [_dimension(name) for name in names]
     statement = select(*dimensions, *_usage_columns()).group_by(*dimensions)
-    statement = statement.order_by(*dimensions)
+    # NULL (no model) last on both backends: SQLite sorts NULLs first by default.
+    statement = statement.order_by(*(d.asc().nulls_last() for d in dimensions))
     return _session_filters(statement, since, until, source)
 
 
@@ -293,22 +298,38 @@ def lineages(*, min_sessions: int = 1) -> Query:
 # -- running a query ---------------------------------------------------------------------------
 
 
-def to_dataframe(
-    statement: sa.Executable,
-    target: SessionDB | Engine | Connection | URL | str | os.PathLike[str],
-) -> Any:
+#: Columns holding float epoch seconds: datetime64 (UTC) in a frame.
+TIME_COLUMNS = frozenset(
+    {"started_at", "ended_at", "timestamp", "first_used", "last_used", "last_active"}
+)
+#: Columns holding a ``'YYYY-MM-DD'`` UTC day: datetime64 (UTC midnight) in a frame.
+DAY_COLUMNS = frozenset({"day"})
+#: One resolution for every time column, whatever pandas infers from the values.
+UTC_DTYPE = "datetime64[ns, UTC]"
+
+
+def to_dataframe(statement: sa.Executable, target: Target) -> pandas.DataFrame:
     """Run ``statement`` on ``target`` and return a ``pandas.DataFrame`` of the rows.
 
     ``target`` is a :class:`~hermes_store.SessionDB`, an Engine, a Connection, a URL or a
     SQLite file path (opened read-only as it is: no migration). Needs pandas
     (``pip install 'hermes-store[analytics]'``).
+
+    Columns get the same dtypes on both backends and in empty results: timestamps
+    (:data:`TIME_COLUMNS`) and days are ``datetime64[ns, UTC]``, integer columns ``int64``
+    (``Int64`` when they hold NULLs), floats ``float64``.
     """
     with extras_named():
-        pandas: Any = importlib.import_module("pandas")
+        pd: Any = importlib.import_module("pandas")
+    kinds = _column_kinds(statement)
 
-    def frame(conn: Connection) -> Any:
+    def frame(conn: Connection) -> pandas.DataFrame:
         result = conn.execute(statement)
-        return pandas.DataFrame(result.all(), columns=list(result.keys()))
+        names = list(result.keys())
+        table: pandas.DataFrame = pd.DataFrame(result.all(), columns=names)
+        for name in names:
+            table[name] = _typed(pd, table[name], name, kinds.get(name))
+        return table
 
     if isinstance(target, Connection):
         return frame(target)
@@ -328,3 +349,34 @@ def to_dataframe(
             return frame(conn)
     finally:
         engine.dispose()
+
+
+def _column_kinds(statement: sa.Executable) -> dict[str, str]:
+    """``"int"``, ``"float"`` or ``"text"`` per selected column, from the statement's types."""
+    kinds: dict[str, str] = {}
+    for column in getattr(statement, "selected_columns", ()):
+        try:
+            python_type = column.type.python_type
+        except NotImplementedError:
+            continue
+        if python_type is int:
+            kinds[column.key] = "int"
+        elif python_type is float:
+            kinds[column.key] = "float"
+        elif python_type is str:
+            kinds[column.key] = "text"
+    return kinds
+
+
+def _typed(pd: Any, values: Any, name: str, kind: str | None) -> Any:
+    if name in TIME_COLUMNS:
+        moments = pd.to_datetime(pd.to_numeric(values, errors="coerce"), unit="s", utc=True)
+        return moments.astype(UTC_DTYPE)
+    if name in DAY_COLUMNS:
+        return pd.to_datetime(values, utc=True, format="%Y-%m-%d").astype(UTC_DTYPE)
+    if kind == "int":
+        numbers = pd.to_numeric(values)
+        return numbers.astype("Int64" if numbers.isna().any() else "int64")
+    if kind == "float":
+        return pd.to_numeric(values).astype("float64")
+    return values
