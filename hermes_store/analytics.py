@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import time
 from collections.abc import Sequence
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import sqlalchemy as sa
@@ -296,6 +297,30 @@ def lineages(*, min_sessions: int = 1) -> Query:
 
 
 # -- running a query ---------------------------------------------------------------------------
+
+
+def summary(
+    db: SessionDB, *, days: int = 30, source: Sources = None, now: float | None = None
+) -> dict[str, Any]:
+    """The figures ``hermes-store stats`` shows: ``totals`` (one row), ``by_model``,
+    ``by_source`` and ``by_day`` (the last ``days`` UTC days, today included) as row dicts,
+    read in one read transaction."""
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 100_000:
+        raise InvalidInputError("days must be a whole number from 1 to 100000")
+    today = datetime.fromtimestamp(time.time() if now is None else now, UTC).date()
+    since = datetime.combine(today - timedelta(days=days - 1), datetime.min.time(), UTC)
+    queries = {
+        "totals": totals(source=source),
+        "by_model": usage_per_model(source=source),
+        "by_source": usage_per_source(source=source),
+        "by_day": usage_per_day(since=since, source=source),
+    }
+    with db.uow.connect(write=False) as conn:
+        found = {
+            name: [dict(row._mapping) for row in conn.execute(query)]
+            for name, query in queries.items()
+        }
+    return {"totals": found.pop("totals")[0], **found, "days": days}
 
 
 #: Columns holding float epoch seconds: datetime64 (UTC) in a frame.

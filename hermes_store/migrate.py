@@ -9,6 +9,7 @@ shape or version this package does not know, is refused before a single byte is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -47,6 +48,7 @@ from hermes_store.engine import (
 from hermes_store.errors import (
     AccessDeniedError,
     DatabaseLockedError,
+    HermesStoreError,
     NotADatabaseError,
     SchemaBehindError,
     SchemaTooNewError,
@@ -585,6 +587,38 @@ def upgrade(
         if reached == head_revision():
             repair_at_head(conn)
         return reached
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One revision of the schema, as ``hermes-store db history`` lists it."""
+
+    revision: str
+    down_revision: str | None
+    description: str
+    current: bool
+    head: bool
+
+
+def history(target: Target | None = None) -> list[Revision]:
+    """Every revision, oldest first; ``current`` marks the one ``target`` is at (none when
+    it cannot be read, or without a target)."""
+    at: str | None = None
+    if target is not None:
+        with contextlib.suppress(HermesStoreError):
+            at = current(target)
+    scripts = _scripts()
+    head = scripts.get_current_head()
+    return [
+        Revision(
+            revision=script.revision,
+            down_revision=script.down_revision,  # type: ignore[arg-type]
+            description=(script.doc or "").strip().splitlines()[0] if script.doc else "",
+            current=script.revision == at,
+            head=script.revision == head,
+        )
+        for script in reversed(list(scripts.walk_revisions()))
+    ]
 
 
 def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = None) -> str:

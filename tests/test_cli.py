@@ -145,7 +145,7 @@ def test_help_lists_every_group(runner: CliRunner) -> None:
 def test_usage_errors_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     assert run(runner, tmp_path / "x.db", "--no-such-option").exit_code == 2
     assert run(runner, tmp_path / "x.db", "sessions", "show").exit_code == 2
-    assert run(runner, tmp_path / "x.db", "sessions", "list", "--limit", "0").exit_code == 2
+    assert run(runner, tmp_path / "x.db", "sessions", "list", "--limit", "-1").exit_code == 2
     assert run(runner, "nosuchdialect://x/y", "sessions", "list").exit_code == 2
 
 

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 
-from hermes_store import SessionDB
+from hermes_store import SessionDB, analytics, migrate
 from hermes_store.cli import cli
 from tests.conftest import url_string
 
@@ -184,3 +184,33 @@ def test_an_export_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None
         err = process.stderr.read()
         assert process.wait(timeout=120) == 0, err
         assert err == "", err
+
+
+@pytest.fixture
+def narrow() -> CliRunner:
+    return CliRunner(env={"COLUMNS": "80", "NO_COLOR": "1", "HERMES_STORE_URL": None})
+
+
+def test_stats_fit_80_columns_and_say_what_they_leave_out(narrow: CliRunner, many: Path) -> None:
+    with SessionDB(many) as db:
+        db.update_token_counts("s001", input_tokens=1_234_567, output_tokens=34_567)
+        db.update_token_counts("s002", estimated_cost_usd=12.5, actual_cost_usd=11.0)
+    table = run(narrow, many, "stats", "--format", "table").stdout
+    assert all(len(line) <= 80 for line in table.splitlines()[1:]), table  # after the path
+    assert "1,234,567" in table and "$12.5000" in table
+    assert "(all zero, left out: cache read, cache write, reasoning)" in table
+    assert "cache write" not in table.split("(all zero")[0]
+    report = analytics.summary(SessionDB(many, migrate="check"), days=7)
+    assert report["totals"]["input_tokens"] == 1_234_567 and len(report["by_day"]) == 1
+
+
+def test_db_history_is_one_line_per_revision(narrow: CliRunner, many: Path) -> None:
+    table = run(narrow, many, "db", "history", "--format", "table").stdout.splitlines()
+    revisions = migrate.history(many)
+    assert len(table) == 1 + len(revisions)  # a header, then one line each
+    assert all(len(line) <= 80 for line in table)
+    assert table[-1].startswith("→") and "(current, head)" in table[-1]
+    assert [r.revision for r in revisions][:2] == ["v1_base", "v2_finish_reason"]
+    assert revisions[-1].current and revisions[-1].head and revisions[1].down_revision == "v1_base"
+    piped = run(narrow, many, "db", "history").stdout.splitlines()
+    assert piped[1].split("\t")[-1].endswith("full-text objects.")  # whole when piped

@@ -140,45 +140,29 @@ def db_history(app: App, fmt: str | None, as_json: bool) -> None:
       hermes-store db history
       hermes-store db history --format tsv | grep current
     """
-    from alembic.script import ScriptDirectory
+    from hermes_store import migrate
 
-    from hermes_store import health, migrate
-    from hermes_store.errors import HermesStoreError
-
-    try:
-        current = health.revision_of(health.read_state(app.url))
-    except HermesStoreError:
-        current = None
-    scripts = ScriptDirectory(migrate.script_location())
-    head = scripts.get_current_head()
-    rows = [
-        {
-            "revision": script.revision,
-            "down_revision": script.down_revision,
-            "current": script.revision == current,
-            "head": script.revision == head,
-            "description": (script.doc or "").strip().splitlines()[0] if script.doc else "",
-        }
-        for script in reversed(list(scripts.walk_revisions()))
-    ]
+    rows = [asdict(revision) for revision in migrate.history(app.url)]
 
     def marked(row: dict[str, object]) -> str:
         marks = [name for name in ("current", "head") if row[name]]
         return f"{row['revision']}" + (f" ({', '.join(marks)})" if marks else "")
 
-    columns = [
-        Column("current_mark", "", lambda r: "", shown=lambda r: "→" if r["current"] else ""),
-        Column("revision", "revision", lambda r: r["revision"], shown=marked),
-        Column("down_revision", "down revision", lambda r: r["down_revision"]),
-        Column("current", "current", lambda r: str(r["current"]).lower()),
-        Column("head", "head", lambda r: str(r["head"]).lower()),
-        Column("description", "description", lambda r: r["description"], wraps=True),
-    ]
     chosen = chosen_format(fmt, as_json)
-    if chosen == "table":
-        columns = [c for c in columns if c.key not in ("current", "head")]
+    if chosen == "table":  # one line per revision: the order says what comes down from what
+        columns = [
+            Column("mark", "", lambda r: "", shown=lambda r: "→" if r["current"] else ""),
+            Column("revision", "revision", lambda r: r["revision"], shown=marked),
+            Column("description", "description", lambda r: r["description"], cuts=True),
+        ]
     else:
-        columns = columns[1:]
+        columns = [
+            Column("revision", "revision", lambda r: r["revision"]),
+            Column("down_revision", "down revision", lambda r: r["down_revision"]),
+            Column("current", "current", lambda r: str(r["current"]).lower()),
+            Column("head", "head", lambda r: str(r["head"]).lower()),
+            Column("description", "description", lambda r: r["description"]),
+        ]
     print_rows(chosen, columns, rows)
 
 

@@ -205,6 +205,7 @@ class Column:
     wraps: bool = False  # text that wraps at words on the terminal
     right: bool = False  # numbers align right
     optional: int = 0  # > 0: may be left out on a narrow terminal, highest first
+    cuts: bool = False  # text shortened to one line with "…" on the terminal (whole elsewhere)
 
     def cell(self, row: RowDict) -> str:
         if self.shown is not None:
@@ -237,6 +238,24 @@ def render_csv(columns: Sequence[Column], rows: Iterable[RowDict]) -> str:
     return buffer.getvalue().rstrip("\n")
 
 
+def _cell_lines(column: Column, text: str, size: int) -> list[str]:
+    if column.wraps:
+        return wrap(text, size)
+    if column.cuts and cell_width(text) > size:
+        return [cut(text, size)]
+    return [text]
+
+
+def cut(text: str, size: int) -> str:
+    """``text`` shortened to ``size`` cells, ending in "…" when anything was left out."""
+    shown = ""
+    for char in text:
+        if cell_width(shown + char) > size - 1:
+            break
+        shown += char
+    return shown.rstrip() + "…"
+
+
 def render_table(
     columns: Sequence[Column], rows: Sequence[RowDict], total_width: int | None = None
 ) -> tuple[str, list[str]]:
@@ -254,12 +273,15 @@ def render_table(
     keep = list(range(len(columns)))
     hidden: list[str] = []
 
+    def flexible(i: int) -> bool:
+        return columns[i].wraps or columns[i].cuts
+
     def room(indexes: list[int]) -> int:
-        fixed = sum(natural[i] for i in indexes if not columns[i].wraps)
+        fixed = sum(natural[i] for i in indexes if not flexible(i))
         return available - fixed - GAP * (len(indexes) - 1)
 
     def squeezed(indexes: list[int]) -> bool:
-        wrapping = [i for i in indexes if columns[i].wraps]
+        wrapping = [i for i in indexes if flexible(i)]
         if not wrapping:
             return room(indexes) < 0
         return room(indexes) < MIN_TEXT_WIDTH * len(wrapping) and room(indexes) < sum(
@@ -272,7 +294,7 @@ def render_table(
         keep.remove(index)
         hidden.append(columns[index].title)
     sizes = dict(enumerate(natural))
-    wrapping = [i for i in keep if columns[i].wraps]
+    wrapping = [i for i in keep if flexible(i)]
     if wrapping:
         budget = max(room(keep), MIN_TEXT_WIDTH * len(wrapping))
         wanted = {i: natural[i] for i in wrapping}
@@ -285,7 +307,7 @@ def render_table(
         (" " * GAP).join(_pad(columns[i].title, sizes[i], columns[i].right) for i in keep).rstrip()
     ]
     for line in cells:
-        parts = {i: (wrap(line[i], sizes[i]) if columns[i].wraps else [line[i]]) for i in keep}
+        parts = {i: _cell_lines(columns[i], line[i], sizes[i]) for i in keep}
         height = max(len(p) for p in parts.values())
         for depth in range(height):
             out.append(

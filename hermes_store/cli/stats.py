@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import click
@@ -39,12 +38,21 @@ HEADINGS = {
 }
 
 
+#: On a narrow terminal these columns are left out first (highest first), as the table says.
+OPTIONAL = {"cache_write_tokens": 4, "reasoning_tokens": 3, "cache_read_tokens": 2}
+
+
 def _table_columns(key: str) -> list[Column]:
     columns = [Column(key, key, _raw(key))]
-    columns += [Column(name, title, _count(name), right=True) for name, title in HEADINGS.items()]
+    columns += [
+        Column(name, title, _count(name), right=True, optional=OPTIONAL.get(name, 0))
+        for name, title in HEADINGS.items()
+    ]
     columns += [
         Column("estimated_cost_usd", "est. cost", _dollars("estimated_cost_usd"), right=True),
-        Column("actual_cost_usd", "actual cost", _dollars("actual_cost_usd"), right=True),
+        Column(
+            "actual_cost_usd", "actual cost", _dollars("actual_cost_usd"), right=True, optional=1
+        ),
     ]
     return columns
 
@@ -88,20 +96,7 @@ def stats(app: App, days: int, sources: tuple[str, ...], fmt: str | None, as_jso
 
     chosen = chosen_format(fmt, as_json)
     wanted = list(dict.fromkeys(sources)) or None
-    today = datetime.now(UTC).date()
-    since = datetime.combine(today - timedelta(days=days - 1), datetime.min.time(), UTC)
-    queries = {
-        "totals": analytics.totals(source=wanted),
-        "by_model": analytics.usage_per_model(source=wanted),
-        "by_source": analytics.usage_per_source(source=wanted),
-        "by_day": analytics.usage_per_day(since=since.timestamp(), source=wanted),
-    }
-    with app.store(read_only=True).uow.connect(write=False) as conn:
-        result = {
-            name: [dict(row._mapping) for row in conn.execute(query)]
-            for name, query in queries.items()
-        }
-    report: dict[str, Any] = {"totals": result.pop("totals")[0], **result, "days": days}
+    report = analytics.summary(app.store(read_only=True), days=days, source=wanted)
     if chosen == "json":
         echo_json(report)
         return
@@ -115,15 +110,26 @@ def stats(app: App, days: int, sources: tuple[str, ...], fmt: str | None, as_jso
         print_rows(chosen, columns, rows)
         return
     totals = report["totals"]
+    echo(click.style(app.where, bold=True))
     echo(
-        f"{app.where}: {num(totals['sessions'])} sessions, {num(totals['messages'])} messages, "
-        f"{num(totals['input_tokens'])} input / {num(totals['output_tokens'])} output tokens, "
-        f"${totals['estimated_cost_usd']:.4f} estimated / ${totals['actual_cost_usd']:.4f} actual"
+        f"{num(totals['sessions'])} sessions, {num(totals['messages'])} messages; "
+        f"{num(totals['input_tokens'])} input / {num(totals['output_tokens'])} output tokens"
     )
+    echo(
+        f"cost ${totals['estimated_cost_usd']:.4f} estimated / "
+        f"${totals['actual_cost_usd']:.4f} actual"
+    )
+    zero = {name for name in (*TOKENS, "actual_cost_usd") if not totals[name]}
     for title, group, key in (
         ("By model", "by_model", "model"),
         ("By source", "by_source", "source"),
         (f"By day (UTC, last {days} days)", "by_day", "day"),
     ):
         echo()
-        print_rows("table", _table_columns(key), report[group], title=title)
+        columns = [c for c in _table_columns(key) if c.key not in zero]
+        print_rows("table", columns, report[group], title=title)
+    if zero:
+        names = ", ".join(
+            HEADINGS.get(n, "actual cost") for n in sorted(zero, key=list(FIGURES).index)
+        )
+        echo(click.style(f"(all zero, left out: {names})", dim=True))
