@@ -17,11 +17,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-from matplotlib import pyplot  # noqa: E402
-from sqlalchemy import update  # noqa: E402
+from matplotlib import pyplot
+from sqlalchemy import update
 
-from hermes_store import SessionDB, charts  # noqa: E402
-from hermes_store.models import sessions_table  # noqa: E402
+from hermes_store import SessionDB, charts
+from hermes_store.models import sessions_table
 
 IMAGES = Path(__file__).resolve().parent / "images"
 CHARTS = {
@@ -62,12 +62,13 @@ def build_sample(path: Path, sessions: int = 600, seed: int = 7) -> None:
                 estimated_cost_usd=cost,
                 actual_cost_usd=cost * rng.uniform(0.7, 1.0),
             )
-            when = start + timedelta(days=rng.random() * 21)
-            db.uow.run(
-                lambda conn, sid=session_id, t=when.timestamp(): conn.execute(
-                    update(sessions_table).where(sessions_table.c.id == sid).values(started_at=t)
-                )
+            started = (start + timedelta(days=rng.random() * 21)).timestamp()
+            backdate = (
+                update(sessions_table)
+                .where(sessions_table.c.id == session_id)
+                .values(started_at=started)
             )
+            db.uow.run(lambda conn, statement=backdate: conn.execute(statement))
 
 
 def draw(folder: Path, sessions: int = 600) -> list[Path]:
