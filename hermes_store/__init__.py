@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         TitleTooLongError,
         UnknownSessionError,
         UnrecognizedSchemaError,
+        UnsafePathError,
         UnsupportedEngineError,
     )
     from hermes_store.migrate import current, downgrade, upgrade
@@ -76,6 +77,7 @@ _LAZY = {
             "SharedStoreMismatchError",
             "StoreConfigError",
             "UnsupportedEngineError",
+            "UnsafePathError",
         ),
         "errors",
     ),
@@ -141,6 +143,7 @@ __all__ = [
     "UnitOfWork",
     "UnknownSessionError",
     "UnrecognizedSchemaError",
+    "UnsafePathError",
     "UnsupportedEngineError",
     "convert_scratchpad_to_think",
     "create_engine",

@@ -263,3 +263,138 @@ def test_a_foreign_lock_on_the_file_costs_a_bounded_sleeping_wait(
         assert turn.queued
     issued, served = queue.tickets()
     assert issued < writequeue.TICKET_LIMIT and 0 <= issued - served <= writequeue.SLOTS
+
+
+# -- other files the package writes by name ----------------------------------------------------
+
+
+class _FixedToken:
+    """The "random" part of a temporary file's name, known in advance: stands for an attacker
+    who guessed it (or won a race) and planted a link there first."""
+
+    @staticmethod
+    def token_hex(nbytes: int) -> str:
+        return "ab" * nbytes
+
+
+def _other_database(path: Path) -> None:
+    raw = sqlite3.connect(path)
+    raw.execute("CREATE TABLE mine (note TEXT)")
+    raw.execute("INSERT INTO mine VALUES ('another application keeps this')")
+    raw.commit()
+    raw.close()
+
+
+def _still_other_database(path: Path) -> None:
+    raw = sqlite3.connect(path)
+    try:
+        tables = [r[0] for r in raw.execute("SELECT name FROM sqlite_master")]
+        assert tables == ["mine"]
+        assert raw.execute("SELECT note FROM mine").fetchall() == [
+            ("another application keeps this",)
+        ]
+    finally:
+        raw.close()
+
+
+def test_a_backup_never_writes_through_a_planted_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hermes_store import UnsafePathError, backup
+
+    path = tmp_path / "state.db"
+    store = SessionDB(path)
+    store.create_session("q", "cli")
+    victim = tmp_path / "app.db"
+    _other_database(victim)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(backup, "secrets", _FixedToken)
+    (out / f".copy.db.partial-{'ab' * 6}").symlink_to(victim)
+    try:
+        with pytest.raises(UnsafePathError, match="exists already"):
+            store.backup(out / "copy.db")
+    finally:
+        store.close()
+    _still_other_database(victim)
+    assert not (out / "copy.db").exists()
+
+
+def test_a_new_database_is_never_built_through_a_planted_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hermes_store import UnsafePathError, migrate
+
+    elsewhere = tmp_path / "autostart"
+    elsewhere.mkdir()
+    wanted = elsewhere / "run-me"  # where the link's owner wants a file of ours created
+    path = tmp_path / "state.db"
+    monkeypatch.setattr(migrate, "secrets", _FixedToken)
+    (tmp_path / f".state.db.{os.getpid()}.{'ab' * 8}.new").symlink_to(wanted)
+    with pytest.raises(UnsafePathError, match="exists already"):
+        SessionDB(path)
+    assert not os.path.lexists(wanted) and not os.path.lexists(path)
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _saved_nowhere(caplog: pytest.LogCaptureFixture, why: str) -> None:
+    said = [r for r in caplog.records if "could not save the trajectory" in r.getMessage()]
+    assert len(said) == 1 and why in said[0].getMessage(), [r.getMessage() for r in said]
+
+
+def test_a_trajectory_is_not_appended_through_a_planted_link(
+    in_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hermes_store import save_trajectory
+
+    victim = in_tmp / "authorized_keys"
+    victim.write_bytes(b"ssh-ed25519 AAAA... me@host\n")
+    (in_tmp / "trajectory_samples.jsonl").symlink_to(victim)  # a checked-out project's
+    with caplog.at_level(logging.WARNING, logger="hermes_store.trajectory"):
+        save_trajectory([{"from": "human", "value": "hi"}], "m", True)  # logs, never raises
+    assert victim.read_bytes() == b"ssh-ed25519 AAAA... me@host\n"
+    _saved_nowhere(caplog, "symbolic link")
+    save_trajectory([], "m", False)  # the other default file, a plain one: written
+    assert len((in_tmp / "failed_trajectories.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_a_trajectory_is_not_appended_to_another_users_file(
+    in_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hermes_store import save_trajectory
+
+    planted = in_tmp / "trajectory_samples.jsonl"
+    planted.write_bytes(b"")
+    planted.chmod(0o666)
+    os.chown(planted, NOBODY, NOBODY)  # a file left in a shared folder to collect samples
+    with caplog.at_level(logging.WARNING, logger="hermes_store.trajectory"):
+        save_trajectory([{"from": "human", "value": "a secret plan"}], "m", True)
+    assert planted.read_bytes() == b""
+    _saved_nowhere(caplog, f"uid {NOBODY}")
+
+
+def test_a_trajectory_fifo_is_refused_without_blocking(
+    in_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    from hermes_store import save_trajectory
+
+    fifo = in_tmp / "trajectory_samples.jsonl"
+    os.mkfifo(fifo)
+    with caplog.at_level(logging.WARNING, logger="hermes_store.trajectory"):
+        saver = threading.Thread(target=save_trajectory, args=([], "m", True), daemon=True)
+        saver.start()
+        saver.join(BOUND_S)
+        blocked = saver.is_alive()
+        if blocked:  # let it go: a reader makes its open return
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            saver.join(BOUND_S)
+    assert not blocked, "save_trajectory blocked on a FIFO (no reader)"
+    _saved_nowhere(caplog, "")  # no reader: the non-blocking open fails (ENXIO)
