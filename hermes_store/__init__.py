@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         TitleTooLongError,
         UnknownSessionError,
         UnrecognizedSchemaError,
+        UnsafePathError,
         UnsupportedEngineError,
     )
     from hermes_store.migrate import current, downgrade, upgrade
@@ -80,6 +81,7 @@ _LAZY = {
             "SharedStoreMismatchError",
             "StoreConfigError",
             "UnsupportedEngineError",
+            "UnsafePathError",
         ),
         "errors",
     ),
@@ -147,6 +149,7 @@ __all__ = [
     "UnitOfWork",
     "UnknownSessionError",
     "UnrecognizedSchemaError",
+    "UnsafePathError",
     "UnsupportedEngineError",
     "convert_scratchpad_to_think",
     "create_engine",

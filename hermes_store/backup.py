@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 from hermes_store import ddl, files, fulltext, migrate
 from hermes_store.engine import create_private_file, sqlite_file, unreadable_in_wal
-from hermes_store.errors import HermesStoreError, InvalidInputError
+from hermes_store.errors import HermesStoreError, InvalidInputError, UnsafePathError
 
 if TYPE_CHECKING:
     from hermes_store.store import SessionDB
@@ -160,7 +160,8 @@ def backup(
         raise InvalidInputError(f"the folder {target.parent} does not exist")
 
     partial = target.parent / f".{target.name}.partial-{secrets.token_hex(6)}"
-    create_private_file(partial)
+    if not create_private_file(partial):  # a random name: planted (a link?) or left
+        raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
     started = time.monotonic()
     try:
         pages = _copy(
@@ -223,7 +224,7 @@ def _copy(
     live = files.connect_sqlite(source, immutable=unreadable_in_wal(source))
     # Our own descriptor on our own private copy, only to flush it: closed after the copy's
     # connection (closing a descriptor drops this process's locks on that file).
-    flusher.fd = os.open(partial, os.O_RDONLY)
+    flusher.fd = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         if method == "vacuum":
             # One statement, one read transaction: a consistent, compacted copy. The progress

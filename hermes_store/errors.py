@@ -294,3 +294,8 @@ def mapped_errors() -> Iterator[None]:
         raise mapped from error
     except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
         raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None
+
+
+class UnsafePathError(HermesStoreError):
+    """A file this package creates anew (a backup's or a new database's temporary file) was
+    already there, planted or left: nothing is written through it."""

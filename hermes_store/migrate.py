@@ -53,6 +53,7 @@ from hermes_store.errors import (
     SchemaBehindError,
     SchemaTooNewError,
     UnrecognizedSchemaError,
+    UnsafePathError,
     is_retryable,
     mapped_errors,
     open_errors,
@@ -751,8 +752,9 @@ def _create_sqlite_at_head(path: Path) -> None:
     make_private_dirs(path.parent)
     remove_stale_temps(path)
     temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.new")
+    if not create_private_file(temp):  # a random name: planted (a link?) or left
+        raise UnsafePathError(f"{temp} exists already: no database is built through it")
     try:
-        create_private_file(temp)
         _format_incremental(temp)
         engine = create_engine(temp, poolclass=NullPool)
         try:

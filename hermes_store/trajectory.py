@@ -8,9 +8,11 @@ file, and two helpers turn the agent's ``<REASONING_SCRATCHPAD>`` tags into Shar
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 from datetime import datetime
 from typing import Any
 
@@ -46,10 +48,34 @@ def save_trajectory(
     }
     try:
         line = json.dumps(entry, ensure_ascii=False) + "\n"
-        with open(filename, "a", encoding="utf-8") as handle:
+        with open(_append_only(filename), "a", encoding="utf-8") as handle:
             handle.write(line)
     except Exception as error:  # the agent must never fail because a sample was not saved
         log.warning("could not save the trajectory to %s: %s", filename, error)
+
+
+def _append_only(filename: str | os.PathLike[str]) -> int:
+    """A descriptor appending to ``filename`` (created as ``open(..., "a")`` would), refused
+    unless it is a regular file of this user: the default name sits in the working folder, where
+    a link planted by a checked-out project would have samples appended to whatever it names,
+    and a file planted by another user would collect the conversations."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+    try:
+        fd = os.open(filename, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OSError(error.errno, "a symbolic link: refused") from error
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EPERM, f"not a regular file ({stat.filemode(info.st_mode)})")
+        if info.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"it belongs to uid {info.st_uid}, not to this user")
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def convert_scratchpad_to_think(content: str | None) -> str | None:

@@ -46,6 +46,16 @@ jittered retry, and after every failed attempt writes a heartbeat to bytes 24..3
 kernel: no one spins, no one falls back, and the order is kept. A head that stops (SIGSTOP)
 stops beating too, so the writers behind fall back after the bounded wait as before.
 
+The lock file is only trusted as far as it needs to be. It is opened with ``O_NOFOLLOW`` and
+checked once per descriptor: a symbolic link, a second hard link, anything but a regular file,
+or a file of another user is refused (the queue would write its counters into whatever that
+names, the database itself included), and the queue turns itself off for that file, logged
+once. What it reads is validated: a header out of range (a ticket counter at or past
+:data:`TICKET_LIMIT`, a last-served ticket not within :data:`SLOTS` behind it) is repaired
+under the ticket mutex. A new ticket skips at most :data:`SKIP_LIMIT` slots that are still
+locked (a foreign lock on them), then the writer falls back at once. The queue only orders
+writers: no state of its file fails a write SQLite would take.
+
 Where OFD locks are unavailable (not Linux; ``EINVAL``/``ENOSYS``/``ENOLCK``/``EOPNOTSUPP`` from
 ``fcntl``, e.g. some network file systems; a lock file that cannot be created) the queue turns
 itself off for that file, logs it once, and every turn is a fallback: today's behaviour.
@@ -64,6 +74,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import struct
 import sys
 import threading
@@ -89,6 +100,12 @@ PROGRESS_TICK_S = 0.1
 #: Ticket slots: a byte per ticket from SLOTS_AT, reused modulo SLOTS.
 SLOTS_AT = 4096
 SLOTS = 1 << 20
+#: Tickets stay below this (at 10,000 commits/s, 14 million years): a counter at or past it was
+#: written by something else and is wrapped back into range, keeping its slot.
+TICKET_LIMIT = 1 << 62
+#: Locked slots a new ticket may skip (a writer stuck since SLOTS tickets ago, or a foreign lock
+#: on the slot bytes); past them the writer falls back at once instead of searching on.
+SKIP_LIMIT = 16
 #: Descriptors per process and file; waiters beyond this fall back.
 MAX_DESCRIPTORS = 64
 ENV_SWITCH = "HERMES_STORE_WRITE_QUEUE"
@@ -96,12 +113,56 @@ ENV_WAIT = "HERMES_STORE_WRITE_QUEUE_WAIT"
 
 _HEADER = struct.Struct("<QQ")  # next ticket, last ticket served
 _FLOCK = "hhqqi4x"  # struct flock on Linux (64-bit off_t): type, whence, start, len, pid
+#: The lock file: never through a symbolic link, never blocking on a FIFO, never a terminal.
+_OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 _UNAVAILABLE = {errno.EINVAL, errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
 _BUSY = {errno.EAGAIN, errno.EACCES}
 
 
 class QueueUnavailable(OSError):
     """OFD locks do not work on this file (or system): the queue turns itself off."""
+
+
+class LockFileRefused(Exception):
+    """The lock file is not one the queue may write (a link, not a regular file, another user's,
+    or it cannot be opened): the queue turns itself off for that database. Says why."""
+
+
+def _open_lock_file(path: Path) -> int:
+    """A read-write descriptor on the lock file (created 0600), or :class:`LockFileRefused`.
+
+    Checked on the descriptor, so nothing can be swapped in between: a symbolic link or a second
+    hard link planted at the path would have the queue's counters written into the file it names
+    (another file of the user, or the database, which that would destroy)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            why = f"{path} is a symbolic link: refused, it could name any file"
+        else:
+            why = f"cannot open {path}: {error.strerror}"
+        raise LockFileRefused(why) from error
+    try:
+        info = os.fstat(fd)
+    except OSError as error:
+        os.close(fd)
+        raise LockFileRefused(f"cannot examine {path}: {error.strerror}") from error
+    why = ""
+    if not stat.S_ISREG(info.st_mode):
+        why = f"{path} is not a regular file ({stat.filemode(info.st_mode)})"
+    elif info.st_uid != os.geteuid():
+        why = f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    elif info.st_nlink > 1:
+        why = f"{path} has {info.st_nlink} hard links: it may be another file's second name"
+    if why:
+        os.close(fd)
+        raise LockFileRefused(why)
+    return fd
+
+
+def _in_range(issued: int, served: int) -> bool:
+    """Whether a header can be the queue's own: below the limit, served within SLOTS behind."""
+    return issued < TICKET_LIMIT and 0 <= issued - served <= SLOTS
 
 
 def _flock(kind: int, start: int, length: int) -> bytes:
@@ -281,6 +342,7 @@ class WriteQueue:
         if enabled is None:
             enabled = os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
         self._wanted = enabled
+        self._said: set[str] = set()  # what this queue warned about already
         self._reset()
         _LIVE.add(self)
 
@@ -337,7 +399,7 @@ class WriteQueue:
     def _peek(self, offset: int, size: int) -> bytes:
         """Bytes of the lock file, read on a short-lived descriptor of its own: the queue's
         locks are OFD locks, which closing another descriptor keeps."""
-        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self.lock_path, os.O_RDONLY | _OPEN_FLAGS)
         try:
             return os.pread(fd, size, offset)
         finally:
@@ -367,11 +429,11 @@ class WriteQueue:
             except QueueUnavailable as error:
                 self._disable(str(error))
                 turn = Turn(queued=False, reason="unavailable")
-            except OSError as error:  # the queue only orders writers: never fail a write for it
+            except (OSError, struct.error) as error:  # it only orders writers: never fail one
                 log.warning(
                     "%s: write queue error, this writer falls back: %s", self.db_path, error
                 )
-                turn = Turn(queued=False, reason=f"error {error.errno}")
+                turn = Turn(queued=False, reason=f"error {getattr(error, 'errno', None)}")
             turn.waited = time.monotonic() - began if descriptor.blocked else 0.0
             if turn.queued:
                 turn.fd = descriptor.fd
@@ -395,9 +457,16 @@ class WriteQueue:
             return Turn(queued=False, reason="ticket mutex wait timed out")
         try:
             issued, served = self._read_header(fd)
+            if not _in_range(issued, served):
+                issued, served = self._repair(fd, issued, served)
             ticket = issued
             while not _lock(fd, self._slot(ticket), 1, wait=False):
                 ticket += 1  # a writer stuck since SLOTS tickets ago still holds it: skip
+                if ticket - issued >= SKIP_LIMIT:
+                    self._say_once("slots", "%s: %d ticket slots in a row are locked by "
+                                   "another process; writers fall back", self.lock_path,
+                                   SKIP_LIMIT)  # fmt: skip
+                    return Turn(queued=False, reason="ticket slots locked")
             own.append(self._slot(ticket))
             os.pwrite(fd, struct.pack("<Q", ticket + 1), 0)
         finally:
@@ -415,6 +484,26 @@ class WriteQueue:
             _unlock(fd, predecessor, 1)
         os.pwrite(fd, struct.pack("<Q", ticket), 8)
         return turn
+
+    def _repair(self, fd: int, issued: int, served: int) -> tuple[int, int]:
+        """Bring a damaged header back in range (under the ticket mutex). The next ticket keeps
+        its slot, so a writer queued just before still goes first; ``served`` only marks
+        progress."""
+        fixed = issued if issued < TICKET_LIMIT else SLOTS + issued % SLOTS
+        behind = issued - served
+        if not 0 <= behind <= SLOTS:
+            behind = min(fixed, 1)
+        os.pwrite(fd, _HEADER.pack(fixed, fixed - behind), 0)
+        self._say_once("header", "%s: damaged header (next ticket %d, last served %d) repaired",
+                       self.lock_path, issued, served)  # fmt: skip
+        return fixed, fixed - behind
+
+    def _say_once(self, topic: str, message: str, *args: object) -> None:
+        if topic in self._said:
+            log.debug(message, *args)
+        else:
+            self._said.add(topic)
+            log.warning(message, *args)
 
     @staticmethod
     def _slot(ticket: int) -> int:
@@ -443,9 +532,9 @@ class WriteQueue:
             if len(self._opened) >= MAX_DESCRIPTORS:
                 return None
             try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as error:
-                self._disable(f"cannot open {self.lock_path}: {error.strerror}")
+                fd = _open_lock_file(self.lock_path)
+            except LockFileRefused as refused:
+                self._disable(str(refused))
                 return None
             self._opened.append(fd)
             return _Descriptor(fd)

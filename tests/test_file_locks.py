@@ -272,7 +272,10 @@ FILE_ACCESS_ALLOWED = {
     "once per descriptor slot and held for the process's life (tickets() and progress() read "
     "it on a short-lived read-only descriptor: its OFD locks survive the close); never the "
     "database",
-    ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file",
+    ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file, through the "
+    "descriptor below",
+    ("trajectory.py", "os.open"): "the caller's JSONL file, O_APPEND|O_NOFOLLOW, refused unless "
+    "a regular file of this user; the database is never a trajectory file",
     ("files.py", "read_bytes"): "/proc/<pid>/cmdline of a process holding a deleted WAL",
     ("backup.py", "os.link"): "links its own finished 0600 temp copy to the backup's name "
     "(checked not to be the database or a sidecar); fails rather than replace a file",
