@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Protocol
 
 import sqlalchemy as sa
@@ -28,6 +29,20 @@ log = logging.getLogger(__name__)
 CJK_REVISION = "h7_cjk_index"
 #: SQLITE_CORRUPT; also the low byte of SQLITE_CORRUPT_VTAB.
 SQLITE_CORRUPT = 11
+#: FTS5 reads at most this many levels (and segments) from its structure record: one more and
+#: every statement on the table, its constructor's included (so DROP TABLE too), fails as corrupt.
+FTS5_MAX_STRUCTURE = 2000
+#: Levels from which no full merge is started and the doctor warns, half of FTS5's limit: each
+#: start on a structure whose segments sit on several levels adds two empty levels that
+#: nothing removes (SQLite 3.40; later releases stop at 64), so a daily job reaches it in over
+#: a year; only a rebuild makes the structure shallow again.
+DEEP_LEVELS = 1000
+#: The row of ``<table>_data`` holding the structure record; row 1 holds the averages.
+STRUCTURE_ROWID = 10
+#: A structure record of an empty index: cookie 0, no level, no segment, write counter 0.
+EMPTY_STRUCTURE = bytes(7)
+#: Marks a structure record of the second format (SQLite >= 3.44): four bytes after the cookie.
+_STRUCTURE_V2 = b"\xff\x00\x00\x01"
 
 
 def integrity_statement(table: str) -> str:
@@ -38,6 +53,58 @@ def integrity_statement(table: str) -> str:
 def merge_statement(table: str = ddl.FTS_TABLE) -> str:
     """FTS5's bounded 'merge' (``:pages`` leaf pages of work; negative: every segment)."""
     return f"INSERT INTO {table}({table}, rank) VALUES ('merge', :pages)"
+
+
+@dataclass(frozen=True)
+class IndexShape:
+    """The header of an FTS5 structure record: how many levels and segments the index has."""
+
+    levels: int
+    segments: int
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """SQLite's varint at ``at``: (value, offset after it); ValueError past the end."""
+    value = 0
+    for i in range(9):
+        if at >= len(data):
+            raise ValueError("the record ends inside a number")
+        byte = data[at]
+        at += 1
+        if i == 8:
+            return (value << 8) | byte, at
+        value = (value << 7) | (byte & 0x7F)
+        if not byte & 0x80:
+            return value, at
+    raise AssertionError("unreachable")
+
+
+def decode_structure(block: bytes) -> IndexShape:
+    """The header of an FTS5 structure record; ValueError when FTS5 itself would refuse it."""
+    at = 4  # the cookie
+    if block[at : at + 4] == _STRUCTURE_V2:
+        at += 4
+    levels, at = _varint(block, at)
+    segments, at = _varint(block, at)
+    _varint(block, at)  # the write counter
+    if levels > FTS5_MAX_STRUCTURE or segments > FTS5_MAX_STRUCTURE:
+        raise ValueError(
+            f"{levels} levels and {segments} segments (FTS5 reads at most {FTS5_MAX_STRUCTURE})"
+        )
+    return IndexShape(levels, segments)
+
+
+def structure(conn: Connection, table: str = ddl.FTS_TABLE) -> IndexShape | None:
+    """The index's shape read from its structure record (a plain table read, so it works when
+    the table's own constructor fails); None when the index has none. ValueError: damaged."""
+    block = conn.execute(
+        sa.text(f"SELECT block FROM {table}_data WHERE id = :id"), {"id": STRUCTURE_ROWID}
+    ).scalar()
+    if block is None:
+        return None
+    if not isinstance(block, bytes):
+        raise ValueError(f"the structure record is a {type(block).__name__}, not a blob")
+    return decode_structure(block)
 
 
 class FullText(Protocol):
@@ -149,6 +216,12 @@ class SqliteFullText:
             conn.exec_driver_sql(statement)
 
     def rebuild(self, conn: Connection) -> None:
+        """Rebuild both indexes from ``messages``; an index whose table cannot even be opened
+        (a damaged structure record fails its constructor, and with it 'rebuild' and DROP
+        TABLE) is emptied through its shadow tables first."""
+        for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
+            if _has_table(conn, table) and not _opens(conn, table):
+                reset_shadow_tables(conn, table)
         self.create_main(conn, fill=True)
         if cjk_index_expected(conn):
             statements = (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS, *ddl.SQLITE_CJK_REBUILD)
@@ -156,6 +229,12 @@ class SqliteFullText:
                 conn.exec_driver_sql(statement)
 
     def optimize(self, conn: Connection) -> None:
+        """FTS5 'optimize'; a structure already deep is rebuilt instead (as much work: both
+        rewrite the whole index), as 'optimize' would make it deeper still."""
+        shape = structure(conn)
+        if shape is not None and shape.levels >= DEEP_LEVELS:
+            conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
+            return
         conn.exec_driver_sql(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}) VALUES ('optimize')")
 
     def merge_step(self, conn: Connection, pages: int) -> None:
@@ -312,13 +391,53 @@ def of(conn: Connection) -> SqliteFullText | PostgresFullText:
     return for_dialect(conn.dialect.name)
 
 
+def _is_corrupt(error: sa.exc.DatabaseError) -> bool:
+    return bool(getattr(error.orig, "sqlite_errorcode", 0) & 0xFF == SQLITE_CORRUPT)
+
+
+def _opens(conn: Connection, table: str) -> bool:
+    """Whether FTS5 can open ``table`` (its constructor reads the structure record)."""
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(f"SELECT rowid FROM {table} WHERE rowid = 0").all()
+    except sa.exc.DatabaseError as error:
+        if not _is_corrupt(error):
+            raise
+        log.warning("full-text table %s cannot be opened: %s", table, error.orig)
+        return False
+    return True
+
+
+def reset_shadow_tables(conn: Connection, table: str) -> None:
+    """Empty an FTS5 index through its shadow tables (plain tables) and give it the structure
+    and averages records of an empty index, as FTS5's own 'delete-all' does: its constructor
+    works again, and a 'rebuild' refills it. Its configuration (``_config``) is kept."""
+    shadows = set(
+        conn.execute(
+            sa.text(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN :names"
+            ).bindparams(sa.bindparam("names", expanding=True)),
+            {"names": [f"{table}_{suffix}" for suffix in ("data", "idx", "docsize")]},
+        )
+        .scalars()
+        .all()
+    )
+    for name in sorted(shadows):
+        conn.exec_driver_sql(f"DELETE FROM {name}")
+    conn.execute(
+        sa.text(f"INSERT INTO {table}_data(id, block) VALUES (1, x''), (:id, :block)"),
+        {"id": STRUCTURE_ROWID, "block": EMPTY_STRUCTURE},
+    )
+    log.warning("emptied the full-text index %s through its shadow tables", table)
+
+
 def fts5_integrity(conn: Connection, table: str) -> bool:
     """FTS5's 'integrity-check' (against the content table when it has one), in a savepoint."""
     try:
         with conn.begin_nested():
             conn.exec_driver_sql(integrity_statement(table))
     except sa.exc.DatabaseError as error:
-        if getattr(error.orig, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+        if not _is_corrupt(error):
             raise
         log.error("full-text index %s failed its integrity check: %s", table, error.orig)
         return False

@@ -197,18 +197,55 @@ def _index_check(conn: Connection) -> Check:
     """The full-text index is complete and in step with ``messages`` (see search.check_index)."""
     name = "full-text index"
     strategy = fulltext.of(conn)
+    deep = ""
     if isinstance(strategy, fulltext.SqliteFullText):
         missing = strategy.present(conn)
         if missing:
             return Check(name, "error", f"missing {', '.join(missing)}: search will miss messages")
+        shape = _structure_check(conn)
+        if isinstance(shape, Check):
+            return shape
+        deep = shape
     try:
         ok = strategy.check(conn)
     finally:
         conn.rollback()  # SQLite's integrity-check writes nothing but holds the write lock
+    if ok and deep:
+        return Check(name, "warn", deep)
     if ok:
         return Check(name, "ok", "in step with messages")
     return Check(
         name, "error", "does not match messages: run `hermes-store doctor --rebuild-index`"
+    )
+
+
+def _structure_check(conn: Connection) -> Check | str:
+    """Each FTS5 table's structure record (read as a plain row): an error Check when FTS5
+    cannot read it (every write to ``messages`` fails then), else a warning text when it is
+    so deep that merging stops starting ("" when fine)."""
+    deep = []
+    for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
+        if not conn.exec_driver_sql(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+        ).scalar():
+            continue
+        try:
+            shape = fulltext.structure(conn, table)
+        except ValueError as error:
+            return Check(
+                "full-text index",
+                "error",
+                f"{table}: structure record damaged ({error}); appends, search and even "
+                "dropping the table fail on it: run `hermes-store doctor --rebuild-index`",
+            )
+        if shape is not None and shape.levels >= fulltext.DEEP_LEVELS:
+            deep.append(f"{table} has {shape.levels} levels")
+    if not deep:
+        return ""
+    return (
+        f"in step with messages, but {', '.join(deep)} (FTS5 fails past "
+        f"{fulltext.FTS5_MAX_STRUCTURE:,}; merging no longer compacts it): run "
+        "`hermes-store doctor --rebuild-index`"
     )
 
 

@@ -7,6 +7,13 @@ the WAL is checkpointed PASSIVE only. A TRUNCATE checkpoint is never issued whil
 processes may write (the original project damaged B-trees that way); the WAL is kept bounded
 by ``journal_size_limit`` instead (see :mod:`hermes_store.engine`).
 
+A full merge is started once per job (``'merge'`` with a negative count) and then continued
+(positive counts). Starting it again at every step, as this module once did, broke the index
+beside a writer: each start moves every segment to a new level when a writer's insert has put
+one elsewhere, so each step added two levels (SQLite 3.40 caps nothing), the merge never
+finished, and at 2,001 levels FTS5 could no longer read its structure record: every
+statement on the table, the writer's appends and DROP TABLE included, failed as corrupt.
+
 A full ``VACUUM`` rewrites the whole file under an exclusive lock: :func:`vacuum_offline` runs it
 only when no other connection has the database open, and refuses otherwise.
 """
@@ -18,15 +25,21 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from hermes_store import files, fulltext
+from hermes_store import ddl, files, fulltext
 from hermes_store.engine import sqlite_file
-from hermes_store.errors import DatabaseLockedError, InvalidInputError, mapped_errors
+from hermes_store.errors import (
+    DatabaseLockedError,
+    InvalidInputError,
+    NotADatabaseError,
+    mapped_errors,
+)
 
 if TYPE_CHECKING:
     from hermes_store.store import SessionDB
@@ -91,15 +104,28 @@ def _timed(report: Report, fn: Callable[[Connection], T]) -> Callable[[Connectio
     return unit
 
 
-def _merge_step(conn: Connection, secure_delete: bool = False) -> bool:
+def _merge_step(conn: Connection, secure_delete: bool = False, *, start: bool = False) -> bool:
     """One bounded FTS5 merge; True while it still found work (FTS5 says "done" by changing
-    fewer than two rows)."""
+    fewer than two rows). ``start``: begin a merge of every segment, as 'optimize' does (a
+    negative count); otherwise continue the merge in progress, or merge a level that has
+    ``usermerge`` segments."""
     driver: Any = conn.connection.driver_connection
     before = driver.total_changes
     with secure_deletes(conn, secure_delete):
-        # Negative: merge every segment, as 'optimize' does.
-        fulltext.SQLITE.merge_step(conn, -MERGE_PAGES)
+        fulltext.SQLITE.merge_step(conn, -MERGE_PAGES if start else MERGE_PAGES)
     return bool(driver.total_changes - before >= 2)
+
+
+def index_shape(conn: Connection) -> fulltext.IndexShape | None:
+    """The full-text index's levels and segments; :class:`NotADatabaseError` when its
+    structure record is damaged (FTS5 would fail every statement on the table)."""
+    try:
+        return fulltext.structure(conn)
+    except ValueError as error:
+        raise NotADatabaseError(
+            f"the full-text index is damaged (its structure record: {error}): run "
+            "`hermes-store doctor --rebuild-index`"
+        ) from None
 
 
 @contextmanager
@@ -134,10 +160,21 @@ def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: b
     # budget is what merging the index as it stands would take.
     with db.uow.connect(write=False) as conn:
         leaves = fulltext.SQLITE.leaf_pages(conn)
+        shape = index_shape(conn)
+    # One start per job (see the module's docstring); the steps after it continue that merge.
+    start = shape is not None and shape.levels + 2 <= fulltext.DEEP_LEVELS
+    if shape is not None and not start:
+        report.notes.append(
+            f"the full-text index has {shape.levels} levels, so no full merge was started "
+            f"(each start adds levels; FTS5 fails past {fulltext.FTS5_MAX_STRUCTURE:,}): "
+            "`hermes-store doctor "
+            "--rebuild-index` makes it shallow again"
+        )
     steps = 0
     for _ in range(min(MAX_STEPS, leaves // MERGE_PAGES + 16)):
+        first = start and steps == 0
         steps += 1
-        step = _timed(report, lambda conn: _merge_step(conn, secure_delete))
+        step = _timed(report, partial(_merge_step, secure_delete=secure_delete, start=first))
         if not db.uow.run(step):
             break
     report.merge_steps += steps
@@ -145,8 +182,18 @@ def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: b
 
 
 def _vacuum_step(conn: Connection) -> int:
+    """Up to ``VACUUM_PAGES`` freed pages handed back. The statement frees one page per step
+    of it, and Python's driver steps a statement that returns no columns once and resets it
+    (so one execution freed one page: a transaction per page): it is run once per page."""
     before = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
-    conn.exec_driver_sql(f"PRAGMA incremental_vacuum({VACUUM_PAGES})")
+    if before <= 0:
+        return 0
+    driver: Any = conn.connection.driver_connection
+    cursor = driver.cursor()
+    try:
+        cursor.executemany("PRAGMA incremental_vacuum", [()] * min(before, VACUUM_PAGES))
+    finally:
+        cursor.close()
     after = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
     return before - after
 
@@ -204,12 +251,40 @@ def _explain_growth(db: SessionDB, report: Report) -> None:
     )
 
 
+def _damage(connection: sqlite3.Connection) -> list[str]:
+    """What a check finds damaged: ``PRAGMA quick_check`` (b-trees) and FTS5's own
+    'integrity-check' of each full-text index, which the former cannot see (an unreadable
+    structure record is a valid row of a valid table)."""
+    problems = [str(row[0]) for row in connection.execute("PRAGMA quick_check")]
+    found = [] if problems == ["ok"] else problems[:3]
+    tables = [
+        str(row[0])
+        for row in connection.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?) ORDER BY name",
+            (ddl.FTS_TABLE, ddl.CJK_TABLE),
+        )
+    ]
+    for table in tables:
+        connection.execute("BEGIN")
+        try:
+            connection.execute(fulltext.integrity_statement(table))
+        except sqlite3.DatabaseError as error:
+            if getattr(error, "sqlite_errorcode", 0) & 0xFF != fulltext.SQLITE_CORRUPT:
+                raise
+            found.append(f"full-text index {table}: {error}")
+        finally:
+            connection.execute("ROLLBACK")
+    return found
+
+
 def vacuum_offline(path: Path) -> tuple[int, int]:
     """A full ``VACUUM`` of a SQLite file nobody else has open; turns on incremental vacuum.
 
     Refuses with :class:`DatabaseLockedError` when any other connection (any process) has the
-    file open: the exclusive locking mode cannot take the file then. Returns bytes before and
-    after (the WAL included).
+    file open: the exclusive locking mode cannot take the file then, and with
+    :class:`NotADatabaseError` when the file fails ``quick_check`` or a full-text index fails
+    FTS5's integrity-check (nothing is changed then). Returns bytes before and after (the WAL
+    included).
     """
     if not path.exists():
         raise InvalidInputError(f"there is no database at {path}")
@@ -232,6 +307,13 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
                     "optimize` without --vacuum, which works online)"
                 ) from error
             connection.execute("COMMIT")
+            damage = _damage(connection)
+            if damage:
+                raise NotADatabaseError(
+                    f"{path} is damaged, so it was not vacuumed (a vacuum copies the damage "
+                    f"into the new file): {'; '.join(damage)}. Run `hermes-store doctor` "
+                    "(`--rebuild-index` repairs the full-text index)"
+                )
             connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
             connection.execute("VACUUM")
             connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
