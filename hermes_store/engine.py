@@ -247,7 +247,8 @@ def create_engine(
     if _is_psycopg(engine):
         install_safe_ping(engine)
         install_liveness_check(engine)
-        register_origin(engine, url, engine_kwargs.get("connect_args", {}))
+        if "creator" not in engine_kwargs:
+            register_origin(engine, url, engine_kwargs.get("connect_args", {}))
     placement_mod.install(engine, where)
     return engine
 
@@ -256,7 +257,7 @@ def _is_psycopg(engine: Engine) -> bool:
     return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
 
 
-#: How the engines this module made were built (the autocommit twin is built the same way).
+#: Where the engines this module made connect: their URL and connect arguments.
 _ORIGINS: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -266,15 +267,36 @@ _TWIN_LOCK = threading.Lock()
 
 
 def register_origin(engine: Engine, url: URL, connect_args: dict[str, Any]) -> None:
-    """Record what ``engine`` was made from, so its autocommit twin is made the same way."""
+    """Record what ``engine`` was made from (see :func:`connection_key`)."""
     _ORIGINS[engine] = (url, dict(connect_args))
+
+
+def connection_key(engine: Engine) -> str:
+    """Where ``engine`` connects, as a key: two engines with equal keys reach one database.
+    The URL alone is not enough (connect_args may name another host or database); an engine
+    this module did not make from a URL (its connect function is opaque) is a key of its own."""
+    origin = _ORIGINS.get(engine)
+    if origin is None:
+        return f"{engine.url.render_as_string(hide_password=False)}#engine-{id(engine)}"
+    url, connect_args = origin
+    return f"{url.render_as_string(hide_password=False)}#{sorted(connect_args.items())!r}"
+
+
+def same_connection(target: Target) -> dict[str, Any]:
+    """``create_engine`` arguments that make a new engine connect exactly where ``target``
+    does when it is a server Engine: its own connect function (its connect_args, its creator
+    and its dialect's do_connect hooks are in there; its URL alone may name another server)."""
+    if isinstance(target, Engine) and target.dialect.name != "sqlite":
+        return {"creator": target.pool._creator}
+    return {}
 
 
 def autocommit_engine(engine: Engine) -> Engine:
     """The autocommit twin of a PostgreSQL ``engine``: its own small pool whose connections are
     opened in autocommit (never toggled: psycopg refuses that on a connection not idle), with
-    the same URL, connect arguments, liveness check and execution options. One statement on it
-    is one round trip: no BEGIN, no COMMIT. Made once per engine; disposed with it."""
+    the same liveness check and execution options, connecting exactly where ``engine`` does.
+    One statement on it is one round trip: no BEGIN, no COMMIT. Made once per engine;
+    disposed with it."""
     with _TWIN_LOCK:
         twin = _TWINS.get(engine)
         if twin is None:
@@ -283,15 +305,14 @@ def autocommit_engine(engine: Engine) -> Engine:
 
 
 def _make_twin(engine: Engine) -> Engine:
-    url, connect_args = _ORIGINS.get(engine, (engine.url, {}))
     base = sa.create_engine(
-        url,
+        engine.url,
         # An asyncio engine's twin is one too: its statements then run in the caller's greenlet.
         _is_async=engine.dialect.is_async,
         isolation_level="AUTOCOMMIT",
         pool_size=AUTOCOMMIT_POOL_SIZE,
         max_overflow=AUTOCOMMIT_MAX_OVERFLOW,
-        connect_args=connect_args,
+        **same_connection(engine),
     )
     if _is_psycopg(base):
         install_safe_ping(base)

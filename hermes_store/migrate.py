@@ -40,6 +40,7 @@ from hermes_store.engine import (
     create_engine,
     create_private_file,
     make_private_dirs,
+    same_connection,
     sqlite_file,
     to_url,
 )
@@ -357,7 +358,7 @@ def migration_connection(
         remove_stale_temps(path)
     state = preflight_sqlite(path) if path is not None else None
     created = path is not None and state is None and create_private_file(path)
-    engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
+    engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
     queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
     try:
         with _lock_errors(url), mapped_errors(), queue.turn() if queue else nullcontext() as turn:
@@ -568,7 +569,7 @@ def read_engine(target: Target) -> Engine:
         if preflight_sqlite(path) is None:
             raise NotADatabaseError(f"there is no database at {path}")
         return sa.create_engine(url, poolclass=NullPool)
-    return create_engine(url, poolclass=NullPool)
+    return create_engine(url, poolclass=NullPool, **same_connection(target))
 
 
 def upgrade(
@@ -607,7 +608,7 @@ def current(target: Target) -> str | None:
         if state is None:
             return None
     else:
-        engine = create_engine(url, poolclass=NullPool)
+        engine = create_engine(url, poolclass=NullPool, **same_connection(target))
         try:
             with mapped_errors(), engine.connect() as conn:
                 state = read_state(conn)
