@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote_plus
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -109,7 +110,36 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         return URL.create("sqlite", database=str(path))
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
+    given = url.query.get("password")
+    if url.password is None and isinstance(given, str) and url.get_backend_name() != "sqlite":
+        # The driver gets it either way; in its place every rendering of the URL masks it.
+        url = url.set(password=given).difference_update_query(["password"])
     return url
+
+
+def is_secret_parameter(key: str) -> bool:
+    """True for a URL query parameter that carries a credential: ``password``,
+    ``sslpassword``, any name with "pass", "secret" or "token" in it (``passfile``, a path,
+    is shown)."""
+    name = key.lower()
+    return name != "passfile" and any(part in name for part in ("pass", "secret", "token"))
+
+
+def display_url(url: URL | str) -> str:
+    """``url`` as shown to people (messages, logs, the CLI): its password and every
+    credential in its query string masked as ``***``, the rest as given."""
+    if isinstance(url, str):
+        try:
+            url = make_url(url)
+        except (ValueError, sa_exc.ArgumentError):
+            return "<an unparseable URL>"
+    shown = url.set(query={}).render_as_string(hide_password=True)
+    parts = [
+        f"{quote_plus(key)}={'***' if is_secret_parameter(key) else quote_plus(value)}"
+        for key, values in url.query.items()
+        for value in ((values,) if isinstance(values, str) else values)
+    ]
+    return f"{shown}?{'&'.join(parts)}" if parts else shown
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -442,6 +472,13 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
     write again costs microseconds; unprepared statements (PgBouncer) always get custom plans.
     """
     connect_args = dict(engine_kwargs.get("connect_args", {}))
+    # Credentials (?sslpassword=...) go to the driver as they would from the URL, but leave
+    # the engine's URL, which repr(engine) and SQLAlchemy's own messages show.
+    secrets = [key for key in url.query if is_secret_parameter(key)]
+    for key in secrets:
+        value = url.query[key]
+        connect_args.setdefault(key, value if isinstance(value, str) else value[-1])
+    url = url.difference_update_query(secrets)
     raw = url.query.get("prepare_threshold")
     if raw is not None:
         value = raw if isinstance(raw, str) else raw[-1]

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import URL, Connection
 
 from hermes_store import ddl, files, fulltext, migrate
-from hermes_store.engine import sqlite_file
+from hermes_store.engine import display_url, sqlite_file
 from hermes_store.errors import HermesStoreError, mapped_errors, open_errors
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
@@ -40,7 +40,7 @@ def read_state(url: URL) -> migrate.DatabaseState | None:
             state = migrate.read_state(conn)
     finally:
         engine.dispose()
-    migrate.check_adoptable(state, url.render_as_string(hide_password=True))
+    migrate.check_adoptable(state, display_url(url))
     return state
 
 

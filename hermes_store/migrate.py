@@ -39,6 +39,7 @@ from hermes_store.engine import (
     Target,
     create_engine,
     create_private_file,
+    display_url,
     make_private_dirs,
     same_connection,
     sqlite_file,
@@ -326,7 +327,7 @@ def adopt(conn: Connection) -> DatabaseState:
 
 
 def _describe(conn: Connection) -> str:
-    return conn.engine.url.render_as_string(hide_password=True)
+    return display_url(conn.engine.url)
 
 
 @contextmanager
@@ -623,7 +624,7 @@ def current(target: Target) -> str | None:
 
 
 def _describe_url(url: sa.URL) -> str:
-    return url.render_as_string(hide_password=True)
+    return display_url(url)
 
 
 def _current_revision(conn: Connection) -> str | None:
