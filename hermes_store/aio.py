@@ -46,7 +46,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 from hermes_store import validate
-from hermes_store.engine import Target, default_db_path, to_url
+from hermes_store.engine import Target, default_db_path, display_url, to_url
 from hermes_store.errors import HermesStoreError, InvalidInputError, extras_named
 from hermes_store.rows import (
     ConversationTurn,
@@ -245,7 +245,9 @@ class AsyncSessionDB:
             return self._target
         url = to_url(self._target)  # type: ignore[arg-type]
         if url.get_backend_name() != "postgresql":
-            raise InvalidInputError(f"AsyncSessionDB serves SQLite or PostgreSQL, not {url}")
+            raise InvalidInputError(
+                f"AsyncSessionDB serves SQLite or PostgreSQL, not {display_url(url)}"
+            )
         url = url.set(drivername="postgresql+psycopg_async")
         url, kwargs = _psycopg_options(url, {})
         # As the sync store's engine: a modest pool, no ping per call (the liveness check

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote_plus
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -116,7 +117,36 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         return URL.create("sqlite", database=str(path))
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
+    given = url.query.get("password")
+    if url.password is None and isinstance(given, str) and url.get_backend_name() != "sqlite":
+        # The driver gets it either way; in its place every rendering of the URL masks it.
+        url = url.set(password=given).difference_update_query(["password"])
     return url
+
+
+def is_secret_parameter(key: str) -> bool:
+    """True for a URL query parameter that carries a credential: ``password``,
+    ``sslpassword``, any name with "pass", "secret" or "token" in it (``passfile``, a path,
+    is shown)."""
+    name = key.lower()
+    return name != "passfile" and any(part in name for part in ("pass", "secret", "token"))
+
+
+def display_url(url: URL | str) -> str:
+    """``url`` as shown to people (messages, logs, the CLI): its password and every
+    credential in its query string masked as ``***``, the rest as given."""
+    if isinstance(url, str):
+        try:
+            url = make_url(url)
+        except (ValueError, sa_exc.ArgumentError):
+            return "<an unparseable URL>"
+    shown = url.set(query={}).render_as_string(hide_password=True)
+    parts = [
+        f"{quote_plus(key)}={'***' if is_secret_parameter(key) else quote_plus(value)}"
+        for key, values in url.query.items()
+        for value in ((values,) if isinstance(values, str) else values)
+    ]
+    return f"{shown}?{'&'.join(parts)}" if parts else shown
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -254,7 +284,8 @@ def create_engine(
     if _is_psycopg(engine):
         install_safe_ping(engine)
         install_liveness_check(engine)
-        register_origin(engine, url, engine_kwargs.get("connect_args", {}))
+        if "creator" not in engine_kwargs:
+            register_origin(engine, url, engine_kwargs.get("connect_args", {}))
     placement_mod.install(engine, where)
     return engine
 
@@ -263,7 +294,7 @@ def _is_psycopg(engine: Engine) -> bool:
     return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
 
 
-#: How the engines this module made were built (the autocommit twin is built the same way).
+#: Where the engines this module made connect: their URL and connect arguments.
 _ORIGINS: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -273,15 +304,36 @@ _TWIN_LOCK = threading.Lock()
 
 
 def register_origin(engine: Engine, url: URL, connect_args: dict[str, Any]) -> None:
-    """Record what ``engine`` was made from, so its autocommit twin is made the same way."""
+    """Record what ``engine`` was made from (see :func:`connection_key`)."""
     _ORIGINS[engine] = (url, dict(connect_args))
+
+
+def connection_key(engine: Engine) -> str:
+    """Where ``engine`` connects, as a key: two engines with equal keys reach one database.
+    The URL alone is not enough (connect_args may name another host or database); an engine
+    this module did not make from a URL (its connect function is opaque) is a key of its own."""
+    origin = _ORIGINS.get(engine)
+    if origin is None:
+        return f"{engine.url.render_as_string(hide_password=False)}#engine-{id(engine)}"
+    url, connect_args = origin
+    return f"{url.render_as_string(hide_password=False)}#{sorted(connect_args.items())!r}"
+
+
+def same_connection(target: Target) -> dict[str, Any]:
+    """``create_engine`` arguments that make a new engine connect exactly where ``target``
+    does when it is a server Engine: its own connect function (its connect_args, its creator
+    and its dialect's do_connect hooks are in there; its URL alone may name another server)."""
+    if isinstance(target, Engine) and target.dialect.name != "sqlite":
+        return {"creator": target.pool._creator}
+    return {}
 
 
 def autocommit_engine(engine: Engine) -> Engine:
     """The autocommit twin of a PostgreSQL ``engine``: its own small pool whose connections are
     opened in autocommit (never toggled: psycopg refuses that on a connection not idle), with
-    the same URL, connect arguments, liveness check and execution options. One statement on it
-    is one round trip: no BEGIN, no COMMIT. Made once per engine; disposed with it."""
+    the same liveness check and execution options, connecting exactly where ``engine`` does.
+    One statement on it is one round trip: no BEGIN, no COMMIT. Made once per engine;
+    disposed with it."""
     with _TWIN_LOCK:
         twin = _TWINS.get(engine)
         if twin is None:
@@ -290,15 +342,14 @@ def autocommit_engine(engine: Engine) -> Engine:
 
 
 def _make_twin(engine: Engine) -> Engine:
-    url, connect_args = _ORIGINS.get(engine, (engine.url, {}))
     base = sa.create_engine(
-        url,
+        engine.url,
         # An asyncio engine's twin is one too: its statements then run in the caller's greenlet.
         _is_async=engine.dialect.is_async,
         isolation_level="AUTOCOMMIT",
         pool_size=AUTOCOMMIT_POOL_SIZE,
         max_overflow=AUTOCOMMIT_MAX_OVERFLOW,
-        connect_args=connect_args,
+        **same_connection(engine),
     )
     if _is_psycopg(base):
         install_safe_ping(base)
@@ -428,6 +479,13 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
     write again costs microseconds; unprepared statements (PgBouncer) always get custom plans.
     """
     connect_args = dict(engine_kwargs.get("connect_args", {}))
+    # Credentials (?sslpassword=...) go to the driver as they would from the URL, but leave
+    # the engine's URL, which repr(engine) and SQLAlchemy's own messages show.
+    secrets = [key for key in url.query if is_secret_parameter(key)]
+    for key in secrets:
+        value = url.query[key]
+        connect_args.setdefault(key, value if isinstance(value, str) else value[-1])
+    url = url.difference_update_query(secrets)
     raw = url.query.get("prepare_threshold")
     if raw is not None:
         value = raw if isinstance(raw, str) else raw[-1]

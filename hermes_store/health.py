@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import sqlalchemy as sa
 from sqlalchemy import func, select
 from sqlalchemy.engine import URL, Connection
 
 from hermes_store import ddl, files, fulltext, migrate
-from hermes_store.engine import sqlite_file
+from hermes_store.engine import display_url, sqlite_file
 from hermes_store.errors import (
     AccessDeniedError,
     DatabaseLockedError,
@@ -51,7 +52,7 @@ def read_state(url: URL, *, adoptable: bool = True) -> migrate.DatabaseState | N
     finally:
         engine.dispose()
     if adoptable:
-        migrate.check_adoptable(state, url.render_as_string(hide_password=True))
+        migrate.check_adoptable(state, display_url(url))
     return state
 
 
@@ -193,6 +194,66 @@ def _postgresql_checks(conn: Connection) -> list[Check]:
     ]
 
 
+#: PgBouncer's ``server_login_retry`` above this strands writers after a server restart.
+MAX_SERVER_LOGIN_RETRY_S = 2.0
+POOLER_ADVICE = (
+    "after a server restart PgBouncer refuses every client for server_login_retry seconds "
+    "(default 15) once a server login failed; set server_login_retry = 1"
+)
+
+
+def pooler_checks(url: URL) -> list[Check]:
+    """PgBouncer in front of the server (its admin console, the ``pgbouncer`` database on the
+    same address, answers): the settings that strand writers after a server restart. A
+    server that is no PgBouncer gives no check; a console this user may not read, advice."""
+    import psycopg  # the postgresql extra: only server URLs get here
+
+    console = url.set(drivername="postgresql+psycopg", database="pgbouncer")
+    console = console.difference_update_query(["prepare_threshold", "options"])
+    cargs, cparams = sa.create_engine(console).dialect.create_connect_args(console)
+    cparams.setdefault("connect_timeout", 5)
+    try:
+        with psycopg.connect(*cargs, autocommit=True, **cparams) as conn:
+            cursor = conn.cursor()
+            cursor.execute("SHOW CONFIG")
+            config = {str(row[0]): str(row[1]) for row in cursor.fetchall()}
+    except psycopg.Error as error:
+        if "not allowed" in str(error):
+            return [
+                Check(
+                    "connection pooler",
+                    "info",
+                    "PgBouncer in front; its settings are not readable by this user (add it to "
+                    f"stats_users to have them checked): {POOLER_ADVICE}",
+                )
+            ]
+        return []  # no PgBouncer answers there (a database server says "does not exist")
+    if "server_login_retry" not in config:
+        return []
+    retry = config["server_login_retry"]
+    try:
+        stranded = float(retry.rstrip("s")) > MAX_SERVER_LOGIN_RETRY_S
+    except ValueError:
+        stranded = False
+    mode = config.get("pool_mode", "?")
+    if stranded:
+        return [
+            Check(
+                "connection pooler",
+                "warn",
+                f"PgBouncer ({mode} pooling), server_login_retry = {retry} s strands writers: "
+                f"{POOLER_ADVICE}",
+            )
+        ]
+    return [
+        Check(
+            "connection pooler",
+            "ok",
+            f"PgBouncer ({mode} pooling), server_login_retry = {retry} s",
+        )
+    ]
+
+
 def _index_check(conn: Connection) -> Check:
     """The full-text index is complete and in step with ``messages`` (see search.check_index)."""
     name = "full-text index"
@@ -326,6 +387,8 @@ def run_doctor(url: URL) -> list[Check]:
             checks += _row_checks(conn)
     finally:
         engine.dispose()
+    if path is None:
+        checks += pooler_checks(url)
     return checks
 
 

@@ -41,7 +41,9 @@ from hermes_store.engine import (
     Target,
     create_engine,
     create_private_file,
+    display_url,
     make_private_dirs,
+    same_connection,
     sqlite_file,
     to_url,
 )
@@ -332,7 +334,7 @@ def adopt(conn: Connection) -> DatabaseState:
 
 
 def _describe(conn: Connection) -> str:
-    return conn.engine.url.render_as_string(hide_password=True)
+    return display_url(conn.engine.url)
 
 
 @contextmanager
@@ -364,7 +366,7 @@ def migration_connection(
         remove_stale_temps(path)
     state = preflight_sqlite(path) if path is not None else None
     created = path is not None and state is None and create_private_file(path)
-    engine = create_engine(url, foreign_keys=False, poolclass=NullPool)
+    engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
     queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
     try:
         with _lock_errors(url), mapped_errors(), queue.turn() if queue else nullcontext() as turn:
@@ -575,7 +577,7 @@ def read_engine(target: Target) -> Engine:
         if preflight_sqlite(path) is None:
             raise NotADatabaseError(f"there is no database at {path}")
         return sa.create_engine(url, poolclass=NullPool)
-    return create_engine(url, poolclass=NullPool)
+    return create_engine(url, poolclass=NullPool, **same_connection(target))
 
 
 def upgrade(
@@ -662,7 +664,7 @@ def current(target: Target) -> str | None:
         if state is None:
             return None
     else:
-        engine = create_engine(url, poolclass=NullPool)
+        engine = create_engine(url, poolclass=NullPool, **same_connection(target))
         try:
             with mapped_errors(), engine.connect() as conn:
                 state = read_state(conn)
@@ -677,7 +679,7 @@ def current(target: Target) -> str | None:
 
 
 def _describe_url(url: sa.URL) -> str:
-    return url.render_as_string(hide_password=True)
+    return display_url(url)
 
 
 def _current_revision(conn: Connection) -> str | None:

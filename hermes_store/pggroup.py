@@ -46,6 +46,7 @@ from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
+from hermes_store.engine import connection_key
 from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
 from hermes_store.groupcommit import DONE, FAILED, QUEUED, RERUN, LeaderQueue, Queued
 
@@ -274,7 +275,7 @@ def for_database(engine: Engine) -> StatementGroups:
     process, so a forked child never waits on its parent's queue; by the schema, so a group
     is written into one schema)."""
     schemas = schema_map(engine)
-    key = (os.getpid(), engine.url.render_as_string(hide_password=False), schemas)
+    key = (os.getpid(), connection_key(engine), schemas)
     groups = _registry.get(key)
     if groups is None:
         with _registry_lock:

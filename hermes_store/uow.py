@@ -73,6 +73,13 @@ T = TypeVar("T")
 
 #: Threads that keep a read connection of their own (the rest check one out per read).
 MAX_HELD_READERS = 16
+#: How long a call waits for an unreachable server before DatabaseUnavailableError.
+DEFAULT_UNAVAILABLE_TIMEOUT_S = 30.0
+#: The pauses while waiting for it: from this, doubling (jittered) up to the next one.
+UNAVAILABLE_FIRST_WAIT_S = 0.05
+UNAVAILABLE_MAX_WAIT_S = 1.0
+#: A call still waiting for the server says so this often (WARNING).
+UNAVAILABLE_LOG_EVERY_S = 5.0
 #: The queue's head asks SQLite for the lock with this busy timeout, then pauses (jittered)
 #: and asks again, keeping its place: short, so it polls often while a foreign writer (the
 #: original store, a sqlite3 shell) holds the lock, and its heartbeat keeps the line waiting.
@@ -81,11 +88,14 @@ QUEUE_HEAD_BUSY_TIMEOUT_S = 0.2
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how long to retry a unit that found the database locked."""
+    """How often and how long to retry a unit that found the database locked; and, separately,
+    how long a call waits for a PostgreSQL server it cannot reach (``unavailable_timeout``
+    seconds: a restart or failover takes seconds, far longer than a lock retry's budget)."""
 
     attempts: int = 15
     min_wait: float = 0.020
     max_wait: float = 0.150
+    unavailable_timeout: float = DEFAULT_UNAVAILABLE_TIMEOUT_S
 
     def waits(self) -> Iterator[float]:
         """One random pause before each retry (so ``attempts - 1`` of them)."""
@@ -313,8 +323,17 @@ class UnitOfWork:
     ) -> Connection:
         head = turn is not None and turn.queued
         left: float | None = None  # the head's attempts
+        patience: _Patience | None = None
         while True:
-            conn = self._connection(write)
+            try:
+                conn = self._connection(write)
+            except sa_exc.DBAPIError as error:
+                # A server not reachable (restarting): nothing was sent, wait for it.
+                if self.is_sqlite or not _lost(error):
+                    raise
+                patience = patience or _Patience(self)
+                patience.pause(error, write=False)
+                continue
             if conn is self._writer_conn:
                 conn.execution_options(**{BUSY_OPTION: self._head_busy_ms if head else None})
             try:
@@ -657,6 +676,7 @@ class UnitOfWork:
     ) -> T:
         engine = self.autocommit_engine
         waits = self.retry.waits()
+        patience = _Patience(self)
         while True:
             try:
                 conn = engine.connect()
@@ -664,7 +684,7 @@ class UnitOfWork:
                 # Nothing was sent: retrying cannot apply anything twice.
                 if not (is_retryable(error) or _lost(error)):
                     raise
-                self._pause_unavailable(waits, error, write=False)
+                patience.pause(error, write=False)
                 continue
             try:
                 result = fn(conn)
@@ -677,7 +697,7 @@ class UnitOfWork:
                 if not _lost(error):
                     raise
                 if idempotent or _never_sent(error):
-                    self._pause_unavailable(waits, error, write=write)
+                    patience.pause(error, write=write)
                     continue
                 raise DatabaseUnavailableError(
                     "lost the database connection while the write was in flight: it may or may "
@@ -689,23 +709,6 @@ class UnitOfWork:
             conn.close()
             self._count(write)
             return result
-
-    def _pause_unavailable(
-        self, waits: Iterator[float], error: sa_exc.DBAPIError, *, write: bool
-    ) -> None:
-        """The pause before retrying after a lost connection; past the last attempt the
-        server is reported unreachable (with nothing written: the call never got through)."""
-        try:
-            delay = next(waits)
-        except StopIteration:
-            raise DatabaseUnavailableError(
-                f"the database stayed unreachable through {self.retry.attempts} attempts"
-                f"{' (the write did not land)' if write else ''}: {error.orig}"
-            ) from error
-        with self._count_lock:
-            self.stats.retries += 1
-        log.info("database connection lost (%s); retrying in %.0f ms", error.orig, delay * 1000)
-        _sleep(delay)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -923,6 +926,53 @@ def _sleep(delay: float) -> None:
     time.sleep(delay)
 
 
+class _Patience:
+    """One call's wait for a server it cannot reach: a deadline counted from the first failure
+    (the policy's ``unavailable_timeout``), jittered pauses growing from 50 ms to 1 s (a
+    fleet does not reconnect in lockstep), progress logged. The pauses go through
+    :func:`_sleep`, so an asyncio store's loop keeps running."""
+
+    __slots__ = ("logged", "started", "tries", "uow", "wait")
+
+    def __init__(self, uow: UnitOfWork) -> None:
+        self.uow = uow
+        self.started: float | None = None
+        self.logged = 0.0
+        self.tries = 0
+        self.wait = UNAVAILABLE_FIRST_WAIT_S
+
+    def pause(self, error: sa_exc.DBAPIError, *, write: bool) -> None:
+        """Wait before the next attempt; past the deadline, report the server unreachable
+        (with nothing written: the call never got through)."""
+        now = time.monotonic()
+        if self.started is None:
+            self.started = self.logged = now
+        waited = now - self.started
+        timeout = self.uow.retry.unavailable_timeout
+        if waited >= timeout:
+            raise DatabaseUnavailableError(
+                f"the database stayed unreachable for {waited:.1f} s ({self.tries} retries)"
+                f"{' (the write did not land)' if write else ''}: {error.orig}"
+            ) from error
+        delay = min(random.uniform(0.5, 1.0) * self.wait, timeout - waited)
+        self.wait = min(self.wait * 2, UNAVAILABLE_MAX_WAIT_S)
+        with self.uow._count_lock:
+            self.uow.stats.retries += 1
+        if self.tries == 0:
+            log.info("database unreachable (%s); retrying for up to %.0f s", error.orig, timeout)
+        elif now - self.logged >= UNAVAILABLE_LOG_EVERY_S:
+            self.logged = now
+            log.warning(
+                "the database has been unreachable for %.1f s (%s); still retrying, for up to "
+                "%.0f s",
+                waited,
+                error.orig,
+                timeout,
+            )
+        self.tries += 1
+        _sleep(delay)
+
+
 class _Reader:
     """A read connection: the pooled one, its driver connection and its pool-record info."""
 
@@ -976,6 +1026,15 @@ _NOT_SENT_PREFIXES = (
     "preparing query failed",
     "flushing failed",
 )
+#: PgBouncer's refusals of a client whose query it never passed to a server: at login while
+#: its server logins fail (``server_login_retry``), when no server connection came within
+#: ``query_wait_timeout``, or when it cannot connect at all.
+_POOLER_NOT_SENT = (
+    "server login has been failing",
+    "query_wait_timeout",
+    "pgbouncer cannot connect to server",
+    "no more connections allowed",
+)
 
 
 def _lost(error: sa_exc.DBAPIError) -> bool:
@@ -989,8 +1048,10 @@ def _lost(error: sa_exc.DBAPIError) -> bool:
 
 
 def _never_sent(error: sa_exc.DBAPIError) -> bool:
-    """True when the driver says the statement never (wholly) left this process."""
-    return str(error.orig).startswith(_NOT_SENT_PREFIXES)
+    """True when the statement never (wholly) left this process, or when PgBouncer says it
+    never passed it on to a server."""
+    text = str(error.orig)
+    return text.startswith(_NOT_SENT_PREFIXES) or any(part in text for part in _POOLER_NOT_SENT)
 
 
 def _close_quietly(conn: Connection) -> None:

@@ -163,6 +163,10 @@ def open_options(retry: object, checkpoint_every: object, writer_busy_timeout: o
 
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise InvalidInputError(f"retry must be a RetryPolicy, not {_kind(retry)}")
+    if retry is not None:
+        real("retry.unavailable_timeout", retry.unavailable_timeout)
+        if retry.unavailable_timeout < 0:
+            raise InvalidInputError("retry.unavailable_timeout must be >= 0 seconds")
     integer("checkpoint_every", checkpoint_every, minimum=0)
     real("writer_busy_timeout", writer_busy_timeout, optional=True)
     if writer_busy_timeout is not None and not 0 <= writer_busy_timeout <= _MAX_BUSY_S:  # type: ignore[operator]

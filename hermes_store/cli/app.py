@@ -145,7 +145,7 @@ class App:
         """``--db``, else ``HERMES_STORE_URL``, else the default file; refused (exit 2) when the
         URL is malformed or names a backend the store does not run on."""
         if self._url is None:
-            from hermes_store.engine import to_url, url_from_environment
+            from hermes_store.engine import display_url, to_url, url_from_environment
 
             origin = "--db" if self._db else "HERMES_STORE_URL"
             try:
@@ -154,7 +154,7 @@ class App:
             except ValueError as error:  # a non-numeric port, a malformed URL
                 raise BadArgument(f"{origin}: {one_line(error)}") from error
             if backend not in SUPPORTED_BACKENDS:
-                shown = url.render_as_string(hide_password=True)
+                shown = display_url(url)
                 raise BadArgument(
                     f"{origin}: unsupported database {shown!r}: use a SQLite path or "
                     "sqlite:/// URL, or a postgresql:// URL"
@@ -164,10 +164,10 @@ class App:
 
     @property
     def where(self) -> str:
-        from hermes_store.engine import sqlite_file
+        from hermes_store.engine import display_url, sqlite_file
 
         path = sqlite_file(self.url)
-        return str(path) if path is not None else self.url.render_as_string(hide_password=True)
+        return str(path) if path is not None else display_url(self.url)
 
     def store(self, *, create: bool = False, read_only: bool = False) -> SessionDB:
         """The store (opening brings the schema to head); a missing file is an error unless
