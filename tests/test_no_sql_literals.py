@@ -19,6 +19,7 @@ that no longer matches anything fails too, so the list stays exact.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,7 @@ def scan_source(source: str, path: str) -> list[Finding]:
     return scanner.findings
 
 
+@functools.cache
 def scan_package() -> list[Finding]:
     findings: list[Finding] = []
     for file in sorted(PACKAGE.rglob("*.py")):

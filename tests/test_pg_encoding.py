@@ -27,6 +27,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from hermes_store import AsyncSessionDB, SessionDB, migrate
@@ -48,8 +49,6 @@ DATABASES: dict[str, dict[str, str]] = {
         "backslash_quote": "on",
         "standard_conforming_strings": "off",
     },
-    "defaults": {"client_encoding": "SHIFT_JIS_2004"},  # every other setting at its default
-    "quoting": {"backslash_quote": "on"},  # the encoding comes from PGCLIENTENCODING
 }
 
 #: Closes the content literal when a backslash slips past the quoting (``\'`` then ``'``),
@@ -186,9 +185,12 @@ def write(url: URL, path: str, texts: list[str], monkeypatch: pytest.MonkeyPatch
     return session
 
 
-@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
+#: Both paths directly; through PgBouncer the grouped one (the other connects alike).
+INJECTION_CASES = [("grouped", "postgresql"), ("ungrouped", "postgresql"), ("grouped", "pgbouncer")]
+
+
 @pytest.mark.parametrize("kind", ["sjis", "sjis2004", "nonstandard"])
-@pytest.mark.parametrize("path", ["grouped", "ungrouped"])
+@pytest.mark.parametrize(("path", "backend"), INJECTION_CASES)
 def test_an_injection_attempt_is_stored_as_given_and_runs_nothing(
     scratch: Callable[[str], URL],
     kind: str,
@@ -205,11 +207,21 @@ def test_an_injection_attempt_is_stored_as_given_and_runs_nothing(
 @pytest.mark.parametrize("kind", ["defaults", "nonstandard"])
 @pytest.mark.parametrize("path", ["grouped", "ungrouped"])
 def test_backslash_escapes_are_stored_as_given(
-    scratch: Callable[[str], URL], kind: str, path: str, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    scratch: Callable[[str], URL],
+    kind: str,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``C:\\new\\x41\\101`` is never read as a newline and two A's."""
-    url = scratch(kind)
-    _fresh(url)
+    """``C:\\new\\x41\\101`` is never read as a newline and two A's: with every server
+    setting at its default and only the client encoding changed (the worker's database and
+    ``PGCLIENTENCODING``), and with ``standard_conforming_strings = off``."""
+    if kind == "defaults":
+        url: URL = request.getfixturevalue("pg_url")
+        monkeypatch.setenv("PGCLIENTENCODING", "SHIFT_JIS_2004")
+    else:
+        url = scratch(kind)
+        _fresh(url)
     assert _stored(url, write(url, path, ESCAPES, monkeypatch)) == ESCAPES
 
 
@@ -230,16 +242,19 @@ def test_yen_signs_and_backslashes_round_trip(
 ENVIRONMENT_CASES = [(path, "postgresql") for path in PATHS] + [("grouped", "pgbouncer")]
 
 
-@pytest.mark.parametrize("encoding", ["SJIS", "SHIFT_JIS_2004"])
+@pytest.mark.parametrize(
+    ("kind", "encoding"), [("sjis", "SHIFT_JIS_2004"), ("sjis2004", "SJIS")]
+)  # the environment's encoding, not the database's, on a database with backslash_quote = on
 @pytest.mark.parametrize(("path", "backend"), ENVIRONMENT_CASES)
 def test_pgclientencoding_in_the_environment_changes_nothing(
     scratch: Callable[[str], URL],
+    kind: str,
     encoding: str,
     path: str,
     backend: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    url = scratch("quoting")
+    url = scratch(kind)
     _fresh(url)
     monkeypatch.setenv("PGCLIENTENCODING", encoding)
     session = write(_target(url, backend), path, TEXTS, monkeypatch)
@@ -275,14 +290,22 @@ def test_every_store_connection_talks_utf8(
     finally:
         given.dispose()
 
-    async def on_the_async_engine() -> list[str]:
-        async with AsyncSessionDB(url_string(url)) as db:
-            found = []
-            for twin in (False, True):
-                found.append(await db.run_sync(lambda sync, twin=twin: _show(sync.engine, twin)))
-            return found
+    async def on_asyncio_engines() -> list[str]:
+        """The store's own asyncio engine, then a caller's (used before the store)."""
+        given = create_async_engine(url.set(drivername="postgresql+psycopg_async"))
+        found = []
+        try:
+            async with given.connect() as conn:
+                found.append((await conn.exec_driver_sql("SHOW client_encoding")).scalar_one())
+            for target in (url_string(url), given):
+                async with AsyncSessionDB(target) as db:
+                    for twin in (False, True):
+                        found.append(await db.run_sync(lambda s, twin=twin: _show(s.engine, twin)))
+        finally:
+            await given.dispose()
+        return found
 
-    assert asyncio.run(on_the_async_engine()) == ["UTF8", "UTF8"]
+    assert asyncio.run(on_asyncio_engines()) == ["SJIS", "UTF8", "UTF8", "UTF8", "UTF8"]
 
 
 def _show(engine: sa.Engine, twin: bool) -> str:
