@@ -9,15 +9,15 @@ transaction: one round trip, one flush and one hold of each row's lock for the w
 
 How: a caller queues its statement; when no leader runs in this process it leads, takes every
 queued statement (up to 32, its own among them) and sends them on an autocommit connection in
-ONE pipeline (psycopg's pipeline mode): each statement with its parameters bound by the server,
-then a single Sync. Until that Sync the server keeps the statements in one transaction, all of
-them or none, and answers them all at once: one round trip. No value is ever quoted into SQL
-text, so no client encoding, ``standard_conforming_strings`` or ``backslash_quote`` setting can
-turn a value into SQL, and a value arrives as the ordinary path sends it (``-0.0`` keeps its
-sign). A lone write is a group of one: its statement alone, exactly as the ordinary path sends
-it (one round trip). Statements are ordered by their lock key (the session id), so groups of
-different processes take row locks in the same order and never deadlock each other. Callers
-get their results only once the group's transaction committed.
+ONE pipeline (psycopg's pipeline mode): ``BEGIN``, each statement with its parameters bound by
+the server, ``COMMIT`` and a single Sync, which the server answers all at once: one round trip
+for one transaction, all of it or none. No value is ever quoted into SQL text, so no client
+encoding, ``standard_conforming_strings`` or ``backslash_quote`` setting can turn a value into
+SQL, and a value arrives as the ordinary path sends it (``-0.0`` keeps its sign). A lone write
+is a group of one: its statement alone, exactly as the ordinary path sends it (one round trip).
+Statements are ordered by their lock key (the session id), so groups of different processes
+take row locks in the same order and never deadlock each other. Callers get their results only
+once the group's transaction committed.
 
 When a group fails:
 
