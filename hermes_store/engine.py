@@ -62,6 +62,10 @@ IDLE_PING_AFTER_S = 30.0
 PSYCOPG_PREPARE_THRESHOLD = 5
 #: The startup option asking the server for a plan per execution (see ``_psycopg_options``).
 CUSTOM_PLANS_OPTION = "-c plan_cache_mode=force_custom_plan"
+#: The client encoding of every store connection, whatever the database, the role or
+#: ``PGCLIENTENCODING`` say: in SJIS, BIG5, GBK, ... a ``¥`` or a backslash does not survive
+#: the trip, and only UTF-8 carries every string as given.
+CLIENT_ENCODING = "UTF8"
 #: The autocommit pool of one-statement calls: small and without overflow. Small: each call
 #: holds a connection for one round trip, the server runs a few statements per core at once,
 #: and on a machine it shares every extra busy backend preempts the caller (an asyncio loop
@@ -246,6 +250,8 @@ def create_engine(
                 synchronous=synchronous,
                 wal_size_limit=wal_size_limit,
             )
+        elif _is_psycopg(target):
+            install_utf8(target)
         return target
     url = to_url(target)
     where = placement_mod.current() if placement is None else placement
@@ -349,6 +355,8 @@ def _make_twin(engine: Engine) -> Engine:
         isolation_level="AUTOCOMMIT",
         pool_size=AUTOCOMMIT_POOL_SIZE,
         max_overflow=AUTOCOMMIT_MAX_OVERFLOW,
+        # The given engine's own connect function: its connect_args (UTF-8 among them) and
+        # do_connect hooks come along.
         **same_connection(engine),
     )
     if _is_psycopg(base):
@@ -477,6 +485,8 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
     a generic plan that cannot see the parameters, and for a full-text search that plan walks
     the whole table for a rare word (3 ms became 10-16 ms at 10k messages). Planning a simple
     write again costs microseconds; unprepared statements (PgBouncer) always get custom plans.
+
+    The client encoding is UTF-8 (:data:`CLIENT_ENCODING`, a startup parameter: no round trip).
     """
     connect_args = dict(engine_kwargs.get("connect_args", {}))
     # Credentials (?sslpassword=...) go to the driver as they would from the URL, but leave
@@ -486,6 +496,7 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
         value = url.query[key]
         connect_args.setdefault(key, value if isinstance(value, str) else value[-1])
     url = url.difference_update_query(secrets)
+    connect_args["client_encoding"] = CLIENT_ENCODING
     raw = url.query.get("prepare_threshold")
     if raw is not None:
         value = raw if isinstance(raw, str) else raw[-1]
@@ -503,7 +514,27 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
         given = given if isinstance(given, str) else given[-1]
         if "plan_cache_mode" not in given:
             connect_args["options"] = f"{given} {CUSTOM_PLANS_OPTION}".strip()
-    return url, ({**engine_kwargs, "connect_args": connect_args} if connect_args else engine_kwargs)
+    return url, {**engine_kwargs, "connect_args": connect_args}
+
+
+def install_utf8(engine: Engine) -> None:
+    """Make a PostgreSQL engine handed to the store talk UTF-8 (see :data:`CLIENT_ENCODING`):
+    its new connections ask for it at startup, and a connection it pooled before in another
+    encoding is replaced when the pool hands it out. Idempotent."""
+    if not event.contains(engine, "do_connect", _utf8_startup):
+        event.listen(engine, "do_connect", _utf8_startup)
+        event.listen(engine, "checkout", _utf8_checkout)
+
+
+def _utf8_startup(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    cparams["client_encoding"] = CLIENT_ENCODING
+
+
+def _utf8_checkout(dbapi_connection: Any, _record: ConnectionPoolEntry, _proxy: Any) -> None:
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    if driver.info.encoding != "utf-8":
+        log.info("pooled connection in client encoding %s; replacing it", driver.info.encoding)
+        raise sa_exc.DisconnectionError("pooled connection not in UTF-8")
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,16 @@ write of this process is in flight, the others queue; the next leader sends them
 transaction: one round trip, one flush and one hold of each row's lock for the whole group.
 
 How: a caller queues its statement; when no leader runs in this process it leads, takes every
-queued statement (up to 32, its own among them) and sends them as ONE
-simple-protocol message on an autocommit connection. PostgreSQL runs a message of several
-statements as one implicit transaction, all of it or none; parameters are bound client-side
-by psycopg (its quoting). A lone write is a group of one: one statement, one round trip, as
-before. Statements are ordered by their lock key (the session id), so groups of different
-processes take row locks in the same order and never deadlock each other. Callers get their
-results only once the message's transaction committed.
+queued statement (up to 32, its own among them) and sends them on an autocommit connection in
+ONE pipeline (psycopg's pipeline mode): ``BEGIN``, each statement with its parameters bound by
+the server, ``COMMIT`` and a single Sync, which the server answers all at once: one round trip
+for one transaction, all of it or none. No value is ever quoted into SQL text, so no client
+encoding, ``standard_conforming_strings`` or ``backslash_quote`` setting can turn a value into
+SQL, and a value arrives as the ordinary path sends it (``-0.0`` keeps its sign). A lone write
+is a group of one: its statement alone, exactly as the ordinary path sends it (one round trip).
+Statements are ordered by their lock key (the session id), so groups of different processes
+take row locks in the same order and never deadlock each other. Callers get their results only
+once the group's transaction committed.
 
 When a group fails:
 
@@ -22,8 +25,9 @@ When a group fails:
   transaction was rolled back, nothing landed; each caller runs its statement again, alone, on
   the ordinary one-statement path (:meth:`UnitOfWork.run_statement`'s retries) and gets that
   run's result or error, so only the faulty call fails;
-- the message never left this process (the driver says so): nothing landed; as above;
-- the connection broke while the message was on its way or running: the outcome is unknown.
+- the group never left this process (the driver says so), or the connection broke before
+  its COMMIT was sent: nothing landed; as above;
+- the connection broke while the group was on its way or running: the outcome is unknown.
   Idempotent statements run again; the others raise :class:`DatabaseUnavailableError` ("may
   or may not have landed"), as a lone statement lost in flight does: an unacknowledged write
   is never applied twice.
@@ -35,6 +39,7 @@ switches this off along with SQLite's group commit.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -127,6 +132,15 @@ def _bound(
     return compiled.string, dict(compiled.construct_params(dict(params)) or {})
 
 
+class _Stage(enum.Enum):
+    """How far a group got when it failed: what a lost connection may have committed."""
+
+    LONE = "lone"  # one autocommit statement: committed as soon as the server ran it
+    STATEMENTS = "statements"  # the pipeline's BEGIN and statements: nothing can commit yet
+    COMMIT = "commit"  # its COMMIT being handed to the driver
+    SYNC = "sync"  # the COMMIT was sent: the server may have run it
+
+
 class StatementGroups(LeaderQueue[Grouped[Any]]):
     """The group-commit queue of one PostgreSQL database and schema in this process (get it
     with :func:`for_database`): every store on them, whatever its engine, queues here."""
@@ -165,8 +179,6 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                 self._cond.notify_all()
 
     def _send(self, batch: list[Grouped[Any]], uow: UnitOfWork) -> None:
-        from psycopg import ClientCursor  # the postgresql extra; only PostgreSQL stores get here
-
         dialect = uow.engine.dialect
         dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
         ordered = sorted(batch, key=lambda unit: unit.key)
@@ -178,36 +190,49 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             return
         try:
             driver: Any = conn.connection.driver_connection
-            cursor = ClientCursor(driver)
-            text = ";\n".join(
-                cursor.mogrify(*_bound(unit.statement, unit.params, dialect, self.schemas))
-                for unit in ordered
-            )
+            bound = [_bound(unit.statement, unit.params, dialect, self.schemas) for unit in ordered]
+            cursors = [driver.cursor() for _ in ordered]
             dispatch = conn.dispatch  # the cursor events fire, as for any statement
+            stage = _Stage.STATEMENTS if len(ordered) > 1 else _Stage.LONE
             try:
                 if dispatch.before_cursor_execute:
-                    dispatch.before_cursor_execute(conn, cursor, text, (), None, False)
-                cursor.execute(text)
+                    for cursor, (sql, params) in zip(cursors, bound, strict=True):
+                        dispatch.before_cursor_execute(conn, cursor, sql, params, None, False)
+                if stage is _Stage.LONE:  # a lone write: sent as the ordinary path sends it
+                    cursors[0].execute(*bound[0])
+                else:
+                    # BEGIN and COMMIT inside the pipeline: a statement that fails, or one that
+                    # never leaves (a value the driver cannot send), leaves the transaction
+                    # open at the pipeline's Sync instead of committing the ones before it.
+                    control = driver.cursor()
+                    with driver.pipeline():
+                        control.execute("BEGIN", prepare=False)
+                        for cursor, (sql, params) in zip(cursors, bound, strict=True):
+                            cursor.execute(sql, params)
+                        stage = _Stage.COMMIT
+                        control.execute("COMMIT", prepare=False)
+                        stage = _Stage.SYNC
                 if dispatch.after_cursor_execute:
-                    dispatch.after_cursor_execute(conn, cursor, text, (), None, False)
+                    for cursor, (sql, params) in zip(cursors, bound, strict=True):
+                        dispatch.after_cursor_execute(conn, cursor, sql, params, None, False)
             except dbapi_error as orig:
-                self._failed(uow, conn, batch, orig)
+                self._failed(uow, conn, batch, orig, stage)
                 return
             except BaseException:  # interrupted in flight: the outcome is unknown
                 conn.invalidate()
                 self._unknown(batch, "the write's group was interrupted in flight")
                 raise
-            self._settle_committed(uow, ordered, cursor)
+            self._settle_committed(uow, ordered, cursors)
         finally:
             conn.close()
 
-    def _settle_committed(self, uow: UnitOfWork, ordered: list[Grouped[Any]], cursor: Any) -> None:
+    def _settle_committed(
+        self, uow: UnitOfWork, ordered: list[Grouped[Any]], cursors: list[Any]
+    ) -> None:
         """The group committed: hand each caller its result (never a re-run)."""
         with self._cond:
-            for index, unit in enumerate(ordered):
+            for unit, cursor in zip(ordered, cursors, strict=True):
                 try:
-                    if index:
-                        cursor.nextset()
                     unit.state, unit.result = DONE, unit.read(cursor)
                 except Exception as error:  # committed all the same: say so, never re-run it
                     unit.state = FAILED
@@ -218,21 +243,31 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         uow._count_writes(len(ordered))
 
     def _failed(
-        self, uow: UnitOfWork, conn: Connection, batch: list[Grouped[Any]], orig: Exception
+        self,
+        uow: UnitOfWork,
+        conn: Connection,
+        batch: list[Grouped[Any]],
+        orig: Exception,
+        stage: _Stage,
     ) -> None:
-        """The group's message failed: refused by the server or never sent (nothing landed:
-        run each again alone), else lost in flight (unknown)."""
+        """The group failed: refused by the server, or lost before its COMMIT could have run
+        (nothing landed: run each again alone), else lost in flight (unknown)."""
         from hermes_store.uow import _lost, _never_sent, _wrapped
 
         error = _wrapped(orig, uow.engine.dialect)
         uow._record_group(len(batch), lost=True)
         driver: Any = conn.connection.driver_connection
         if not _lost(error) and not driver.closed:
+            # Refused (or stopped before its COMMIT): nothing of the group committed.
             log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
+            if not _rolled_back(conn, driver):
+                conn.invalidate()  # the server drops the open transaction with the connection
             self._settle(batch, RERUN)
             return
         conn.invalidate()
-        if _never_sent(error):
+        # Before its COMMIT was handed to the driver, a lost group's transaction could only end
+        # in a rollback; while the COMMIT is handed over, the driver says whether it left.
+        if stage is _Stage.STATEMENTS or (stage is not _Stage.SYNC and _never_sent(error)):
             self._settle(batch, RERUN)
             return
         self._unknown(
@@ -264,6 +299,20 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             for unit in batch:
                 if unit.state == QUEUED:
                     unit.state = state
+
+
+def _rolled_back(conn: Connection, driver: Any) -> bool:
+    """End the transaction a failed group left open (its pipeline's BEGIN): True once the
+    connection is idle again (no round trip when it already is)."""
+    dbapi = conn.dialect.loaded_dbapi
+    if driver.info.transaction_status == dbapi.pq.TransactionStatus.IDLE:
+        return True
+    try:
+        driver.rollback()
+    except dbapi.Error as error:
+        log.info("could not roll back a failed PostgreSQL write group (%s)", error)
+        return False
+    return True
 
 
 _registry: dict[tuple[int, str, SchemaMap], StatementGroups] = {}
