@@ -53,11 +53,15 @@ CLIENT_QUOTING = frozenset(
 #: Audited uses of formatted SQL: (file under hermes_store/, enclosing function) -> why no
 #: caller's value can reach the text.
 ALLOWED: dict[tuple[str, str], str] = {
+    # The full-text tables' names: ddl.FTS_TABLE / ddl.CJK_TABLE, or names read back from
+    # sqlite_master for exactly those tables' shadow tables.
+    ("fulltext.py", "structure"): "the FTS table name (a ddl constant) + '_data'",
+    ("fulltext.py", "_opens"): "the FTS table name (a ddl constant)",
+    ("fulltext.py", "reset_shadow_tables"): "shadow table names of the ddl's FTS tables",
     # SQLite PRAGMAs take no bound parameters; the values are numbers of the package's own.
     ("engine.py", "setup_connection"): "PRAGMA values: int() of the store's own settings",
     ("engine.py", "prepare_driver"): "PRAGMA busy_timeout: int() of the store's settings",
     ("maintenance.py", "secure_deletes"): "PRAGMA value from a fixed table of the module",
-    ("maintenance.py", "_vacuum_step"): "PRAGMA incremental_vacuum(n): a module constant",
     # Identifiers and constants the package defines: never a caller's value.
     ("fulltext.py", "SqliteFullText.optimize"): "the FTS table's name: a ddl constant",
     ("fulltext.py", "SqliteFullText.leaf_pages"): "the FTS table's name: a ddl constant",
