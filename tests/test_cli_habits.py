@@ -204,7 +204,8 @@ def test_stats_fit_80_columns_and_say_what_they_leave_out(narrow: CliRunner, man
     assert "1,234,567" in table and "$12.5000" in table
     assert "(all zero, left out: cache read, cache write, reasoning)" in table
     assert "cache write" not in table.split("(all zero")[0]
-    report = analytics.summary(SessionDB(many, migrate="check"), days=7)
+    with SessionDB(many, migrate="check") as db:
+        report = analytics.summary(db, days=7)
     assert report["totals"]["input_tokens"] == 1_234_567 and len(report["by_day"]) == 1
 
 
