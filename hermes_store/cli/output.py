@@ -17,7 +17,6 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -107,7 +106,7 @@ def pager() -> Iterator[None]:
     finally:
         _paged = None
     text = "\n".join(gathered)
-    height = shutil.get_terminal_size().lines
+    height = _height()
     if text.count("\n") + 1 >= height:
         click.echo_via_pager(text, color=color())
     elif gathered:
@@ -135,6 +134,17 @@ def wrapped(text: str, indent: str = "") -> str:
     for paragraph in text.split("\n"):
         lines += [indent + line for line in wrap(paragraph, room)] if paragraph else [indent]
     return "\n".join(lines)
+
+
+def _height() -> int:
+    """The terminal's height (``LINES`` first), 24 when there is none."""
+    lines = os.environ.get("LINES", "")
+    if lines.isdigit() and int(lines) > 0:
+        return int(lines)
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).lines  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        return 24
 
 
 def width() -> int:
