@@ -314,10 +314,12 @@ def test_refuses_and_leaves_file_untouched(tmp_path: Path, case: str, how: str) 
     if how == "alembic":
         result = alembic_cli("upgrade", "head", env_url=f"sqlite:///{path}", tmp_path=tmp_path)
         assert result.returncode != 0
-        last = result.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"hermes_store.errors.{error.__name__}: "), result.stderr
-        assert str(path) in last
-        assert re.search(found, last), last
+        output = result.stdout + result.stderr
+        assert "Traceback" not in output, output  # Alembic's convention: one FAILED line
+        failed = [line for line in output.splitlines() if line.startswith("FAILED: ")]
+        assert len(failed) == 1, output
+        assert str(path) in failed[0]
+        assert re.search(found, failed[0]), failed[0]
     else:
         with pytest.raises(error, match=found) as caught:
             if how == "upgrade":

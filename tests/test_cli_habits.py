@@ -3,12 +3,16 @@ it is cut and can list everything."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -200,7 +204,8 @@ def test_stats_fit_80_columns_and_say_what_they_leave_out(narrow: CliRunner, man
     assert "1,234,567" in table and "$12.5000" in table
     assert "(all zero, left out: cache read, cache write, reasoning)" in table
     assert "cache write" not in table.split("(all zero")[0]
-    report = analytics.summary(SessionDB(many, migrate="check"), days=7)
+    with SessionDB(many, migrate="check") as db:
+        report = analytics.summary(db, days=7)
     assert report["totals"]["input_tokens"] == 1_234_567 and len(report["by_day"]) == 1
 
 
@@ -214,3 +219,90 @@ def test_db_history_is_one_line_per_revision(narrow: CliRunner, many: Path) -> N
     assert revisions[-1].current and revisions[-1].head and revisions[1].down_revision == "v1_base"
     piped = run(narrow, many, "db", "history").stdout.splitlines()
     assert piped[1].split("\t")[-1].endswith("full-text objects.")  # whole when piped
+
+
+def _on_a_terminal(args: list[str], extra_env: dict[str, str]) -> str:
+    """Run the CLI with stdout on a 24x80 pty; returns what reached the terminal."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("HERMES_STORE_URL", "COLUMNS")}
+    env.update({"NO_COLOR": "1", "TERM": "dumb", **extra_env})
+    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=follower,  # a pager needs a terminal on both sides, as at a shell prompt
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    assert process.wait(timeout=120) == 0, process.stderr.read() if process.stderr else ""
+    os.close(leader)
+    return shown.decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+@pytest.mark.slow
+def test_long_output_is_paged_and_wrapped_on_a_terminal_only(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    sentence = "a checkpoint cannot copy frames past the oldest reader snapshot"
+    with SessionDB(path) as db:
+        db.create_session("long", "cli")
+        for turn in range(30):
+            db.append_message("long", "user", f"turn {turn}: {sentence}, " * 3)
+    paged = tmp_path / "paged.txt"
+    script = tmp_path / "pager.sh"
+    script.write_text(f"#!/bin/sh\ncat > '{paged}'\n", encoding="utf-8")
+    script.chmod(0o755)
+    pager_env = {"PAGER": str(script)}
+    screen = _on_a_terminal(["--db", str(path), "sessions", "show", "long"], pager_env)
+    assert "turn 29" not in screen  # it went to the pager, not straight to the terminal
+    text = paged.read_text(encoding="utf-8")
+    assert "turn 0:" in text and "turn 29:" in text
+    assert all(len(line) <= 80 for line in text.splitlines())  # wrapped at words
+    paged.unlink()
+    screen = _on_a_terminal(
+        ["--db", str(path), "--no-pager", "sessions", "show", "long"], pager_env
+    )
+    assert not paged.exists() and "turn 29:" in screen
+    assert all(len(line) <= 80 for line in screen.splitlines())
+    piped = _cli("--db", str(path), "sessions", "show", "long", stdout=subprocess.PIPE)
+    out, _ = piped.communicate(timeout=120)
+    assert not paged.exists()  # piped: never paged
+    assert any(len(line) > 80 for line in out.splitlines())  # and lines stay whole for grep
+
+
+def _complete(*words: str) -> list[str]:
+    """What bash completion offers after ``words`` (click's completion protocol)."""
+    env = {k: v for k, v in os.environ.items() if k != "HERMES_STORE_URL"}
+    env.update(
+        {
+            "COMP_WORDS": " ".join(("hermes-store", *words)),
+            "COMP_CWORD": str(len(words)),
+            "_HERMES_STORE_COMPLETE": "bash_complete",
+        }
+    )
+    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    return [line.split(",", 1)[1] for line in done.stdout.splitlines() if line]
+
+
+@pytest.mark.slow
+def test_session_references_complete_to_ids(many: Path, tmp_path: Path) -> None:
+    assert _complete("--db", str(many), "sessions", "show", "s04") == [
+        f"s04{n}" for n in range(4, -1, -1)
+    ]
+    assert "s000" in _complete("--db", str(many), "export", "--session", "s00")
+    assert _complete("--db", str(tmp_path / "missing.db"), "sessions", "show", "s") == []
+    assert "prune" in _complete("sessions", "p")

@@ -7,6 +7,7 @@ Only click is imported here: SQLAlchemy, Alembic and rich load when a command ne
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -196,6 +197,35 @@ class App:
 pass_app = click.make_pass_decorator(App)
 
 
+#: How many of the newest sessions' ids the shell completes.
+COMPLETED_SESSIONS = 50
+
+
+def complete_session(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
+    """Shell completion of a session reference: the ids of the newest sessions (with their
+    titles as help) that start with what was typed. The database is --db's, else the
+    default; one that cannot be opened completes nothing (completion must never print)."""
+    from click.shell_completion import CompletionItem
+
+    from hermes_store.errors import HermesStoreError
+
+    app = App(ctx.find_root().params.get("db"))
+    try:
+        rows = app.store(read_only=True).list_sessions_rich(
+            limit=COMPLETED_SESSIONS, include_children=True
+        )
+    except (HermesStoreError, click.ClickException, OSError) as error:
+        logging.getLogger(__name__).debug("no session completion: %s", error)
+        return []
+    finally:
+        app.close()
+    return [
+        CompletionItem(row["id"], help=row.get("title") or None)
+        for row in rows
+        if row["id"].startswith(incomplete)
+    ]
+
+
 def resolve_session(db: SessionDB, ref: str) -> str:
     """A session id from an exact id, an exact title, a unique id prefix or a title lineage."""
     if db.get_session(ref) is not None:
@@ -261,9 +291,20 @@ yes_option = click.option(
     help="Name of the Alembic version table. "
     "Default: $HERMES_STORE_VERSION_TABLE, else alembic_version.",
 )
+@click.option(
+    "--no-pager",
+    is_flag=True,
+    help="Print long output straight to the terminal (default: through $PAGER, else less).",
+)
 @click.version_option(package_name="hermes-store", prog_name="hermes-store")
 @click.pass_context
-def cli(ctx: click.Context, db: str | None, schema: str | None, version_table: str | None) -> None:
+def cli(
+    ctx: click.Context,
+    db: str | None,
+    schema: str | None,
+    version_table: str | None,
+    no_pager: bool,
+) -> None:
     """Manage a Hermes session database: migrations, sessions, search, export and health.
 
     \b
@@ -280,6 +321,9 @@ def cli(ctx: click.Context, db: str | None, schema: str | None, version_table: s
     app = App(db)
     ctx.obj = app
     ctx.call_on_close(app.close)
+    from hermes_store.cli import output
+
+    output.pager_off = no_pager
     if schema is not None or version_table is not None:
         from hermes_store import placement  # only then: --help stays free of SQLAlchemy
 

@@ -21,6 +21,7 @@ from hermes_store.cli.output import (
     echo,
     echo_json,
     format_option,
+    paged,
     print_record,
     print_rows,
 )
@@ -132,6 +133,7 @@ def db_current(app: App, fmt: str | None, as_json: bool) -> None:
 @db.command("history", short_help="Every revision, oldest first.")
 @format_option
 @pass_app
+@paged
 def db_history(app: App, fmt: str | None, as_json: bool) -> None:
     """List the revisions, oldest first, marking the database's current one.
 

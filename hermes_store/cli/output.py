@@ -10,17 +10,19 @@ a header and full values, so ``grep`` and ``cut -f`` see whole titles and number
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
 import io
 import json
 import os
 import re
 import sys
 import unicodedata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -71,12 +73,78 @@ def color() -> bool | None:
     return False if os.environ.get("NO_COLOR") else None
 
 
+#: While a command's output is being gathered for the pager: its lines so far.
+_paged: list[str] | None = None
+#: ``--no-pager``: never page.
+pager_off = False
+
+
 def echo(text: str = "", *, err: bool = False) -> None:
+    if _paged is not None and not err:
+        _paged.append(text)
+        return
     click.echo(text, err=err, color=color())
 
 
 def echo_json(value: Any) -> None:
-    click.echo(json.dumps(value, ensure_ascii=False, indent=2, default=str))
+    echo(json.dumps(value, ensure_ascii=False, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def pager() -> Iterator[None]:
+    """Page what the block prints when it is longer than the terminal (as git and gh do:
+    ``$PAGER``, else ``less``); printed as it is when piped, with ``--no-pager``, or when it
+    fits."""
+    global _paged
+    if pager_off or _paged is not None or not stdout_is_terminal():
+        yield
+        return
+    gathered: list[str] = []
+    _paged = gathered
+    try:
+        yield
+    finally:
+        _paged = None
+    text = "\n".join(gathered)
+    height = _height()
+    if text.count("\n") + 1 >= height:
+        click.echo_via_pager(text, color=color())
+    elif gathered:
+        click.echo(text, color=color())
+
+
+def paged(command: F) -> F:
+    """A command whose output goes through :func:`pager`."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with pager():
+            return command(*args, **kwargs)
+
+    return cast(F, run)
+
+
+def wrapped(text: str, indent: str = "") -> str:
+    """``text`` wrapped at words to the terminal's width (each paragraph on its own), on a
+    terminal only: piped, lines stay whole for grep."""
+    if not stdout_is_terminal():
+        return indent + text
+    room = max(20, width() - cell_width(indent))
+    lines = []
+    for paragraph in text.split("\n"):
+        lines += [indent + line for line in wrap(paragraph, room)] if paragraph else [indent]
+    return "\n".join(lines)
+
+
+def _height() -> int:
+    """The terminal's height (``LINES`` first), 24 when there is none."""
+    lines = os.environ.get("LINES", "")
+    if lines.isdigit() and int(lines) > 0:
+        return int(lines)
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).lines  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        return 24
 
 
 def width() -> int:

@@ -13,6 +13,7 @@ from hermes_store.cli.output import (
     chosen_format,
     echo,
     format_option,
+    paged,
     print_rows,
 )
 
@@ -30,6 +31,7 @@ from hermes_store.cli.output import (
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many rows.")
 @format_option
 @pass_app
+@paged
 def query(
     app: App,
     sql: str,

@@ -15,9 +15,11 @@ from hermes_store.cli.output import (
     format_option,
     highlight,
     iso,
+    paged,
     print_rows,
     unmark,
     when,
+    wrapped,
 )
 
 
@@ -38,6 +40,7 @@ from hermes_store.cli.output import (
 )
 @format_option
 @pass_app
+@paged
 def search(
     app: App,
     query: str,
@@ -84,5 +87,5 @@ def search(
             f" · {hit['source']} · {hit['role']} · {when(hit['timestamp'])}", dim=True
         )
         echo(header)
-        echo("   " + highlight(hit["snippet"] or ""))
+        echo(wrapped(highlight(hit["snippet"] or ""), indent="   "))
     echo(f"{len(hits)} result(s) for {query!r}" if hits else f"No results for {query!r}.")

@@ -11,6 +11,7 @@ import click
 from hermes_store.cli.app import (
     App,
     Problem,
+    complete_session,
     confirm,
     pass_app,
     resolve_session,
@@ -28,10 +29,12 @@ from hermes_store.cli.output import (
     format_option,
     iso,
     num,
+    paged,
     print_rows,
     progress,
     when,
     width,
+    wrapped,
 )
 
 if TYPE_CHECKING:
@@ -98,6 +101,7 @@ def _list_rows(
 @click.option("--all", "every", is_flag=True, help="Every session (the same as --limit 0).")
 @format_option
 @pass_app
+@paged
 def sessions_list(
     app: App,
     sources: tuple[str, ...],
@@ -206,7 +210,7 @@ def _print_message(message: RowDict, full: bool) -> None:
             lines = content.count("\n") + 1
             echo(f"  ◂ {fold(content)}  ({lines} lines, {len(content)} chars)")
         else:
-            echo(content)
+            echo(wrapped(content))
     echo()
 
 
@@ -217,11 +221,12 @@ def _label(row: RowDict | None, session_id: str) -> str:
 
 
 @sessions.command("show", short_help="One session and its conversation.")
-@click.argument("ref", metavar="ID|PREFIX|TITLE")
+@click.argument("ref", metavar="ID|PREFIX|TITLE", shell_complete=complete_session)
 @click.option("--full", is_flag=True, help="Unfold reasoning, tool arguments and tool results.")
 @click.option("--system-prompt", is_flag=True, help="Print the session's system prompt too.")
 @format_option
 @pass_app
+@paged
 def sessions_show(
     app: App, ref: str, full: bool, system_prompt: bool, fmt: str | None, as_json: bool
 ) -> None:
@@ -316,7 +321,7 @@ def sessions_show(
 
 
 @sessions.command("rename", short_help="Set or clear a session's title.")
-@click.argument("ref", metavar="ID|PREFIX|TITLE")
+@click.argument("ref", metavar="ID|PREFIX|TITLE", shell_complete=complete_session)
 @click.argument("title")
 @pass_app
 def sessions_rename(app: App, ref: str, title: str) -> None:
@@ -336,7 +341,7 @@ def sessions_rename(app: App, ref: str, title: str) -> None:
 
 
 @sessions.command("delete", short_help="Delete a session and its messages.")
-@click.argument("ref", metavar="ID|PREFIX|TITLE")
+@click.argument("ref", metavar="ID|PREFIX|TITLE", shell_complete=complete_session)
 @yes_option
 @pass_app
 def sessions_delete(app: App, ref: str, yes: bool) -> None:

@@ -16,6 +16,7 @@ from hermes_store.cli.output import (
     echo_json,
     format_option,
     num,
+    paged,
     print_rows,
 )
 
@@ -80,6 +81,7 @@ def _raw(name: str) -> Callable[[RowDict], Any]:
 @sources_option()
 @format_option
 @pass_app
+@paged
 def stats(app: App, days: int, sources: tuple[str, ...], fmt: str | None, as_json: bool) -> None:
     """Sessions, messages, tokens and cost: in total, by model, by source and by day.
 

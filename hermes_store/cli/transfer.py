@@ -9,7 +9,13 @@ from typing import cast
 
 import click
 
-from hermes_store.cli.app import App, pass_app, resolve_session, sources_option
+from hermes_store.cli.app import (
+    App,
+    complete_session,
+    pass_app,
+    resolve_session,
+    sources_option,
+)
 from hermes_store.cli.output import (
     RowDict,
     chosen_format,
@@ -21,7 +27,13 @@ from hermes_store.cli.output import (
 
 
 @click.command("export", short_help="Write sessions as JSON Lines or Markdown.")
-@click.option("--session", "session_ref", metavar="ID|PREFIX|TITLE", help="Only this session.")
+@click.option(
+    "--session",
+    "session_ref",
+    metavar="ID|PREFIX|TITLE",
+    help="Only this session.",
+    shell_complete=complete_session,
+)
 @sources_option()
 @click.option(
     "--format",

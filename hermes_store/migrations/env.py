@@ -179,5 +179,7 @@ try:
     else:
         run_migrations_online()
 except HermesStoreError as error:
+    if config.cmd_opts is None:  # a library call: the package's own error, as raised
+        raise
     # Alembic's command line reports a CommandError as one ``FAILED: ...`` line.
     raise CommandError(str(error)) from error
