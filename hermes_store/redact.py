@@ -45,6 +45,7 @@ _PLACEHOLDERS = frozenset(
         "secret", "token", "xxx", "placeholder", "dummy", "n/a",
     }
 )  # fmt: skip
+_METAVARIABLE = re.compile(r"[A-Z][A-Z_]{1,40}")
 _PLACEHOLDER_STARTS = (
     "<", "${", "{{", "%(", "$", "%", "os.environ", "process.env", "getenv", "env(", "[REDACTED",
 )  # fmt: skip
@@ -63,6 +64,8 @@ def _is_placeholder(value: str) -> bool:
     if not stripped or stripped.lower() in _PLACEHOLDERS:
         return True
     if set(stripped) <= set("*x.X•-_#"):  # ****, xxxx, ...
+        return True
+    if _METAVARIABLE.fullmatch(stripped):  # VALUE, YOUR_API_KEY, PW
         return True
     return stripped.startswith(_PLACEHOLDER_STARTS)
 
@@ -141,6 +144,7 @@ _COOKIE_ATTRIBUTES = frozenset(
         "partitioned", "version", "comment",
     }
 )  # fmt: skip
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9+/=_.~:-]{1,10000}")
 _COOKIE_PAIR = re.compile(r"(?<![^;\s])([^=;\s]{1,200})=([^;\s]{1,4000})")
 
 
@@ -152,6 +156,13 @@ def _mask_cookie(value: str) -> str:
         return f"{name}={MASK.format(kind='cookie')}"
 
     return _COOKIE_PAIR.sub(pair, value)
+
+
+def _credential_like(value: str) -> bool:
+    """A long random token, for keys that only may name a secret (``key``, ``signature``)."""
+    if len(value) < 16 or not _TOKEN_CHARS.fullmatch(value):
+        return False
+    return len(value) >= 32 or _strong_random(value)
 
 
 def _mask_by_key(key: str, value: str) -> str | None:
@@ -169,7 +180,7 @@ def _mask_by_key(key: str, value: str) -> str | None:
             return f"{scheme.group(1)}{scheme.group(2)}{MASK.format(kind=kind)}"
         credential = _looks_random(value) and len(value.strip()) >= 16
         return MASK.format(kind="bearer-token") if credential else None
-    if cls == _WEAK_KEY and not (_looks_random(value) and len(value.strip()) >= 16):
+    if cls == _WEAK_KEY and not _credential_like(value.strip()):
         return None
     if cls in (_TOKEN, _WEAK_KEY) and value.strip().isdigit() and len(value.strip()) < 8:
         return None
@@ -181,6 +192,9 @@ def _mask_by_key(key: str, value: str) -> str | None:
 _B = r"(?<![A-Za-z0-9_-])"  # a token starts here
 _E = r"(?![A-Za-z0-9_-])"  # and ends here
 _PEM_HEAD = r"-{3,5} ?BEGIN (?:[A-Z0-9]{1,20} ){0,4}PRIVATE KEY(?: BLOCK)? ?-{3,5}"
+#: The body of an armored key, headers included; both branches of the rule use the same class,
+#: so a header without its END line costs one scan of its body, not one per header.
+_PEM_BODY = r"[A-Za-z0-9+/=\s\\:,.()@<>'_-]"
 _PEM_TAIL = r"-{3,5} ?END (?:[A-Z0-9]{1,20} ){0,4}PRIVATE KEY(?: BLOCK)? ?-{3,5}"
 
 
@@ -202,10 +216,7 @@ Rule = tuple[str, re.Pattern[str], int, Callable[[str], bool] | None]
 _SHAPES: list[Rule] = [
     (
         "private-key",
-        re.compile(
-            rf"({_PEM_HEAD}(?:.{{0,20000}}?{_PEM_TAIL}|[A-Za-z0-9+/=\s\\:,-]{{0,20000}}))",
-            re.DOTALL,
-        ),
+        re.compile(rf"({_PEM_HEAD}(?:{_PEM_BODY}{{0,16000}}?{_PEM_TAIL}|{_PEM_BODY}{{0,16000}}))"),
         1,
         None,
     ),
@@ -373,7 +384,7 @@ _SHAPES: list[Rule] = [
         re.compile(
             r"\b(?:mysql(?:dump|admin|sh|import|check)?\b[^\n|;&]{0,300}?\s-p(?![ \t])|"
             r"sshpass[ \t]{1,8}-p[ \t]{0,8}|redis-cli\b[^\n|;&]{0,300}?\s-a[ \t]{1,8})"
-            r"(\"[^\"\n]{1,200}\"|'[^'\n]{1,200}'|[^\s\"']{1,200})"
+            r"(\"[^\"\n]{1,200}\"|'[^'\n]{1,200}'|[^\s\"'`,;]{1,200})"
         ),
         1,
         lambda v: not _is_placeholder(v),
@@ -401,13 +412,25 @@ _FLAG = re.compile(
     r"(?<![\w-])--?([A-Za-z][A-Za-z0-9_-]{0,60})(?:=|[ \t]{1,8})"
     r"(\"[^\"\n]{1,1000}\"|'[^'\n]{1,1000}'|(?!-)[^\s\"'`;&|<>]{1,1000})"
 )
-_KEY_VALUE = re.compile(
-    r"(?<![A-Za-z0-9_.\-])(?P<key>[A-Za-z_][A-Za-z0-9_.\-]{0,100})(?:\\?[\"'])?"
-    r"(?P<op>[ \t]{0,8}(?::=|=>|==|=|:)[ \t]{0,8})"
-    r"(?:\\\"(?P<esc>[^\n]{1,1000}?)\\\"|\"(?P<dq>(?:[^\"\\\n]|\\.){0,1000})\""
-    r"|'(?P<sq>[^'\n]{0,1000})'|(?P<list>\[[^\]\n]{1,1000}\])"
-    r"|(?P<bare>[^\s\"'`,;&<>(){}\[\]=][^\s\"'`,;&<>(){}\[\]]{0,999}))"
+#: A key (holding one of the words a secret-naming key must hold) and its operator.
+_KEY_OP = re.compile(
+    r"(?<![A-Za-z0-9_.\-])(?P<key>(?=[A-Za-z0-9_.\-]{0,100}?(?i:pass|pwd|pw|secret|credential|"
+    r"token|key|auth|cookie|sig))[A-Za-z_][A-Za-z0-9_.\-]{0,100})(?:\\?[\"'`]|\*\*)?"
+    r"(?P<op>[ \t]{0,8}(?::=|=>|==|=|:)(?:\*\*)?[ \t]{0,8})"
 )
+#: The value after a key: matched only once the key names a secret, so text full of
+#: ``a: b`` pairs costs one look at each key.
+_VALUE = re.compile(
+    r"\\\"(?P<esc>[^\n]{1,1000}?)\\\"|\"(?P<dq>(?:[^\"\\\n]|\\.){0,1000})\""
+    r"|'(?P<sq>[^'\n]{0,1000})'|`(?P<bq>[^`\n]{1,1000})`|(?P<list>\[[^\]\n]{1,1000}\])"
+    r"|(?P<bare>[^\s\"'`,;&<>(){}\[\]=][^\s\"'`,;&<>(){}\[\]]{0,999})"
+)
+#: What may stand before a key at the start of a config line (indent, list bullet, export).
+_LINE_PREFIX = re.compile(
+    r"[ \t]{0,40}(?:[-*+>][ \t]{1,4}|[0-9]{1,3}[.)][ \t]{1,4}|export[ \t]{1,4})?(?:\*\*|__|[\"'`])?"
+)
+_COMMENT = re.compile(r"[ \t]#")
+_WORD_BEFORE = re.compile(r"(?<![A-Za-z0-9_-])([A-Za-z]{2,20})[ \t]$")
 _QUOTED = re.compile(r"\"(?:[^\"\\\n]|\\.){1,1000}\"|'[^'\n]{1,1000}'")
 _PROSE_WORD = re.compile(r"[A-Za-z][a-z]{0,20}")
 _CODE_REFERENCE = re.compile(r"[a-z_][a-z0-9_]{0,40}(?:\.(?:[a-z_]{1,40}|[A-Z_]{1,40})){1,5}")
@@ -513,6 +536,46 @@ def _flags(text: str) -> str:
     return _FLAG.sub(flag, text)
 
 
+def _masked_value(
+    text: str, match: re.Match[str], found: re.Match[str], key: str, cls: str
+) -> tuple[str | None, int, int]:
+    """The mask for the value ``found`` after ``match`` (key and operator), and its span."""
+    kind_of_value = found.lastgroup or "bare"
+    value = found.group(kind_of_value)
+    start, end = found.span(kind_of_value)
+    op = match.group("op")
+    if kind_of_value == "list":
+        listed = _QUOTED.sub(_mask(KEY_KIND), value)
+        return (listed if cls == _STRONG and listed != value else None), start, end
+    if kind_of_value == "bq" and op == op.rstrip():
+        return None, start, end  # `password=`/`...`: a code span closing, not a quoted value
+    masked = _mask_by_key(key, value)
+    if masked is None or kind_of_value != "bare":
+        return masked, start, end
+    if text[end : end + 1] in ("(", "[") or _CODE_REFERENCE.fullmatch(value):
+        return None, start, end  # code: password = get_password()
+    colon = ":" in op and ":=" not in op
+    # Looked for only a little way back: a long line must not make this quadratic.
+    low = max(0, match.start() - 64)
+    line_start = text.rfind("\n", low, match.start()) + 1 or (0 if low == 0 else -1)
+    config_line = (
+        (colon or op != op.strip())
+        and line_start >= 0
+        and _LINE_PREFIX.fullmatch(text, line_start, match.start()) is not None
+    )
+    if config_line:
+        # YAML / INI: the value runs to the end of the line (or to a comment).
+        line_end = text.find("\n", end)
+        line_end = len(text) if line_end < 0 else line_end
+        comment = _COMMENT.search(text, end, line_end)
+        cut = line_end if comment is None else comment.start()
+        end = cut - (len(text[end:cut]) - len(text[end:cut].rstrip()))
+        return _mask_by_key(key, text[start:end]), start, end
+    if colon and _PROSE_WORD.fullmatch(value) and text[end : end + 80].lstrip()[:1].isalpha():
+        return None, start, end  # prose: "your password: check your inbox"
+    return masked, start, end
+
+
 def _key_values(text: str) -> str:
     """``key: value``, ``KEY=value``, ``"key": "value"`` where the key names a secret.
 
@@ -521,34 +584,26 @@ def _key_values(text: str) -> str:
     out: list[str] = []
     pos = 0
     while True:
-        match = _KEY_VALUE.search(text, pos)
+        match = _KEY_OP.search(text, pos)
         if match is None:
             break
-        kind_of_value = match.lastgroup or "bare"
-        value = match.group(kind_of_value)
-        if kind_of_value == "list":
-            listed = _QUOTED.sub(_mask(KEY_KIND), value)
-            strong = _key_class(match.group("key")) == _STRONG
-            masked = listed if strong and listed != value else None
-        else:
-            masked = _mask_by_key(match.group("key"), value)
-        if masked is not None and kind_of_value == "bare":
-            after = text[match.end() : match.end() + 1]
-            rest = text[match.end() : match.end() + 80].lstrip(" \t")
-            prose = (
-                ":" in match.group("op")
-                and ":=" not in match.group("op")
-                and _PROSE_WORD.fullmatch(value) is not None
-                and rest[:1].isalpha()
-            )
-            code = after in ("(", "[") or _CODE_REFERENCE.fullmatch(value) is not None
-            if prose or code:
-                masked = None
+        key = match.group("key")
+        cls = _key_class(key)
+        if cls in (None, _WEAK_KEY):
+            # "API key: ...", "Access token = ...": the word before may complete the name.
+            before = _WORD_BEFORE.search(text, max(0, match.start() - 24), match.start())
+            if before is not None:
+                key = f"{before.group(1)}_{key}"
+                cls = _key_class(key)
+        found = None if cls is None else _VALUE.match(text, match.end())
+        masked: str | None = None
+        start = end = 0
+        if found is not None and cls is not None:
+            masked, start, end = _masked_value(text, match, found, key, cls)
         if masked is None:
             out.append(text[pos : match.end("key")])
             pos = match.end("key")
             continue
-        start, end = match.span(kind_of_value)
         out.append(text[pos:start])
         out.append(masked)
         pos = end

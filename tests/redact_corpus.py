@@ -509,6 +509,26 @@ SECRETS: list[Secret] = [
         ("Qk7Tz2Lm9Rv4Xw8Pn3Bc",),
     ),
     Secret(
+        "yaml-passphrase-unquoted",
+        "vault:\n  passphrase: correct horse battery staple  # rotated monthly\n",
+        ("correct horse battery staple",),
+    ),
+    Secret(
+        "markdown-credentials",
+        "Here are the staging credentials:\n\n- **Username:** deploy\n- **Password:** Stag1ng!Pass\n- **API key**: `k7Qm2Xv9Lp4Rt8Wz`",
+        ("Stag1ng!Pass", "k7Qm2Xv9Lp4Rt8Wz"),
+    ),
+    Secret(
+        "prose-api-key",
+        "Your API key: Zp4Kx8Qm2Vt7Lr9Wn3Bd (keep it safe) and the access token = Hy6Tg5Rf4Ed3Ws2Qa1Zx",
+        ("Zp4Kx8Qm2Vt7Lr9Wn3Bd", "Hy6Tg5Rf4Ed3Ws2Qa1Zx"),
+    ),
+    Secret(
+        "ini-password-spaces",
+        "[client]\nuser = app\npassword = two Words 4 here\nhost = db.internal\n",
+        ("two Words 4 here",),
+    ),
+    Secret(
         "python-dict-repr",
         "{'user': 'svc', 'passwd': 'Py7hon!Repr', 'host': 'db'}",
         ("Py7hon!Repr",),
@@ -562,7 +582,7 @@ LOOK_ALIKES: list[str] = [
     "![chart](data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==)",
     "The password must be at least 12 characters and contain a digit.",
     "I reset your password: check your inbox for the link.",
-    "Password: please enter it at the prompt (it is not echoed).",
+    "Enter the password: it is not echoed. The cache key: user_42_profile_settings",
     "Forgot password? Click the link; passwords expire after 90 days.",
     "The secret to good soup is salt; the secret sauce is patience.",
     "max_tokens=2048, token_count = 42, input_tokens: 1200, tokenizer: cl100k_base",

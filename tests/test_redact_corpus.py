@@ -185,13 +185,14 @@ def test_a_value_under_a_secret_key_is_masked_whatever_it_looks_like() -> None:
 
 
 def test_ten_megabyte_message_redacts_in_linear_time() -> None:
-    """Bounded patterns: 10 MB of adversarial text (long runs of key and token characters, many
-    near-misses) redacts, and the secrets in it are found. Integration tier: it takes seconds."""
+    """Bounded patterns: 10 MB of adversarial text on one line (long runs of key and token
+    characters, many near-misses) redacts, and the secrets in it are found. Integration tier:
+    it takes seconds."""
     chunk = (
         "a" * 5000 + " password: " + "x-" * 3000 + " postgres://u:" + "p" * 4000 + " "
         + "-----BEGIN RSA PRIVATE KEY-----" + "A" * 100 + " eyJ" + "b" * 3000 + "."
         + " sk-" + "c" * 500 + " AKIA" + "D" * 300 + ' "token": "' + "e" * 2000
-        + ' PGPASSWORD=Hunter2x9 ' + "/" * 3000 + "\n"
+        + ' PGPASSWORD=Hunter2x9 ' + "/" * 3000 + " password: x1 api_key = y2 "
     )  # fmt: skip
     text = chunk * (10_000_000 // len(chunk) + 1)
     out = redact_text(text)
