@@ -423,6 +423,8 @@ _KEY_OP = re.compile(
 _VALUE = re.compile(
     r"\\\"(?P<esc>[^\n]{1,1000}?)\\\"|\"(?P<dq>(?:[^\"\\\n]|\\.){0,1000})\""
     r"|'(?P<sq>[^'\n]{0,1000})'|`(?P<bq>[^`\n]{1,1000})`|(?P<list>\[[^\]\n]{1,1000}\])"
+    r"|(?P<obj>\{[^{}\n]{1,1000}\})"
+    r"|(?P<block>[|>][-+]?)(?=[ \t]{0,40}(?:#[^\n]{0,1000})?\n)"
     r"|(?P<bare>[^\s\"'`,;&<>(){}\[\]=][^\s\"'`,;&<>(){}\[\]]{0,999})"
 )
 #: What may stand before a key at the start of a config line (indent, list bullet, export).
@@ -430,8 +432,10 @@ _LINE_PREFIX = re.compile(
     r"[ \t]{0,40}(?:[-*+>][ \t]{1,4}|[0-9]{1,3}[.)][ \t]{1,4}|export[ \t]{1,4})?(?:\*\*|__|[\"'`])?"
 )
 _COMMENT = re.compile(r"[ \t]#")
+_INDENTED = re.compile(r"([ \t]{0,200})([^\n]{0,10000})")
 _WORD_BEFORE = re.compile(r"(?<![A-Za-z0-9_-])([A-Za-z]{2,20})[ \t]$")
 _QUOTED = re.compile(r"\"(?:[^\"\\\n]|\\.){1,1000}\"|'[^'\n]{1,1000}'")
+_QUOTED_VALUE = re.compile(r"(:[ \t]{0,8})(?:\"(?:[^\"\\\n]|\\.){0,1000}\"|'[^'\n]{0,1000}')")
 _PROSE_WORD = re.compile(r"[A-Za-z][a-z]{0,20}")
 _CODE_REFERENCE = re.compile(r"[a-z_][a-z0-9_]{0,40}(?:\.(?:[a-z_]{1,40}|[A-Z_]{1,40})){1,5}")
 #: A bare 40-character token of the AWS secret access key alphabet.
@@ -536,6 +540,26 @@ def _flags(text: str) -> str:
     return _FLAG.sub(flag, text)
 
 
+def _block_scalar(text: str, match: re.Match[str], end: int) -> tuple[str | None, int, int]:
+    """A YAML block scalar (``password: |``): the more indented lines below are the value."""
+    line_start = text.rfind("\n", max(0, match.start() - 200), match.start()) + 1
+    indent = match.start() - line_start
+    start = line_end = text.find("\n", end)
+    stop = -1
+    for _ in range(500):
+        if line_end < 0:
+            break
+        following = _INDENTED.match(text, line_end + 1)
+        blank = following is not None and not following.group(2).strip()
+        if following is None or (len(following.group(1)) <= indent and not blank):
+            break
+        stop = stop if blank else following.end()
+        line_end = following.end() if text.startswith("\n", following.end()) else -1
+    if stop < 0:
+        return None, start, start
+    return "\n" + " " * (indent + 2) + _mask(KEY_KIND), start, stop
+
+
 def _masked_value(
     text: str, match: re.Match[str], found: re.Match[str], key: str, cls: str
 ) -> tuple[str | None, int, int]:
@@ -544,11 +568,17 @@ def _masked_value(
     value = found.group(kind_of_value)
     start, end = found.span(kind_of_value)
     op = match.group("op")
-    if kind_of_value == "list":
-        listed = _QUOTED.sub(_mask(KEY_KIND), value)
+    if kind_of_value in ("list", "obj"):
+        # Every string of a list, every value of a flat object, under a key naming a secret.
+        if kind_of_value == "list":
+            listed = _QUOTED.sub(_mask(KEY_KIND), value)
+        else:
+            listed = _QUOTED_VALUE.sub(lambda m: m.group(1) + _mask(KEY_KIND), value)
         return (listed if cls == _STRONG and listed != value else None), start, end
     if kind_of_value == "bq" and op == op.rstrip():
         return None, start, end  # `password=`/`...`: a code span closing, not a quoted value
+    if kind_of_value == "block":
+        return _block_scalar(text, match, end)
     masked = _mask_by_key(key, value)
     if masked is None or kind_of_value != "bare":
         return masked, start, end
@@ -646,12 +676,14 @@ def redact_text(text: str) -> str:
 
 
 def _mask_all(value: Any) -> Any:
-    """Every string inside a value whose key names a secret (a list of keys, say)."""
+    """Every string inside a value whose key names a secret (a list of keys, a nested dict)."""
     if isinstance(value, str):
         return value if _is_placeholder(value) else _mask(KEY_KIND)
     if isinstance(value, list):
         return [_mask_all(item) for item in value]
-    return redact_value(value)
+    if isinstance(value, dict):
+        return {key: _mask_all(item) for key, item in value.items()}
+    return value
 
 
 def redact_value(value: Any) -> Any:
@@ -675,7 +707,11 @@ def redact_value(value: Any) -> Any:
             if isinstance(key, str) and isinstance(item, str):
                 masked = _mask_by_key(key, item)
                 out[key] = masked if masked is not None else redact_value(item)
-            elif isinstance(key, str) and isinstance(item, list) and _key_class(key) == _STRONG:
+            elif (
+                isinstance(key, str)
+                and isinstance(item, list | dict)
+                and _key_class(key) == _STRONG
+            ):
                 out[key] = _mask_all(item)
             else:
                 out[key] = redact_value(item)

@@ -529,6 +529,16 @@ SECRETS: list[Secret] = [
         ("two Words 4 here",),
     ),
     Secret(
+        "yaml-block-scalar",
+        "tls:\n  private_key_passphrase: |\n    first line of the Bl0ck phrase\n    and its second line\n  cert_file: /etc/tls/cert.pem\n",
+        ("first line of the Bl0ck phrase", "and its second line"),
+    ),
+    Secret(
+        "json-nested-under-secret",
+        '{"db": {"secret": {"value": "N3stedS3cretV4l", "version": 3}}}',
+        ("N3stedS3cretV4l",),
+    ),
+    Secret(
         "python-dict-repr",
         "{'user': 'svc', 'passwd': 'Py7hon!Repr', 'host': 'db'}",
         ("Py7hon!Repr",),
