@@ -126,7 +126,7 @@ def _key_class(name: str) -> str | None:
             return _STRONG
     if joined.endswith(("apikey", "accesskey", "privatekey", "secretkey", "accountkey")):
         return _STRONG
-    if last == "token" or (last.endswith("token") and last != "token" and len(last) <= 16):
+    if last.endswith("token") and len(last) <= 16:  # token, accesstoken, authtoken
         return _TOKEN
     if last == "key" or (len(segments) > 1 and last in ("keys", "sig", "signature")):
         return _WEAK_KEY
@@ -224,7 +224,7 @@ _SHAPES: list[Rule] = [
         "private-key",
         re.compile(
             r"(PuTTY-User-Key-File-\d: [^\n]{0,200}\n(?:[^\n]{0,300}\n){0,30}?"
-            r"Private-Lines: \d{1,3}\n(?:[A-Za-z0-9+/=]{1,100}\n?){1,100})"
+            r"Private-Lines: \d{1,3}\n[A-Za-z0-9+/=\n]{1,10000})"
         ),
         1,
         None,

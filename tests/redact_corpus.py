@@ -166,8 +166,8 @@ SECRETS: list[Secret] = [
     ),
     Secret(
         "openai-legacy-key",
-        "client = OpenAI(api_key='sk-WbOxDGxmYBcw8mmXbKRGT3BlbkFJyUaSL7fievWoojHZbM')",
-        ("WbOxDGxmYBcw8mmXbKRGT3BlbkFJyUaSL7fievWoojHZbM",),
+        "client = OpenAI(api_key='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')",
+        ("WbOxDGxmYBcw8mmXbKRGT3BlbkFJyUaSL7fievWoojHZbM2x",),
     ),
     Secret(
         "anthropic-key",
@@ -213,6 +213,11 @@ SECRETS: list[Secret] = [
         "npmrc-auth-token",
         "//registry.npmjs.org/:_authToken=3b9f0c8e-7a1d-4e2f-9c6b-5d8a7e1f0b2c",
         ("3b9f0c8e-7a1d-4e2f-9c6b-5d8a7e1f0b2c",),
+    ),
+    Secret(
+        "npmrc-npm-token",
+        "@acme:registry=https://npm.acme.io/\n//npm.acme.io/:_authToken=npm_syhH5BFBQZSk6en66e9U8i0G9cFjCrfKOozZ\n",
+        ("syhH5BFBQZSk6en66e9U8i0G9cFjCrfKOozZ",),
     ),
     Secret(
         "pypi-token",
