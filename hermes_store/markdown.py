@@ -19,7 +19,8 @@ RowDict = dict[str, Any]
 
 REDACTED_NOTE = (
     "> **Redacted export.** Secrets of known shapes (API keys, tokens, passwords, private keys) "
-    "were replaced by `[REDACTED:kind]`; `hermes-store import` refuses redacted exports."
+    "and values under keys that name a secret were replaced by `[REDACTED:kind]`; "
+    "`hermes-store import` refuses redacted exports."
 )
 
 
