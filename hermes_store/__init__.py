@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         DatabaseLockedError,
         DatabaseUnavailableError,
         EngineSettingsError,
+        ForkedProcessError,
         HermesStoreError,
         InvalidInputError,
         NotADatabaseError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
         UnknownSessionError,
         UnrecognizedSchemaError,
         UnsupportedEngineError,
+        WalDeletedError,
     )
     from hermes_store.migrate import current, downgrade, upgrade
     from hermes_store.models import Base, ChatSession, Message, SchemaVersion
@@ -76,6 +78,8 @@ _LAZY = {
             "SharedStoreMismatchError",
             "StoreConfigError",
             "UnsupportedEngineError",
+            "ForkedProcessError",
+            "WalDeletedError",
         ),
         "errors",
     ),
@@ -120,6 +124,7 @@ __all__ = [
     "DatabaseLockedError",
     "DatabaseUnavailableError",
     "EngineSettingsError",
+    "ForkedProcessError",
     "HermesStoreError",
     "InvalidInputError",
     "Message",
@@ -142,6 +147,7 @@ __all__ = [
     "UnknownSessionError",
     "UnrecognizedSchemaError",
     "UnsupportedEngineError",
+    "WalDeletedError",
     "convert_scratchpad_to_think",
     "create_engine",
     "current",

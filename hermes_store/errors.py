@@ -231,3 +231,14 @@ def mapped_errors() -> Iterator[None]:
         raise mapped from error
     except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
         raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None
+
+
+class ForkedProcessError(HermesStoreError):
+    """A forked process cannot use a database its parent had in use at the fork: it inherited
+    SQLite's lock bookkeeping without the locks themselves, so its writes could be lost or
+    corrupt the file. Nothing was written."""
+
+
+class WalDeletedError(StorageIOError):
+    """The database's WAL was deleted while this process was writing into it (it had lost its
+    locks): the write was not saved, and this process refuses further writes to the file."""
