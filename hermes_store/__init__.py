@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         DatabaseLockedError,
         DatabaseUnavailableError,
         EngineSettingsError,
+        ForkedProcessError,
         HermesStoreError,
         InvalidInputError,
         MissingExtraError,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
         UnrecognizedSchemaError,
         UnsafePathError,
         UnsupportedEngineError,
+        WalDeletedError,
     )
     from hermes_store.migrate import current, downgrade, upgrade
     from hermes_store.models import Base, ChatSession, Message, SchemaVersion
@@ -82,6 +84,8 @@ _LAZY = {
             "StoreConfigError",
             "UnsupportedEngineError",
             "UnsafePathError",
+            "ForkedProcessError",
+            "WalDeletedError",
         ),
         "errors",
     ),
@@ -126,6 +130,7 @@ __all__ = [
     "DatabaseLockedError",
     "DatabaseUnavailableError",
     "EngineSettingsError",
+    "ForkedProcessError",
     "HermesStoreError",
     "InvalidInputError",
     "Message",
@@ -151,6 +156,7 @@ __all__ = [
     "UnrecognizedSchemaError",
     "UnsafePathError",
     "UnsupportedEngineError",
+    "WalDeletedError",
     "convert_scratchpad_to_think",
     "create_engine",
     "current",

@@ -299,3 +299,14 @@ def mapped_errors() -> Iterator[None]:
 class UnsafePathError(HermesStoreError):
     """A file this package creates anew (a backup's or a new database's temporary file) was
     already there, planted or left: nothing is written through it."""
+
+
+class ForkedProcessError(HermesStoreError):
+    """A forked process cannot use a database its parent had in use at the fork: it inherited
+    SQLite's lock bookkeeping without the locks themselves, so its writes could be lost or
+    corrupt the file. Nothing was written."""
+
+
+class WalDeletedError(StorageIOError):
+    """The database's WAL was deleted while this process was writing into it (it had lost its
+    locks): the write was not saved, and this process refuses further writes to the file."""

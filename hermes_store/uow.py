@@ -37,11 +37,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
+from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import NullPool, PoolProxiedConnection, QueuePool
 from sqlalchemy.sql import ClauseElement
+from sqlalchemy.util import queue as sa_queue
 
 from hermes_store import fastpath, groupcommit, pggroup, writequeue
 from hermes_store.engine import (
@@ -59,9 +61,11 @@ from hermes_store.errors import (
     SQLITE_READONLY,
     DatabaseLockedError,
     DatabaseUnavailableError,
+    ForkedProcessError,
     HermesStoreError,
     InvalidInputError,
     ReadOnlyUnitError,
+    WalDeletedError,
     is_retryable,
     mapped_errors,
     translate,
@@ -84,6 +88,9 @@ UNAVAILABLE_LOG_EVERY_S = 5.0
 #: and asks again, keeping its place: short, so it polls often while a foreign writer (the
 #: original store, a sqlite3 shell) holds the lock, and its heartbeat keeps the line waiting.
 QUEUE_HEAD_BUSY_TIMEOUT_S = 0.2
+#: How long ``os.fork()`` waits for other threads' units on a SQLite file to end, so the file's
+#: connections can be closed before the fork (else the child is refused the file).
+FORK_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -171,13 +178,34 @@ class UnitOfWork:
         self._reader = engine.execution_options(**reader_options)
         # Across processes and threads, writers to a SQLite file line up in the fair writer
         # queue (off with write_queue=False or HERMES_STORE_WRITE_QUEUE=0: benchmarks).
-        path = sqlite_file(engine.url) if self.is_sqlite and write_queue else None
-        self._queue_path = path
+        path = sqlite_file(engine.url) if self.is_sqlite else None
+        self._queue_path = path if write_queue else None
+        #: The file's identity and its WAL's path (fork safety, the WAL check of each commit).
+        self._file_key: tuple[int, int] | None = None
+        self._wal_path: str | None = None
+        if path is not None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                pass  # not created yet (an Engine on a new file): no fork or WAL bookkeeping
+            else:
+                self._file_key = (st.st_dev, st.st_ino)
+                self._wal_path = f"{path}-wal"
         if group_commit is None:
             switch = os.environ.get(groupcommit.ENV_SWITCH, "1").lower()
             group_commit = switch not in ("0", "off", "false", "no")
         self._group_commit = group_commit
+        self._fork_busy: str | None = None  # why the last fork could not close the file
         self._fresh_process_state()
+        if self._file_key is not None:
+            owner = weakref.ref(self)
+
+            def gate_connect(*_args: Any) -> None:
+                uow = owner()
+                if uow is not None:
+                    uow._gate_connect()
+
+            event.listen(engine, "do_connect", gate_connect)
         _LIVE.add(self)
 
     def _fresh_process_state(self) -> None:
@@ -192,8 +220,18 @@ class UnitOfWork:
         self._waiting = 0  # threads of this process waiting for their write turn
         self._writer_conn: Connection | None = None  # the file's writer connection (SQLite)
         self._readers_lock = threading.Lock()
-        self._readers: dict[int, tuple[PoolProxiedConnection, weakref.finalize[Any, Any]]] = {}
+        self._readers: dict[int, tuple[_Reader, weakref.finalize[Any, Any]]] = {}
         self._local = threading.local()
+        # Fork: while a fork closes this file's connections no new one is opened (the gate);
+        # a forked child refused the file, or a writer whose WAL was deleted, refuses it here.
+        self._gate = threading.Condition(threading.Lock())
+        self._forking = False
+        self._gate_waiters = 0
+        self._fork_locks: list[Any] = []
+        self._refused: HermesStoreError | None = (
+            _REFUSED.get(self._file_key) if self._file_key is not None else None
+        )
+        self._wal_id: tuple[int, int] | None = None  # the WAL the writer connection writes into
         self.stats = StoreStats()
         grouped = self._group_commit
         self.group: groupcommit.GroupCommit | None = (
@@ -300,11 +338,24 @@ class UnitOfWork:
         with self._write_turn() if write else nullcontext() as turn, mapped_errors():
             conn = self._begin(write, waits, turn)
             unit = Unit(conn, write)
-            token = self._current.set(unit) if publish else None
+            current = self._current  # a forked child gets a new variable: reset this one
+            token = current.set(unit) if publish else None
+            forks = _forks
+            inherited = False
             try:
                 yield unit
+                if forks != _forks:
+                    inherited = True
+                    raise _left_in_child(write)
                 conn.commit()
             except BaseException as error:
+                if inherited or forks != _forks:
+                    # The parent's transaction: never committed, rolled back or closed here.
+                    inherited = True
+                    _keep_forever(conn)
+                    if isinstance(error, ForkedProcessError) or not isinstance(error, Exception):
+                        raise
+                    raise _left_in_child(write) from error
                 self._abort(conn, write)
                 if not write and _is_readonly_refusal(error):
                     raise ReadOnlyUnitError(
@@ -313,9 +364,11 @@ class UnitOfWork:
                 raise
             finally:
                 if token is not None:
-                    self._current.reset(token)
-                if not (write and conn is self._writer_conn):
+                    current.reset(token)
+                if not (inherited or (write and conn is self._writer_conn)):
                     conn.close()
+            if write and conn is self._writer_conn:
+                self._acknowledge()
         self._count(write)
 
     def _begin(
@@ -386,6 +439,8 @@ class UnitOfWork:
         return left
 
     def _connection(self, write: bool) -> Connection:
+        if self._refused is not None and (write or isinstance(self._refused, ForkedProcessError)):
+            raise _again(self._refused)
         if write and self.is_sqlite:
             # Writes are serialised by the turn anyway: one connection serves them all.
             if self._writer_conn is None:
@@ -409,6 +464,7 @@ class UnitOfWork:
 
     def _drop_writer(self, *, invalidate: bool) -> None:
         held, self._writer_conn = self._writer_conn, None
+        self._wal_id = None
         if held is None:
             return
         if invalidate:
@@ -473,6 +529,7 @@ class UnitOfWork:
                 if isinstance(error, dbapi_error):
                     raise _wrapped(error, self._dialect) from error
                 raise
+            self._acknowledge()
         self._count(True)
         return result
 
@@ -521,6 +578,12 @@ class UnitOfWork:
                 driver.commit()
             except self._dbapi_error as error:
                 lost = error
+            else:
+                try:
+                    self._acknowledge()
+                except WalDeletedError as error:  # its re-runs meet the refusal
+                    self._record_group(size, lost=True)
+                    return error
         if lost is not None:
             try:
                 driver.rollback()
@@ -749,6 +812,11 @@ class UnitOfWork:
             return self._fetch(statement, params, one=True)
         plan = fastpath.plan(statement, self._dialect)
         values = plan.bind(params)
+        busy = reader.busy
+        busy.acquire()
+        if reader.closed:  # closed by a fork meanwhile
+            busy.release()
+            return self._fetch(statement, params, one=True)
         try:
             row = reader.driver.execute(plan.sql, values).fetchone()
         except self._dbapi_error as orig:
@@ -757,6 +825,8 @@ class UnitOfWork:
             raise InvalidInputError(
                 f"a text argument is not valid Unicode: {error.reason}"
             ) from None
+        finally:
+            busy.release()
         self.stats.read_units += 1
         return None if row is None else row[0]
 
@@ -775,9 +845,7 @@ class UnitOfWork:
     ) -> Any:
         """The hot reads on SQLite: this thread's own read connection, no pool checkout, no
         Connection, no per-execution SQLAlchemy work."""
-        reader: _Reader | None = self._local.__dict__.get("reader")
-        if reader is None:
-            reader = self._take_reader()
+        reader = self._locked_reader()
         dialect = self._dialect
         plan = fastpath.plan(statement, dialect)
         values = plan.bind(params)
@@ -804,6 +872,7 @@ class UnitOfWork:
                 f"a text argument is not valid Unicode: {error.reason}"
             ) from None
         finally:
+            reader.busy.release()
             if not reader.held:
                 reader.pooled.close()
             self.stats.read_units += 1  # a diagnostic count: not worth a lock on a hot read
@@ -820,16 +889,30 @@ class UnitOfWork:
             # Given back to the pool when the thread ends (its thread-local dies with it).
             marker = _ThreadMarker()
             self._local.marker = marker
+            reader = self._local.reader = _Reader(pooled, held=True)
             finalizer = weakref.finalize(marker, self._release_reader, key)
-            self._readers[key] = (pooled, finalizer)
-        reader = self._local.reader = _Reader(pooled, held=True)
+            self._readers[key] = (reader, finalizer)
         return reader
+
+    def _locked_reader(self) -> _Reader:
+        """This thread's read connection, locked while it reads: a fork in another thread
+        closes it only between two reads (the thread then takes a new one)."""
+        while True:
+            reader: _Reader | None = self._local.__dict__.get("reader")
+            if reader is None:
+                reader = self._take_reader()
+            reader.busy.acquire()
+            if not reader.closed:
+                return reader
+            reader.busy.release()
+            if self._local.__dict__.get("reader") is reader:
+                del self._local.reader
 
     def _release_reader(self, key: int) -> None:
         with self._readers_lock:
             entry = self._readers.pop(key, None)
         if entry is not None:
-            entry[0].close()
+            entry[0].pooled.close()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -844,34 +927,199 @@ class UnitOfWork:
             self._drop_writer(invalidate=False)
         with self._readers_lock:
             readers, self._readers = self._readers, {}
-        for pooled, finalizer in readers.values():
+        for reader, finalizer in readers.values():
             finalizer.detach()
-            pooled.close()
+            reader.pooled.close()
         self._local = threading.local()
 
     def release_driver(self) -> None:
         """Kept for callers of the first release: :meth:`release`."""
         self.release()
 
+    # -- fork ----------------------------------------------------------------------------------
+    #
+    # SQLite keeps one record per database file and process with the process's lock state; a
+    # forked child inherits the record but not the locks (POSIX locks belong to a process).
+    # A connection the child opens finds the record, believes the locks held and takes none;
+    # its parent's last close then checkpoints and deletes the WAL the child writes into. So
+    # before a fork every connection on the file is closed (the parent reopens them lazily)
+    # and the child starts with no record; a connection in use at the fork cannot be closed,
+    # and then the child is refused the file.
+
+    def _gate_connect(self) -> None:
+        """Before each new connection: refused in a process refused the file; waits while
+        a fork in another thread closes the file's connections."""
+        refused = self._refused
+        if isinstance(refused, ForkedProcessError):
+            raise _again(refused)
+        gate = self._gate
+        with gate:
+            if self._forking:
+                self._gate_waiters += 1
+                try:
+                    gate.wait_for(lambda: not self._forking)
+                finally:
+                    self._gate_waiters -= 1
+
+    def _before_fork(self, deadline: float) -> None:
+        """In the forking thread: close every connection on the file, or say why not."""
+        self._fork_busy = None
+        if self._file_key is None:
+            return
+        if self._refused is not None:  # its connections are kept open: so is the child refused
+            self._fork_busy = f"this process was refused the file: {self._refused}"
+            return
+        with self._gate:
+            self._forking = True
+        if self._current.get() is not None:
+            self._fork_busy = "a unit (db.transaction(), uow.connect()) was open in its thread"
+            return
+        assert self._write_lock is not None
+        if not self._write_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._fork_busy = f"another thread's write unit did not end within {FORK_WAIT_S} s"
+            return
+        self._fork_locks.append(self._write_lock)
+        self._drop_writer(invalidate=False)
+        pool = self.engine.pool
+        while True:
+            with self._readers_lock:
+                readers = list(self._readers.items())
+            for key, (reader, finalizer) in readers:
+                if not reader.busy.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    self._fork_busy = f"another thread's read did not end within {FORK_WAIT_S} s"
+                    return
+                self._fork_locks.append(reader.busy)
+                with self._readers_lock:
+                    mine = self._readers.pop(key, None) is not None
+                if mine:
+                    finalizer.detach()
+                    reader.closed = True
+                    reader.pooled.close()
+            if isinstance(pool, NullPool):
+                return  # keeps nothing idle; units close their connections
+            if not isinstance(pool, QueuePool):
+                self._fork_busy = f"its engine's pool ({type(pool).__name__}) cannot be emptied"
+                return
+            _close_idle(pool)
+            with self._gate:
+                in_use = pool.checkedout() - self._gate_waiters
+            if in_use <= 0:
+                _close_idle(pool)  # returned meanwhile (none can be checked out now)
+                return
+            if time.monotonic() >= deadline:
+                self._fork_busy = (
+                    f"{in_use} connection(s) stayed in use by other threads (read units, "
+                    f"streams, engine.connect()) for {FORK_WAIT_S} s"
+                )
+                return
+            time.sleep(0.001)  # the fork path only: wait for other threads' units to end
+
+    def _after_fork_in_parent(self) -> None:
+        """The fork happened: let this process's threads go on (connections reopen lazily)."""
+        locks, self._fork_locks = self._fork_locks, []
+        for lock in locks:
+            lock.release()
+        with self._gate:
+            self._forking = False
+            self._gate.notify_all()
+
     def _after_fork_in_child(self) -> None:
-        """Forget the parent's connections, locks and open unit without touching them."""
-        _INHERITED.append((self._writer_conn, self._readers, self._local))
-        for _pooled, finalizer in self._readers.values():
+        """Forget the parent's connections, locks and open unit without touching them; when
+        one of them was in use at the fork, refuse the file in this process."""
+        inherited = (self._writer_conn, self._readers, self._local, self.engine.pool)
+        for _reader, finalizer in self._readers.values():
             finalizer.detach()
+        if self._fork_busy is not None and self._file_key is not None:
+            _REFUSED[self._file_key] = ForkedProcessError(
+                f"this process was forked while {self._queue_path or self.engine.url.database} "
+                f"was in use by its parent ({self._fork_busy}): it inherited SQLite's lock "
+                "records without the locks, so it must not use that file (its writes could be "
+                "lost or corrupt it). Fork outside db.transaction() blocks and while other "
+                "threads are idle, or start the process with 'spawn' or 'forkserver'"
+            )
+            _keep_forever(inherited)  # never closed or rolled back here, even at exit
+        else:
+            _INHERITED.append(inherited)
+        self._fork_busy = None
+        self._fork_locks = []
         self.engine.dispose(close=False)  # the child opens its own connections
         self._fresh_process_state()
+
+    # -- the WAL under the writer ----------------------------------------------------------
+
+    def _acknowledge(self) -> None:
+        """After a COMMIT on the writer: the WAL it wrote into must still be the file's (one
+        ``stat``). A WAL deleted or replaced meanwhile means this process lost its locks and
+        another process checkpointed and deleted it: the commit is invisible to everyone else
+        and lost at exit, so it is reported, not acknowledged."""
+        path = self._wal_path
+        if path is None:
+            return
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            seen = None
+        else:
+            seen = (st.st_dev, st.st_ino)
+        known = self._wal_id
+        if known is None:
+            # The writer's first commit: note the WAL it uses (none: not in WAL mode).
+            self._wal_id = seen if seen is not None else _NO_WAL
+        elif seen != known and known != _NO_WAL:
+            raise self._lose_wal()
+
+    def _wal_replaced(self) -> bool:
+        """The WAL the writer committed into is no longer the file's (one ``stat``)."""
+        known, path = self._wal_id, self._wal_path
+        if known is None or known == _NO_WAL or path is None:
+            return False
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != known
+
+    def _lose_wal(self) -> WalDeletedError:
+        """Refuse further writes to the file in this process; the writer connection is kept
+        open, never closed (closing it could checkpoint the deleted WAL over newer pages)."""
+        error = WalDeletedError(
+            f"the WAL of {self._queue_path or self.engine.url.database} was deleted while this "
+            f"process (pid {os.getpid()}) was writing into it: this process had lost its "
+            "locks on the database (a fork that inherited an open connection, or a file "
+            "handle on the database closed), and another process checkpointed and deleted the "
+            "WAL. This write and any since the deletion are NOT in the database; this process "
+            "refuses further writes to the file (`hermes-store doctor` names such processes)"
+        )
+        self._refused = error
+        if self._file_key is not None:
+            _REFUSED.setdefault(self._file_key, error)
+        held, self._writer_conn = self._writer_conn, None
+        if held is not None:
+            _keep_forever(held)
+        log.error("%s", error)
+        return error
 
     # -- maintenance -------------------------------------------------------------------------
 
     def checkpoint(self) -> bool:
-        """A PASSIVE WAL checkpoint: merges what no reader still needs, never waits."""
+        """A PASSIVE WAL checkpoint: merges what no reader still needs, never waits. Never
+        in a process refused the file, nor once the WAL was deleted under its writer."""
         if not self.is_sqlite:
+            return False
+        if self._refused is not None:
+            log.debug("no WAL checkpoint: %s", self._refused)
+            return False
+        if self._wal_replaced():
+            log.error("WAL checkpoint skipped: %s", self._lose_wal())
             return False
         try:
             with self.engine.connect() as conn:
                 conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
         except sa_exc.DBAPIError as error:
-            log.warning("WAL checkpoint failed (harmless, retried later): %s", error.orig)
+            if self._wal_replaced() or _holds_deleted_wal(self._wal_path):
+                log.error("WAL checkpoint failed (%s): %s", error.orig, self._lose_wal())
+            else:
+                log.warning("WAL checkpoint failed (harmless, retried later): %s", error.orig)
             return False
         with self._count_lock:
             self.stats.checkpoints += 1
@@ -976,7 +1224,7 @@ class _Patience:
 class _Reader:
     """A read connection: the pooled one, its driver connection and its pool-record info."""
 
-    __slots__ = ("driver", "held", "info", "pooled", "ready")
+    __slots__ = ("busy", "closed", "driver", "held", "info", "pooled", "ready")
 
     def __init__(self, pooled: PoolProxiedConnection, *, held: bool) -> None:
         self.pooled = pooled
@@ -984,6 +1232,8 @@ class _Reader:
         self.info = pooled.info
         self.held = held
         self.ready = False
+        self.busy = threading.Lock()  #: held while it reads (a fork closes it only when idle)
+        self.closed = False  #: closed before a fork: its thread takes a new one
 
 
 class _ThreadMarker:
@@ -1077,11 +1327,91 @@ _reader_keys = itertools.count()
 _LIVE: weakref.WeakSet[UnitOfWork] = weakref.WeakSet()
 #: What a forked child inherited from its parent: kept referenced, never used or closed.
 _INHERITED: list[object] = []
+#: Files (device, inode) this process must not use, and why (inherited by its children).
+_REFUSED: dict[tuple[int, int], HermesStoreError] = {}
+#: ``_wal_id`` of a writer that found no WAL at its first commit (not in WAL mode).
+_NO_WAL = (-1, -1)
+#: Forks this process has gone through (as a child): a unit open across one sees it change.
+_forks = 0
+
+
+def _again(error: HermesStoreError) -> HermesStoreError:
+    """A fresh exception like ``error`` (one instance is never raised twice)."""
+    return type(error)(*error.args)
+
+
+def _left_in_child(write: bool) -> ForkedProcessError:
+    kind = "transaction" if write else "read unit"
+    return ForkedProcessError(
+        f"this {kind} was opened by the parent process before it forked: the child cannot "
+        "commit or roll it back (it belongs to the parent, whose transaction is untouched), "
+        "so nothing in it was saved here"
+    )
+
+
+def _keep_forever(thing: object) -> None:
+    """Keep something inherited from the parent alive for the life of this process, never
+    finalized, not even at interpreter exit: closing or rolling back a parent's SQLite
+    connection here would act on the parent's locks and shared memory."""
+    import ctypes
+
+    _INHERITED.append(thing)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thing))
+
+
+def _close_idle(pool: QueuePool) -> None:
+    """Close the connections idle in ``pool``, keeping its count of checked-out ones right."""
+    while True:
+        try:
+            record = pool._pool.get(False)
+        except sa_queue.Empty:
+            return
+        record.close()
+        pool._dec_overflow()
+
+
+def _holds_deleted_wal(wal_path: str | None) -> bool:
+    """This process has the WAL open although it was deleted (Linux: ``/proc/self/fd``)."""
+    if wal_path is None:
+        return False
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    target = f"{wal_path} (deleted)"
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _before_fork() -> None:
+    deadline = time.monotonic() + FORK_WAIT_S
+    for uow in list(_LIVE):
+        try:
+            uow._before_fork(deadline)
+        except Exception as error:  # never let a fork fail here: refuse the child instead
+            uow._fork_busy = f"its connections could not be closed: {error!r}"
+            log.warning("before fork: %s", uow._fork_busy)
+
+
+def _after_fork_in_parent() -> None:
+    for uow in list(_LIVE):
+        uow._after_fork_in_parent()
 
 
 def _after_fork_in_child() -> None:
+    global _forks
+    _forks += 1
     for uow in list(_LIVE):
         uow._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)

@@ -359,10 +359,21 @@ class WriteQueue:
             self._disable(f"{sys.platform} has no open-file-description locks")
 
     def _after_fork(self) -> None:
-        """In a child: forget (and close) the parent's descriptors; the parent keeps its locks."""
+        """In a child: forget the parent's descriptors; the parent keeps its locks. Each is
+        pointed at ``/dev/null`` rather than closed, so its number is never reused: a turn the
+        parent held at the fork still releases it (a write and an unlock) when the child leaves
+        it, and that must never reach a file the child opened meanwhile (its database)."""
+        null = -1
+        with suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for fd in self._opened:
             with suppress(OSError):
-                os.close(fd)
+                if null >= 0:
+                    os.dup2(null, fd, inheritable=False)
+                else:
+                    os.close(fd)
+        if null >= 0:
+            os.close(null)
         self._reset()
 
     @property

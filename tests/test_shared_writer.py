@@ -296,18 +296,19 @@ def fork_context() -> Iterator[Any]:
 def test_a_forked_child_never_uses_the_parents_connections_or_locks(
     path: Path, fork_context: Any
 ) -> None:
-    """The child is forked while a parent thread holds the file's write turn, and after the
-    parent has a writer and a read connection open. The child must not deadlock on the
-    inherited lock and must write through connections of its own.
-
-    (SQLite's own lock bookkeeping is inherited too: fork while no write unit is inside
-    BEGIN..COMMIT, as SQLite requires.)
+    """The child is forked after the parent has a writer and a read connection open: they
+    are closed before the fork (SQLite's lock records must not reach the child), the child
+    writes through connections of its own and the parent reopens its own lazily. Forked
+    while a parent thread holds the file's write turn, the child does not deadlock on the
+    inherited lock: it is refused the file (the writer could not be closed), and the parent
+    goes on.
     """
     store = SessionDB(path)
     store.create_session("s", "cli")
     store.append_message("s", "user", "from the parent")
     store.get_session("s")  # the main thread holds a read connection too
-    parent_writer = id(store.uow._writer_conn)
+    writer = store.uow._writer_conn  # kept alive: its id stays its own
+    parent_writer = id(writer)
     holding, release = threading.Event(), threading.Event()
 
     def hold_the_turn() -> None:
@@ -315,23 +316,29 @@ def test_a_forked_child_never_uses_the_parents_connections_or_locks(
             holding.set()
             release.wait(TIMEOUT)
 
-    thread = threading.Thread(target=hold_the_turn)
-    thread.start()
-    try:
-        assert holding.wait(TIMEOUT)
+    def fork_child() -> tuple[str, Any, list[str]]:
         receive, send = fork_context.Pipe(duplex=False)
         child = fork_context.Process(target=_child_writes, args=(store, parent_writer, send))
         child.start()
         send.close()
         assert receive.poll(TIMEOUT), "the child never reported (deadlocked?)"
-        status, checks, contents = receive.recv()
+        report: tuple[str, Any, list[str]] = receive.recv()
         child.join(TIMEOUT)
-        assert status == "ok", checks
         assert child.exitcode == 0
-        assert checks == (True, True)  # one writer shared in the child, not the parent's
-        assert sorted(contents) == ["from the child", "from the parent"]
+        return report
+
+    thread = threading.Thread(target=hold_the_turn)
+    thread.start()
+    try:
+        assert holding.wait(TIMEOUT)
+        status, checks, _contents = fork_child()
+        assert status == "error" and "ForkedProcessError" in checks
         release.set()
         thread.join(TIMEOUT)
+        status, checks, contents = fork_child()
+        assert status == "ok", checks
+        assert checks == (True, True)  # one writer shared in the child, not the parent's
+        assert sorted(contents) == ["from the child", "from the parent"]
         # The parent's store is untouched by the child's close and goes on working.
         store.append_message("s", "user", "parent again")
         session = store.get_session("s")
