@@ -231,3 +231,15 @@ def mapped_errors() -> Iterator[None]:
         raise mapped from error
     except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
         raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None
+
+
+class StoreMisuseError(HermesStoreError):
+    """The store was called where the call cannot work (the message says what does); the
+    refused call wrote nothing."""
+
+
+class TransactionMisuseError(StoreMisuseError):
+    """A transaction was used where it cannot work: from a thread or context other than the
+    one that opened it (a generator resumed elsewhere), through a call that would wait for the
+    writer its own thread holds, or after its event loop was closed. A block ended this way is
+    rolled back."""
