@@ -60,7 +60,7 @@ from hermes_store.rows import (
     SessionRow,
 )
 from hermes_store.store import SessionDB
-from hermes_store.uow import StoreStats
+from hermes_store.uow import StoreStats, Unit
 
 if TYPE_CHECKING:
     import os
@@ -182,14 +182,14 @@ class _Tx:
     def __init__(self, owner: AsyncSessionDB, task: asyncio.Task[Any] | None) -> None:
         self.owner = owner
         self.task = task
-        #: The outermost block's context manager once it has begun (ended once: ``end``).
+        #: The outermost block's context manager and unit once it has begun (ended once).
         self.cm: AbstractContextManager[Any] | None = None
+        self.unit: Unit | None = None
         self.ended = False
+        self.loop = asyncio.get_running_loop()
         # SQLite: a thread of its own for the block's life (the unit lives in its context);
         # PostgreSQL: a context of its own that every call of the block runs in.
-        self.thread = (
-            _TxThread(asyncio.get_running_loop(), self._abandon) if owner._threads else None
-        )
+        self.thread = _TxThread(self.loop, self._abandon) if owner._threads else None
         self.context = contextvars.Context()
 
     def end(self, error: BaseException | None) -> Callable[[], object]:
@@ -211,11 +211,7 @@ class _Tx:
         """On the block's thread, its event loop closed: roll the block back."""
         if self.cm is None or self.ended:
             return
-        error = TransactionMisuseError(
-            "the event loop of an open async with adb.transaction() block was closed without "
-            "cancelling its task: the block was rolled back (cancel pending tasks, or use "
-            "asyncio.run(), before closing a loop)"
-        )
+        error = TransactionMisuseError(_ABANDONED)
         log.warning("%s", error)
         try:
             self.end(error)()
@@ -223,6 +219,30 @@ class _Tx:
             pass  # the block's own exit re-raises the error it was ended with
         except Exception:
             log.exception("rolling back a transaction() block whose event loop was closed")
+
+    def sever(self) -> None:
+        """PostgreSQL, the block can no longer be ended through its loop (closed, or the task
+        destroyed): close its server connection, so the server rolls the transaction back
+        and releases its row locks. Nothing is awaited: libpq closes the socket itself."""
+        unit, cm = self.unit, self.cm
+        if unit is None or cm is None or self.ended:
+            return
+        self.ended = True
+        log.warning("%s", _ABANDONED.replace("rolled back", "rolled back by the server"))
+        try:
+            driver: Any = unit.conn.connection.driver_connection
+            driver.pgconn.finish()
+        except Exception:
+            log.exception("closing the connection of an abandoned transaction() block")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here (the watcher): end the block's generators too,
+            # so the garbage collector never runs their rollback where it cannot await
+            exit_call = _exit_call(cm, TransactionMisuseError(_ABANDONED))
+            try:
+                asyncio.run(_in_greenlet(exit_call))
+            except Exception as error:  # expected: its connection is closed
+                log.info("ending an abandoned transaction() block: %s", error)
 
     def submit(self, call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
         if self.thread is not None:
@@ -232,6 +252,47 @@ class _Tx:
 
     async def run(self, call: Callable[[], T]) -> T:
         return await self.owner._settle(*self.submit(call))
+
+
+_ABANDONED = (
+    "the event loop of an open async with adb.transaction() block was closed (or its task "
+    "destroyed) without cancelling its task: the block was rolled back (cancel pending tasks, "
+    "or use asyncio.run(), before closing a loop)"
+)
+_watch_lock = threading.Lock()
+_watched: set[_Tx] = set()
+_watcher: threading.Thread | None = None
+
+
+def _watch(tx: _Tx) -> None:
+    """Watch a PostgreSQL block's loop (a SQLite block's own thread watches its loop)."""
+    global _watcher
+    with _watch_lock:
+        _watched.add(tx)
+        if _watcher is None:
+            _watcher = threading.Thread(target=_watch_loops, name="hermes-aio-watch", daemon=True)
+            _watcher.start()
+
+
+def _unwatch(tx: _Tx) -> None:
+    with _watch_lock:
+        _watched.discard(tx)
+
+
+def _watch_loops() -> None:
+    """While PostgreSQL blocks are open: sever those whose event loop was closed."""
+    global _watcher
+    pause = threading.Event()
+    while True:
+        pause.wait(LOOP_WATCH_S)
+        with _watch_lock:
+            if not _watched:
+                _watcher = None
+                return
+            closed = [tx for tx in _watched if tx.loop.is_closed()]
+            _watched.difference_update(closed)
+        for tx in closed:
+            tx.sever()
 
 
 class AsyncSessionDB:
@@ -389,9 +450,9 @@ class AsyncSessionDB:
                 cm.__enter__()
                 entered.append(True)
                 if not nested:
-                    unit = db.uow.current()
-                    if unit is not None:
-                        unit.body_thread = body_thread
+                    tx.unit = db.uow.current()
+                    if tx.unit is not None:
+                        tx.unit.body_thread = body_thread
                     tx.cm = cm
 
             def ending(error: BaseException | None) -> Callable[[], object]:
@@ -403,6 +464,8 @@ class AsyncSessionDB:
                 if entered:  # begun all the same (the call had started): roll it back
                     await self._must(tx.submit(ending(cancelled)))
                 raise
+            if not nested and tx.thread is None:
+                _watch(tx)
             try:
                 yield
             except GeneratorExit as closed:
@@ -410,6 +473,8 @@ class AsyncSessionDB:
                 # nothing can be awaited now, so the block ends on its own thread unawaited.
                 if tx.thread is not None:
                     tx.thread.submit(ending(closed))
+                elif not nested:
+                    tx.sever()
                 raise
             except BaseException as error:
                 await self._must(tx.submit(ending(error)))
@@ -420,6 +485,8 @@ class AsyncSessionDB:
                 self._tx.reset(token)
             if not nested and tx.thread is not None:
                 tx.thread.shutdown(wait=False)
+            elif not nested:
+                _unwatch(tx)
 
     def _refuse_held_writer(self) -> None:
         """SQLite: a call from inside a sync write block of this thread on the same file
@@ -764,6 +831,12 @@ def _exit_call(
     if error is None:
         return partial(cm.__exit__, None, None, None)
     return partial(cm.__exit__, type(error), error, error.__traceback__)
+
+
+async def _in_greenlet(call: Callable[[], T]) -> T:
+    from sqlalchemy.util.concurrency import greenlet_spawn
+
+    return await greenlet_spawn(call)
 
 
 def _on_thread(

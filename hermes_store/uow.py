@@ -841,8 +841,8 @@ class UnitOfWork:
         SQLite: on this thread's own read connection, without pool checkout or SQLAlchemy's
         per-execution work; one statement is one implicit read transaction (one snapshot).
         """
-        open_unit = self._joinable()
-        if open_unit is not None:
+        open_unit = self._current.get()
+        if open_unit is not None and not open_unit.closed:
             return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
         if not self.is_sqlite:
             return self.read(

@@ -238,11 +238,12 @@ db.close()
 """
 
 
-def test_a_loop_closed_with_an_open_block_releases_the_write_lock(tmp_path: Path) -> None:
-    path = tmp_path / "state.db"
-    with SessionDB(path) as setup:
+def test_a_loop_closed_with_an_open_block_releases_its_locks(db_url: URL) -> None:
+    """SQLite's write lock, PostgreSQL's row locks (the block updated the session's row)."""
+    url = url_string(db_url)
+    with SessionDB(url) as setup:
         setup.create_session("s", "cli")
-    adb = AsyncSessionDB(path)
+    adb = AsyncSessionDB(url)
     loop = asyncio.new_event_loop()
     inside = asyncio.Event()
 
@@ -255,19 +256,20 @@ def test_a_loop_closed_with_an_open_block_releases_the_write_lock(tmp_path: Path
     pending = loop.create_task(holder())
     loop.run_until_complete(inside.wait())
     loop.close()  # the holder is never cancelled, never resumed
-    # Another process can write: the abandoned block no longer holds SQLite's lock (it waits
-    # its whole retry budget before it gives up, far longer than the release takes).
+    # Another process can write: the abandoned block no longer holds the lock (the other
+    # waits its whole retry budget, or on PostgreSQL for the row, far longer than the
+    # release takes).
     other = subprocess.run(
-        [sys.executable, "-c", _OTHER_WRITER, str(path)],
+        [sys.executable, "-c", _OTHER_WRITER, url],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert other.returncode == 0, other.stderr[-2000:]
-    assert _messages(path) == ["another process"]  # the abandoned write was rolled back
-    with SessionDB(path) as db:  # and this process writes again too
+    assert _messages(db_url) == ["another process"]  # the abandoned write was rolled back
+    with SessionDB(url) as db:  # and this process writes again too
         db.append_message("s", "user", "this process")
-    assert _messages(path) == ["another process", "this process"]
+    assert _messages(db_url) == ["another process", "this process"]
     del pending
     asyncio.run(adb.close())
 
