@@ -26,7 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import logging
+import queue
 import sys
+import threading
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -37,7 +40,7 @@ from collections.abc import (
 )
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -47,7 +50,12 @@ from sqlalchemy.engine import Engine, make_url
 
 from hermes_store import validate
 from hermes_store.engine import Target, default_db_path, display_url, to_url
-from hermes_store.errors import HermesStoreError, InvalidInputError, extras_named
+from hermes_store.errors import (
+    HermesStoreError,
+    InvalidInputError,
+    TransactionMisuseError,
+    extras_named,
+)
 from hermes_store.rows import (
     ConversationTurn,
     ExportRecord,
@@ -57,7 +65,7 @@ from hermes_store.rows import (
     SessionRow,
 )
 from hermes_store.store import SessionDB
-from hermes_store.uow import StoreStats
+from hermes_store.uow import StoreStats, Unit
 
 if TYPE_CHECKING:
     import os
@@ -66,10 +74,14 @@ if TYPE_CHECKING:
 
     from hermes_store.backup import BackupReport
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 #: Threads per SQLite store: enough to keep reads flowing while one waits for the writer.
 DEFAULT_THREADS = 8
+#: How often an open SQLite transaction()'s thread looks whether its event loop was closed.
+LOOP_WATCH_S = 0.5
 
 
 @dataclass
@@ -120,16 +132,122 @@ async def _finish(future: asyncio.Future[Any]) -> tuple[Any, BaseException | Non
         return result, None, cancelled
 
 
+class _TxThread:
+    """The thread of one open SQLite ``transaction()``: runs the block's calls in order and,
+    between them, watches the block's event loop. A loop closed with the block still open
+    (``run_until_complete`` then ``close()``, its task never cancelled) can never resume the
+    block, so the thread rolls it back (``abandon``) and ends: SQLite's write lock is never
+    stranded."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, abandon: Callable[[], None]) -> None:
+        self._loop = loop
+        self._abandon = abandon
+        self._calls: queue.SimpleQueue[tuple[ThreadFuture[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        # A daemon: at interpreter exit nothing waits for a block nobody can end.
+        self._thread = threading.Thread(target=self._serve, name="hermes-aio-tx", daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], T]) -> ThreadFuture[T]:
+        done: ThreadFuture[T] = ThreadFuture()
+        self._calls.put((done, call))
+        return done
+
+    def shutdown(self, wait: bool = False) -> None:
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                item = self._calls.get(timeout=LOOP_WATCH_S)
+            except queue.Empty:
+                if self._loop.is_closed():
+                    self._abandon()
+                    return
+                continue
+            if item is None:
+                return
+            done, call = item
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call()
+            except BaseException as error:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+
 class _Tx:
     """One open ``transaction()``: the task it belongs to and where its calls run."""
 
     def __init__(self, owner: AsyncSessionDB, task: asyncio.Task[Any] | None) -> None:
         self.owner = owner
         self.task = task
+        #: The outermost block's context manager and unit once it has begun (ended once).
+        self.cm: AbstractContextManager[Any] | None = None
+        self.unit: Unit | None = None
+        self.ended = False
+        self.loop = asyncio.get_running_loop()
         # SQLite: a thread of its own for the block's life (the unit lives in its context);
         # PostgreSQL: a context of its own that every call of the block runs in.
-        self.thread = ThreadPoolExecutor(1, "hermes-aio-tx") if owner._threads else None
+        self.thread = _TxThread(self.loop, self._abandon) if owner._threads else None
         self.context = contextvars.Context()
+
+    def end(self, error: BaseException | None) -> Callable[[], object]:
+        """The call (run where the block's calls run) that ends the block: commit, or roll
+        back on ``error``; only the first one counts."""
+
+        def call() -> object:
+            cm = self.cm
+            if cm is None or self.ended:
+                return None
+            self.ended = True
+            if error is None:
+                return cm.__exit__(None, None, None)
+            return cm.__exit__(type(error), error, error.__traceback__)
+
+        return call
+
+    def _abandon(self) -> None:
+        """On the block's thread, its event loop closed: roll the block back."""
+        if self.cm is None or self.ended:
+            return
+        error = TransactionMisuseError(_ABANDONED)
+        log.warning("%s", error)
+        try:
+            self.end(error)()
+        except TransactionMisuseError:
+            pass  # the block's own exit re-raises the error it was ended with
+        except Exception:
+            log.exception("rolling back a transaction() block whose event loop was closed")
+
+    def sever(self) -> None:
+        """PostgreSQL, the block can no longer be ended through its loop (closed, or the task
+        destroyed): close its server connection, so the server rolls the transaction back
+        and releases its row locks. Nothing is awaited: libpq closes the socket itself."""
+        unit, cm = self.unit, self.cm
+        if unit is None or cm is None or self.ended:
+            return
+        self.ended = True
+        log.warning("%s", _ABANDONED.replace("rolled back", "rolled back by the server"))
+        try:
+            driver: Any = unit.conn.connection.driver_connection
+            driver.pgconn.finish()
+        except Exception:
+            log.exception("closing the connection of an abandoned transaction() block")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here (the watcher): end the block's generators too,
+            # so the garbage collector never runs their rollback where it cannot await
+            exit_call = _exit_call(cm, TransactionMisuseError(_ABANDONED))
+            try:
+                asyncio.run(_in_greenlet(exit_call))
+            except Exception as error:  # expected: its connection is closed
+                log.info("ending an abandoned transaction() block: %s", error)
 
     def submit(self, call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
         if self.thread is not None:
@@ -139,6 +257,47 @@ class _Tx:
 
     async def run(self, call: Callable[[], T]) -> T:
         return await self.owner._settle(*self.submit(call))
+
+
+_ABANDONED = (
+    "the event loop of an open async with adb.transaction() block was closed (or its task "
+    "destroyed) without cancelling its task: the block was rolled back (cancel pending tasks, "
+    "or use asyncio.run(), before closing a loop)"
+)
+_watch_lock = threading.Lock()
+_watched: set[_Tx] = set()
+_watcher: threading.Thread | None = None
+
+
+def _watch(tx: _Tx) -> None:
+    """Watch a PostgreSQL block's loop (a SQLite block's own thread watches its loop)."""
+    global _watcher
+    with _watch_lock:
+        _watched.add(tx)
+        if _watcher is None:
+            _watcher = threading.Thread(target=_watch_loops, name="hermes-aio-watch", daemon=True)
+            _watcher.start()
+
+
+def _unwatch(tx: _Tx) -> None:
+    with _watch_lock:
+        _watched.discard(tx)
+
+
+def _watch_loops() -> None:
+    """While PostgreSQL blocks are open: sever those whose event loop was closed."""
+    global _watcher
+    pause = threading.Event()
+    while True:
+        pause.wait(LOOP_WATCH_S)
+        with _watch_lock:
+            if not _watched:
+                _watcher = None
+                return
+            closed = [tx for tx in _watched if tx.loop.is_closed()]
+            _watched.difference_update(closed)
+        for tx in closed:
+            tx.sever()
 
 
 class AsyncSessionDB:
@@ -198,7 +357,8 @@ class AsyncSessionDB:
     @property
     def sync(self) -> SessionDB:
         """The ``SessionDB`` underneath (opened); for code that runs off the loop, as in
-        :meth:`run_sync`."""
+        :meth:`run_sync` (on PostgreSQL its methods work only there: elsewhere they raise
+        :class:`~hermes_store.errors.StoreMisuseError`)."""
         if self._sync is None:
             raise HermesStoreError("the store is not open yet: await a call or use async with")
         return self._sync
@@ -268,6 +428,7 @@ class AsyncSessionDB:
         tx = self._tx.get()
         if tx is not None and tx.task is asyncio.current_task():
             raise HermesStoreError("close() inside an open transaction(): leave the block first")
+        self._refuse_held_writer()
         async with self._opening:
             self._closed = True
         if self._sync is not None:
@@ -280,16 +441,17 @@ class AsyncSessionDB:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
         """One unit for every call of this task inside the block: commit at the end, rollback
-        of everything on an exception (cancellation included); nested blocks join it. Other
-        tasks' calls wait for it and land after it, as other threads' do in ``SessionDB``."""
+        of everything on an exception (cancellation included). A nested block is a SAVEPOINT
+        in it: an exception leaving the nested block rolls back its writes only. Other tasks'
+        calls wait for it and land after it, as other threads' do in ``SessionDB``."""
         db = await self._open()
+        self._refuse_held_writer()
         task = asyncio.current_task()
         open_tx = self._tx.get()
-        if open_tx is not None and open_tx.task is task:
-            yield
-            return
-        tx = _Tx(self, task)
-        token = self._tx.set(tx)
+        nested = open_tx is not None and open_tx.task is task
+        tx = open_tx if open_tx is not None and nested else _Tx(self, task)
+        token = None if nested else self._tx.set(tx)
+        body_thread = threading.get_ident()  # the loop's: it must never wait for this writer
         try:
             cm = db.transaction()
             entered: list[bool] = []
@@ -297,31 +459,67 @@ class AsyncSessionDB:
             def begin() -> None:
                 cm.__enter__()
                 entered.append(True)
+                if not nested:
+                    tx.unit = db.uow.current()
+                    if tx.unit is not None:
+                        tx.unit.body_thread = body_thread
+                    tx.cm = cm
+
+            def ending(error: BaseException | None) -> Callable[[], object]:
+                return _exit_call(cm, error) if nested else tx.end(error)
 
             try:
                 await tx.run(begin)
             except asyncio.CancelledError as cancelled:
                 if entered:  # begun all the same (the call had started): roll it back
-                    rollback = partial(cm.__exit__, type(cancelled), cancelled, None)
-                    await self._must(tx.submit(rollback))
+                    await self._must(tx.submit(ending(cancelled)))
                 raise
+            if not nested and tx.thread is None:
+                _watch(tx)
             try:
                 yield
-            except BaseException as error:
-                exit_call = partial(cm.__exit__, type(error), error, error.__traceback__)
-                await self._must(tx.submit(exit_call))
+            except GeneratorExit as closed:
+                # The task was destroyed unfinished (its loop closed, or it was dropped):
+                # nothing can be awaited now, so the block ends on its own thread unawaited.
+                if tx.thread is not None:
+                    tx.thread.submit(ending(closed))
+                elif not nested:
+                    tx.sever()
                 raise
-            await self._must(tx.submit(partial(cm.__exit__, None, None, None)))
+            except BaseException as error:
+                await self._must(tx.submit(ending(error)))
+                raise
+            await self._must(tx.submit(ending(None)))
         finally:
-            self._tx.reset(token)
-            if tx.thread is not None:
+            if token is not None and self._tx.get() is tx:
+                self._tx.reset(token)
+            if not nested and tx.thread is not None:
                 tx.thread.shutdown(wait=False)
+            elif not nested:
+                _unwatch(tx)
+
+    def _refuse_held_writer(self) -> None:
+        """SQLite: a call from inside a sync write block of this thread on the same file
+        would wait for the writer that block holds, and the block cannot end before the call
+        returns: refused at once."""
+        db = self._sync
+        if db is None or not self._threads:
+            return
+        unit = db.uow.current()
+        if unit is not None and unit.write:
+            raise TransactionMisuseError(
+                "an AsyncSessionDB call inside a sync db.transaction() (or uow.connect(), "
+                "uow.session()) block on the same file: it would wait forever for the writer "
+                "that block holds. Make the call after the block, or use async with "
+                "adb.transaction() and await the calls inside it"
+            )
 
     # -- running calls off the loop ----------------------------------------------------------
 
     def _submit(self, call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
         """Start ``call`` off the loop where this task's calls run: its future and a function
         that cancels it if it has not started (True: it never will)."""
+        self._refuse_held_writer()
         tx = self._tx.get()
         if tx is not None and tx.task is asyncio.current_task():
             return tx.submit(call)
@@ -651,8 +849,23 @@ def _take(iterator: Iterator[T], count: int) -> list[T]:
     return list(itertools.islice(iterator, count))
 
 
+def _exit_call(
+    cm: AbstractContextManager[Any], error: BaseException | None
+) -> Callable[[], object]:
+    """The call that leaves ``cm`` (with ``error``, if any)."""
+    if error is None:
+        return partial(cm.__exit__, None, None, None)
+    return partial(cm.__exit__, type(error), error, error.__traceback__)
+
+
+async def _in_greenlet(call: Callable[[], T]) -> T:
+    from sqlalchemy.util.concurrency import greenlet_spawn
+
+    return await greenlet_spawn(call)
+
+
 def _on_thread(
-    pool: ThreadPoolExecutor, call: Callable[[], T]
+    pool: ThreadPoolExecutor | _TxThread, call: Callable[[], T]
 ) -> tuple[asyncio.Future[T], Callable[[], bool]]:
     done: ThreadFuture[T] = pool.submit(call)
     # Never cancelled through the asyncio wrapper (always awaited shielded): a call that

@@ -310,3 +310,15 @@ class ForkedProcessError(HermesStoreError):
 class WalDeletedError(StorageIOError):
     """The database's WAL was deleted while this process was writing into it (it had lost its
     locks): the write was not saved, and this process refuses further writes to the file."""
+
+
+class StoreMisuseError(HermesStoreError):
+    """The store was called where the call cannot work (the message says what does); the
+    refused call wrote nothing."""
+
+
+class TransactionMisuseError(StoreMisuseError):
+    """A transaction was used where it cannot work: from a thread or context other than the
+    one that opened it (a generator resumed elsewhere), through a call that would wait for the
+    writer its own thread holds, or after its event loop was closed. A block ended this way is
+    rolled back."""

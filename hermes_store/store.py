@@ -275,10 +275,14 @@ class SessionDB:
         """One unit for every call inside the block (this thread or asyncio task).
 
         One ``BEGIN IMMEDIATE`` (waiting for another writer is retried: nothing ran yet), one
-        commit at the end, everything rolled back on an exception. Nested blocks, and calls
-        inside ``uow.session()``/``uow.connect()``, join it; other threads' calls wait for the
-        lock and land after it. The block runs once: a lock met inside it rolls it back and
-        raises :class:`~hermes_store.DatabaseLockedError`. Yields the unit's Connection.
+        commit at the end, everything rolled back on an exception. Calls inside
+        ``uow.session()``/``uow.connect()`` join it; a nested block is a SAVEPOINT in it (an
+        exception leaving the nested block rolls back its writes only); other threads' calls
+        wait for the lock and land after it. The block belongs to the thread that opened it:
+        resumed in another one (a generator), it raises
+        :class:`~hermes_store.TransactionMisuseError`. The block runs once: a lock met inside
+        it rolls it back and raises :class:`~hermes_store.DatabaseLockedError`. Yields the
+        unit's Connection.
         """
         return self.uow.transaction()
 

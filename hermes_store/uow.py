@@ -23,6 +23,7 @@ see :mod:`hermes_store.groupcommit`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import os
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Literal, TypeVar, overload
 
 from sqlalchemy import event
@@ -65,6 +67,8 @@ from hermes_store.errors import (
     HermesStoreError,
     InvalidInputError,
     ReadOnlyUnitError,
+    StoreMisuseError,
+    TransactionMisuseError,
     WalDeletedError,
     is_retryable,
     mapped_errors,
@@ -130,13 +134,23 @@ class StoreStats:
 
 
 class Unit:
-    """An open unit: its connection and whether it may write."""
+    """An open unit: its connection, whether it may write, and who owns it.
 
-    __slots__ = ("conn", "write")
+    ``owner``: the thread that opened it (and whose context holds it); ``body_thread``: the
+    thread that runs the block's code, which must never wait for this unit's writer (the owner,
+    except for ``AsyncSessionDB``'s blocks: the event loop's thread); ``frames``: the
+    generators and coroutines the block was opened in (resumed in another thread, they run
+    inside a block that thread cannot join); ``closed``: ended, perhaps by another thread.
+    """
+
+    __slots__ = ("body_thread", "closed", "conn", "frames", "owner", "write")
 
     def __init__(self, conn: Connection, write: bool) -> None:
         self.conn = conn
         self.write = write
+        self.owner = self.body_thread = threading.get_ident()
+        self.frames: tuple[FrameType, ...] = ()
+        self.closed = False
 
 
 def driver_cursor(conn: Connection) -> Any:
@@ -167,6 +181,9 @@ class UnitOfWork:
         self.is_sqlite = engine.dialect.name == "sqlite"
         self._dialect = engine.dialect
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        #: An asyncio engine's sync side (AsyncSessionDB on PostgreSQL): usable only in the
+        #: greenlet SQLAlchemy runs it in.
+        self._asyncio = engine.dialect.is_async
         self.settings: SqliteSettings | None = None
         if self.is_sqlite:
             self.settings = sqlite_settings(engine) or install_sqlite_hooks(engine)
@@ -213,6 +230,7 @@ class UnitOfWork:
         the child gets new ones and never touches its parent's)."""
         self._pid = os.getpid()
         self._current: ContextVar[Unit | None] = ContextVar(f"hermes_unit_{id(self)}", default=None)
+        self._blocks: set[Unit] = set()  # open write blocks (transaction(), connect(), session())
         # In-process writers queue here; other processes meet SQLite's write lock.
         self._write_lock = threading.Lock() if self.is_sqlite else None
         self._count_lock = threading.Lock()
@@ -303,12 +321,21 @@ class UnitOfWork:
 
     def current(self) -> Unit | None:
         """The unit open in this thread or task, if any."""
-        return self._current.get()
+        return self._joinable()
+
+    def _joinable(self) -> Unit | None:
+        """The open unit of this thread or task; one that another thread ended (a misuse it
+        was told about, and rolled back) is forgotten here."""
+        unit = self._current.get()
+        if unit is not None and unit.closed:
+            self._current.set(None)
+            return None
+        return unit
 
     @contextmanager
     def unit(self, *, write: bool = True) -> Iterator[Unit]:
         """A unit: joins the open one, else begins one (waiting for the lock is retried)."""
-        open_unit = self._current.get()
+        open_unit = self._joinable()
         if open_unit is not None:
             if write and not open_unit.write:
                 raise ReadOnlyUnitError(
@@ -317,17 +344,97 @@ class UnitOfWork:
                 )
             yield open_unit
             return
+        if self._blocks or self._asyncio:
+            self._refuse_foreign_block(write)
         with self._own_unit(write, self.retry.waits()) as unit:
-            yield unit
+            if not write:
+                yield unit
+                return
+            self._open_block(unit)
+            try:
+                yield unit
+            except BaseException as error:
+                self._refuse_foreign_exit(unit, error)
+                raise
+            else:
+                self._refuse_foreign_exit(unit, None)
+            finally:
+                with self._count_lock:
+                    self._blocks.discard(unit)
+                unit.closed = True
+                unit.frames = ()
+
+    # -- who may use an open block -----------------------------------------------------------
+
+    def _open_block(self, unit: Unit) -> None:
+        """Register a write block with the generators and coroutines it is opened in."""
+        frames: list[FrameType] = []
+        frame: FrameType | None = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_flags & _RESUMABLE and frame.f_code.co_filename != __file__:
+                frames.append(frame)
+            frame = frame.f_back
+        unit.frames = tuple(frames)
+        with self._count_lock:
+            self._blocks.add(unit)
+
+    def _refuse_foreign_block(self, write: bool) -> None:
+        """Refuse, before it waits, a call that could only wait forever: one made inside a
+        block opened in another thread or context (a generator that opened it, resumed
+        elsewhere), or, on SQLite, a write from the thread that runs an open block's body
+        (another asyncio task's sync block, an ``AsyncSessionDB`` block of this loop)."""
+        if self._asyncio:
+            _refuse_outside_greenlet()
+        with self._count_lock:
+            blocks = list(self._blocks)
+        if not blocks:
+            return
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_flags & _RESUMABLE:
+                for block in blocks:
+                    if frame in block.frames:
+                        raise TransactionMisuseError(
+                            "this code runs inside a transaction() block opened in another "
+                            f"thread or context ({frame.f_code.co_name}() opened it, then was "
+                            "resumed here): a transaction belongs to the thread that opened it. "
+                            "Open and end the block in the same thread (or give this code its "
+                            "own block)"
+                        )
+            frame = frame.f_back
+        if write and self._write_lock is not None:
+            me = threading.get_ident()
+            if any(block.body_thread == me for block in blocks):
+                raise TransactionMisuseError(
+                    "a write from a thread whose own open transaction() block (in another "
+                    "asyncio task or context, or AsyncSessionDB's async with adb.transaction()) "
+                    "holds the file's writer: it would wait for itself forever. Make the call "
+                    "inside that block (await adb.<method>() in an async block), or after it"
+                )
+
+    def _refuse_foreign_exit(self, unit: Unit, error: BaseException | None) -> None:
+        """A block ended by another thread or context (a generator closed elsewhere) is
+        rolled back and refused, never committed from there."""
+        if unit.owner == threading.get_ident() and self._current.get() is unit:
+            return
+        if isinstance(error, (TransactionMisuseError, GeneratorExit)):
+            return
+        raise TransactionMisuseError(
+            "a transaction() block was ended in another thread or context than the one that "
+            "opened it (a generator resumed elsewhere): a transaction belongs to the thread "
+            "that opened it; the block was rolled back"
+        ) from error
 
     @contextmanager
     def reading(self) -> Iterator[Connection]:
         """A read connection that others do not join: the open unit's if there is one, else
         a read unit of its own (for generators, which yield to code that may open units)."""
-        open_unit = self._current.get()
+        open_unit = self._joinable()
         if open_unit is not None:
             yield open_unit.conn
             return
+        if self._blocks or self._asyncio:
+            self._refuse_foreign_block(False)
         with self._own_unit(False, self.retry.waits(), publish=False) as unit:
             yield unit.conn
 
@@ -363,8 +470,8 @@ class UnitOfWork:
                     ) from error
                 raise
             finally:
-                if token is not None:
-                    current.reset(token)
+                if token is not None and current.get() is unit:
+                    current.reset(token)  # not from another context: refused there
                 if not (inherited or (write and conn is self._writer_conn)):
                     conn.close()
             if write and conn is self._writer_conn:
@@ -485,6 +592,8 @@ class UnitOfWork:
         if self._current.get() is not None:
             with self.unit(write=write) as unit:
                 return fn(unit.conn)
+        if self._blocks or self._asyncio:
+            self._refuse_foreign_block(write)
         lean = driver_only and write and self.is_sqlite
         if lean and self.group is not None:
             done, result = self.group.run(fn)
@@ -657,12 +766,18 @@ class UnitOfWork:
         ``BEGIN IMMEDIATE`` (retried while another writer holds the lock: nothing ran yet),
         commit at the end, rollback of everything on an exception. The block runs once: a lock
         error inside it (a PostgreSQL deadlock, say) rolls it back and raises
-        :class:`DatabaseLockedError`. Nested blocks join the outer one.
+        :class:`DatabaseLockedError`. A nested block is a ``SAVEPOINT`` in the outer one: an
+        exception leaving it rolls back that block's writes only (then propagates); the outer
+        commit commits the rest.
         """
         joined = self._current.get() is not None
         try:
             with self.unit(write=True) as unit:
-                yield unit.conn
+                if joined:
+                    with _savepoint(unit.conn):
+                        yield unit.conn
+                else:
+                    yield unit.conn
         except sa_exc.DBAPIError as error:
             if joined or not is_retryable(error):
                 raise
@@ -705,6 +820,8 @@ class UnitOfWork:
         """
         if self.is_sqlite or self._current.get() is not None:
             return self.run(fn)
+        if self._blocks or self._asyncio:
+            self._refuse_foreign_block(True)
         groups = self.statement_groups
         if grouped is not None and groups is not None:
             grouped.idempotent = idempotent
@@ -723,6 +840,8 @@ class UnitOfWork:
         if self._current.get() is not None or self.is_sqlite:
             with self.unit(write=False) as unit:
                 return fn(unit.conn)
+        if self._blocks or self._asyncio:
+            self._refuse_foreign_block(False)
         return self._autocommit(fn, write=False, idempotent=True)
 
     @property
@@ -789,7 +908,7 @@ class UnitOfWork:
         per-execution work; one statement is one implicit read transaction (one snapshot).
         """
         open_unit = self._current.get()
-        if open_unit is not None:
+        if open_unit is not None and not open_unit.closed:
             return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
         if not self.is_sqlite:
             return self.read(
@@ -918,7 +1037,7 @@ class UnitOfWork:
 
     def release(self) -> None:
         """Give every held connection back to the pool (the last ``SessionDB.close``)."""
-        if self._current.get() is not None:
+        if self._joinable() is not None:
             raise HermesStoreError(
                 "close() inside an open unit (db.transaction(), uow.connect()): leave the "
                 "block first"
@@ -1162,6 +1281,33 @@ class UnitOfWork:
         _sleep(delay)
 
 
+def _refuse_outside_greenlet() -> None:
+    """An asyncio engine's store called directly (``adb.sync.append_message()``): it could
+    only fail with SQLAlchemy's MissingGreenlet, so say what works instead."""
+    from sqlalchemy.util.concurrency import in_greenlet
+
+    if not in_greenlet():
+        raise StoreMisuseError(
+            "AsyncSessionDB.sync on PostgreSQL runs on asyncio's driver: its methods work only "
+            "inside await adb.run_sync(fn). Await the coroutine instead (await "
+            "adb.append_message(...)), or open a SessionDB on the same URL for synchronous code"
+        )
+
+
+@contextmanager
+def _savepoint(conn: Connection) -> Iterator[None]:
+    """A nested ``transaction()`` block: rolled back to its SAVEPOINT when an exception
+    leaves it (the exception goes on), released otherwise."""
+    savepoint = conn.begin_nested()
+    try:
+        yield
+    except BaseException:
+        if savepoint.is_active:
+            savepoint.rollback()
+        raise
+    savepoint.commit()
+
+
 def _sleep(delay: float) -> None:
     """``time.sleep``, except inside SQLAlchemy's asyncio greenlet (``AsyncSessionDB`` on
     PostgreSQL), where the pause awaits: the event loop keeps serving other tasks."""
@@ -1323,6 +1469,8 @@ def _is_readonly_refusal(error: BaseException) -> bool:
 
 
 _reader_keys = itertools.count()
+#: Frames that can be suspended and resumed in another thread: generators and coroutines.
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 #: Every live Unit of Work, so a forked child can reset them all.
 _LIVE: weakref.WeakSet[UnitOfWork] = weakref.WeakSet()
 #: What a forked child inherited from its parent: kept referenced, never used or closed.

@@ -80,6 +80,7 @@ def export(
 
     from hermes_store import markdown, transfer
     from hermes_store import redact as redaction
+    from hermes_store.engine import make_private_dirs
 
     if session_ref and sources:
         raise click.UsageError("--session and --source cannot be combined")
@@ -111,7 +112,7 @@ def export(
     with progress(total, "exporting") as bar:
         if split:
             folder = Path(output)
-            folder.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(folder)  # 0700 whatever the umask: file names carry titles
             for record in counted(records):
                 target = folder / markdown.file_name(record)
                 with transfer.export_writer(str(target), app.url) as handle:
