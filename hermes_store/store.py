@@ -431,9 +431,9 @@ class SessionDB:
         """Each id shortened to a prefix no other session in the database shares (at least
         ``minimum`` characters): what a listing may show, since such a prefix always resolves
         through :meth:`resolve_session_id`."""
-        ids = list(session_ids)
-        for session_id in ids:
-            validate.text("session_id", session_id)
+        ids = validate.names("session_ids", session_ids)
+        if ids is None:
+            raise InvalidInputError("session_ids must be a list of session ids, not None")
         validate.integer("minimum", minimum, minimum=1, maximum=1 << 16)
         with self._read() as conn:
             return listing.unique_id_prefixes(conn, ids, minimum)

@@ -21,7 +21,8 @@ def main(url: str, session: str, tag: str) -> None:
     out = threading.Lock()
 
     def say(kind: str, thread: int, content: str, detail: str = "") -> None:
-        line = f"{kind}\t{thread}\t{content}\t{time.time():.6f}\t{detail}\n"
+        flat = " ".join(detail.split())  # driver messages span lines and hold tabs
+        line = f"{kind}\t{thread}\t{content}\t{time.time():.6f}\t{flat}\n"
         with out:
             sys.stdout.write(line)
             sys.stdout.flush()
