@@ -397,10 +397,12 @@ class AsyncSessionDB:
         from hermes_store.engine import (
             _psycopg_options,
             install_liveness_check,
+            install_pooler_guard,
             register_origin,
         )
 
         if isinstance(self._target, AsyncEngine):
+            install_pooler_guard(self._target.sync_engine)
             self._engine = self._target
             return self._target
         url = to_url(self._target)  # type: ignore[arg-type]
@@ -416,6 +418,7 @@ class AsyncSessionDB:
         self._engine = create_async_engine(url, **kwargs)
         sync_engine = self._engine.sync_engine
         install_liveness_check(sync_engine)
+        install_pooler_guard(sync_engine)
         register_origin(sync_engine, url, kwargs.get("connect_args", {}))
         self._owns_engine = True
         return self._engine

@@ -252,6 +252,7 @@ def create_engine(
             )
         elif _is_psycopg(target):
             install_utf8(target)
+            install_pooler_guard(target)
         return target
     url = to_url(target)
     where = placement_mod.current() if placement is None else placement
@@ -290,6 +291,7 @@ def create_engine(
     if _is_psycopg(engine):
         install_safe_ping(engine)
         install_liveness_check(engine)
+        install_pooler_guard(engine)
         if "creator" not in engine_kwargs:
             register_origin(engine, url, engine_kwargs.get("connect_args", {}))
     placement_mod.install(engine, where)
@@ -362,6 +364,7 @@ def _make_twin(engine: Engine) -> Engine:
     if _is_psycopg(base):
         install_safe_ping(base)
         install_liveness_check(base)
+        install_pooler_guard(base)
     options = {
         key: value
         for key, value in engine.get_execution_options().items()
@@ -515,6 +518,49 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
         if "plan_cache_mode" not in given:
             connect_args["options"] = f"{given} {CUSTOM_PLANS_OPTION}".strip()
     return url, {**engine_kwargs, "connect_args": connect_args}
+
+
+def install_pooler_guard(engine: Engine) -> None:
+    """Never prepare statements through a connection pooler. PgBouncer in transaction mode
+    hands one server connection to many clients in turn, and psycopg names its prepared
+    statements ``_pg3_0``, ``_pg3_1``... on every connection: behind it they collide
+    ("prepared statement does not exist", "already exists", or worse, another client's
+    statement of the same shape run with these values). Each new connection compares the
+    server process it talks to (``pg_backend_pid()``) with the one its startup named; a
+    pooler answers the startup itself, so they differ, and the connection prepares nothing
+    (as ``prepare_threshold=none`` in the URL, which also skips this check). One round trip
+    per new connection; idempotent."""
+    if not event.contains(engine, "connect", _guard_pooler):
+        event.listen(engine, "connect", _guard_pooler)
+
+
+#: Pooler fronts already reported (one warning per server address, not per connection).
+_POOLERS_SEEN: set[tuple[str, int]] = set()
+
+
+def _guard_pooler(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    if driver.prepare_threshold is None:
+        return
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SELECT pg_backend_pid()")
+        server_pid = cursor.fetchone()[0]
+    finally:
+        cursor.close()
+    if not driver.autocommit:
+        dbapi_connection.rollback()
+    if server_pid == driver.info.backend_pid:
+        return
+    driver.prepare_threshold = None
+    front = (str(driver.info.host), int(driver.info.port))
+    if front not in _POOLERS_SEEN:
+        _POOLERS_SEEN.add(front)
+        log.info(
+            "%s:%s is a connection pooler (PgBouncer?): statements are not prepared on its "
+            "connections (add prepare_threshold=none to the URL to skip this check)",
+            *front,
+        )
 
 
 def install_utf8(engine: Engine) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy import func, select
@@ -191,7 +191,24 @@ def _postgresql_checks(conn: Connection) -> list[Check]:
             "ok" if trigram else "warn",
             f"{ddl.PG_TRGM_INDEX} " + ("present" if trigram else "missing: CJK search scans"),
         ),
+        _prepared_statements_check(conn),
     ]
+
+
+def _prepared_statements_check(conn: Connection) -> Check:
+    """Whether a connection pooler answers for the server (the server process differs from
+    the one the connection's startup named): the store then prepares no statements, which
+    is what keeps gateways behind PgBouncer's transaction pooling from colliding."""
+    driver: Any = conn.connection.driver_connection
+    server_pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    if server_pid == driver.info.backend_pid:
+        return Check("prepared statements", "ok", "direct connection: prepared from the 5th run")
+    return Check(
+        "prepared statements",
+        "ok",
+        "a connection pooler answers for the server: the store prepares no statements there "
+        "(safe with PgBouncer's transaction pooling)",
+    )
 
 
 #: PgBouncer's ``server_login_retry`` above this strands writers after a server restart.
