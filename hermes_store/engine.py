@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import select
 import sqlite3
 import sys
@@ -20,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote_plus
+from urllib.parse import parse_qsl, quote_plus, urlencode, urlsplit, urlunsplit
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -58,6 +59,8 @@ JOURNAL_SIZE_LIMIT_ENV = "HERMES_STORE_JOURNAL_SIZE_LIMIT"
 #: A pooled PostgreSQL connection idle longer than this is pinged before it is handed out;
 #: younger ones only get the cheap checks (state, socket), which cost no round trip.
 IDLE_PING_AFTER_S = 30.0
+#: Seconds a connection attempt may take per host, unless the URL says (``connect_timeout``).
+CONNECT_TIMEOUT_S = 10
 #: psycopg's default: a statement is prepared server-side from its 5th execution on.
 PSYCOPG_PREPARE_THRESHOLD = 5
 #: The startup option asking the server for a plan per execution (see ``_psycopg_options``).
@@ -103,14 +106,22 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         url = target
     elif isinstance(target, str) and "://" in target:
         try:
-            url = make_url(target)
+            url = make_url(_hosts_in_query(target))
         except ValueError as error:  # int() of a non-numeric port
             raise InvalidInputError(
                 "malformed database URL: its port must be a number"
                 if "int()" in str(error)
                 else f"malformed database URL: {error}"
             ) from None
+        except sa_exc.ArgumentError as error:
+            raise InvalidInputError(f"malformed database URL: {error}") from None
     else:
+        if isinstance(target, str) and _LIBPQ_KEYWORDS.search(target):
+            raise InvalidInputError(
+                "this looks like a libpq keyword string (host=... dbname=...), not a file path: "
+                "give a URL instead, postgresql://USER@HOST:PORT/DBNAME (several hosts: "
+                "postgresql://USER@/DBNAME?host=a:5432&host=b:5432&target_session_attrs=read-write)"
+            )
         path = Path(os.fspath(target)).expanduser().resolve()
         if len(os.fsencode(path)) > MAX_PATH_BYTES:
             raise InvalidInputError(
@@ -151,6 +162,44 @@ def display_url(url: URL | str) -> str:
         for value in ((values,) if isinstance(values, str) else values)
     ]
     return f"{shown}?{'&'.join(parts)}" if parts else shown
+
+
+#: A libpq keyword/value connection string ("host=a port=5432 dbname=x"): never a file name.
+_LIBPQ_KEYWORDS = re.compile(
+    r"(?:^|\s)(?:host|hostaddr|port|dbname|user|password|sslmode|target_session_attrs)\s*="
+)
+
+
+def _hosts_in_query(text: str) -> str:
+    """libpq's multi-host forms in SQLAlchemy's: ``postgresql://u@h1:5432,h2:5433/db`` and
+    ``?host=h1,h2&port=5432,5433`` become ``?host=h1:5432&host=h2:5433`` (psycopg is given
+    every host; ``target_session_attrs`` then picks the primary)."""
+    parts = urlsplit(text)
+    if not parts.scheme.startswith(("postgresql", "postgres")):
+        return text
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    hosts = [h for h in hostlist.split(",") if h] if "," in hostlist else []
+    given = [v for k, v in query if k == "host"]
+    ports = [v for k, v in query if k == "port"]
+    if not hosts and not any("," in v for v in given + ports):
+        return text
+    if not hosts:
+        names = [h for value in given for h in value.split(",") if h]
+        numbers = [p for value in ports for p in value.split(",") if p]
+        if len(numbers) not in (0, 1, len(names)):
+            raise InvalidInputError(
+                f"{len(names)} hosts but {len(numbers)} ports"
+            )
+        if not numbers:
+            hosts = names
+        else:
+            numbers = numbers * len(names) if len(numbers) == 1 else numbers
+            hosts = [f"{name}:{port}" for name, port in zip(names, numbers, strict=True)]
+    rest = [(k, v) for k, v in query if k not in ("host", "port")]
+    netloc = f"{userinfo}{at}" if at else ""
+    query_text = urlencode([("host", h) for h in hosts] + rest, safe=":/")
+    return urlunsplit((parts.scheme, netloc, parts.path, query_text, parts.fragment))
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -500,6 +549,10 @@ def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict
         connect_args.setdefault(key, value if isinstance(value, str) else value[-1])
     url = url.difference_update_query(secrets)
     connect_args["client_encoding"] = CLIENT_ENCODING
+    if "connect_timeout" not in url.query:
+        # A host that accepts and never answers (a dead standby behind a load balancer) would
+        # block opening for good; per host, so a multi-host URL moves on to the next.
+        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     raw = url.query.get("prepare_threshold")
     if raw is not None:
         value = raw if isinstance(raw, str) else raw[-1]
