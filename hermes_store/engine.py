@@ -188,9 +188,7 @@ def _hosts_in_query(text: str) -> str:
         names = [h for value in given for h in value.split(",") if h]
         numbers = [p for value in ports for p in value.split(",") if p]
         if len(numbers) not in (0, 1, len(names)):
-            raise InvalidInputError(
-                f"{len(names)} hosts but {len(numbers)} ports"
-            )
+            raise InvalidInputError(f"{len(names)} hosts but {len(numbers)} ports")
         if not numbers:
             hosts = names
         else:

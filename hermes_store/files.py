@@ -104,6 +104,52 @@ def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+#: Where SQLite takes a WAL database's write lock: byte 120 of the ``-shm`` file (the first of
+#: its lock bytes); a rollback-journal database's locks are at 0x40000000 of the file itself.
+WAL_WRITE_LOCK_BYTE = 120
+PENDING_BYTE = 0x40000000
+
+
+def write_lock_holders(path: Path) -> list[tuple[int, str]]:
+    """Other processes holding this database's write lock, as the kernel lists them
+    (``/proc/locks``), with their command lines: whom a waiting writer waits for. Linux only;
+    elsewhere, or when nothing can be read, empty. Never opens the database or its sidecars
+    (closing a descriptor would drop this process's own locks on them)."""
+    targets: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for name, low in ((f"{path}-shm", WAL_WRITE_LOCK_BYTE), (str(path), PENDING_BYTE)):
+        try:
+            info = os.stat(name)
+        except OSError:
+            continue
+        key = (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)
+        high = low if low == WAL_WRITE_LOCK_BYTE else PENDING_BYTE + 511
+        targets[key] = (low, high)
+    try:
+        table = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    me = os.getpid()
+    holders: dict[int, str] = {}
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or fields[1] != "POSIX" or fields[3] != "WRITE":
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            start = int(fields[6])
+            end = -1 if fields[7] == "EOF" else int(fields[7])
+        except ValueError:
+            continue
+        span = targets.get(key)
+        if span is None or pid == me or pid in holders:
+            continue
+        if start <= span[1] and (end == -1 or end >= span[0]):
+            holders[pid] = _command_line(Path("/proc") / str(pid))
+    return sorted(holders.items())
+
+
 def _command_line(entry: Path) -> str:
     try:
         raw = (entry / "cmdline").read_bytes()

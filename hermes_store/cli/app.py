@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
@@ -48,6 +51,13 @@ class BadArgument(click.ClickException):
     """Exit 2 without click's usage banner (an unknown revision, a bad URL)."""
 
     exit_code = EXIT_USAGE
+
+
+def stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except ValueError:
+        return False
 
 
 def echo_err(text: str) -> None:
@@ -138,6 +148,7 @@ class App:
         self._db = db
         self._url: URL | None = None
         self._store: SessionDB | None = None
+        self._lock_notice: LockWaitNotice | None = None
         #: What a command has committed so far, said when Ctrl-C stops it (None: nothing).
         self.landed: Callable[[], str | None] | None = None
 
@@ -186,12 +197,54 @@ class App:
                     f"there is no database at {path} (`hermes-store db upgrade` creates one)"
                 )
             self._store = SessionDB(self.url, migrate="check" if read_only else "auto")
+            if path is not None and not read_only and stderr_is_terminal():
+                self._lock_notice = LockWaitNotice(path)
         return self._store
 
     def close(self) -> None:
+        if self._lock_notice is not None:
+            self._lock_notice.stop()
+            self._lock_notice = None
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+class LockWaitNotice:
+    """On a terminal, say once when another process has held the database's write lock for
+    a second while this command runs (a write then waits for it, up to its bounded wait),
+    and who holds it: a silent 20-second wait looks like a hang."""
+
+    def __init__(self, path: Path, *, after: float = 1.0, every: float = 0.25) -> None:
+        self._path = path
+        self._after = after
+        self._every = every
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hermes-lock-notice", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        from hermes_store.files import write_lock_holders
+
+        held_since: float | None = None
+        while not self._stopped.wait(self._every):
+            holders = write_lock_holders(self._path)
+            if not holders:
+                held_since = None
+                continue
+            now = time.monotonic()
+            held_since = now if held_since is None else held_since
+            if now - held_since >= self._after:
+                named = ", ".join(f"process {pid} ({command[:60]})" for pid, command in holders)
+                echo_err(
+                    f"Waiting for the write lock of {self._path}: held by {named}. "
+                    "(The wait is bounded; Ctrl-C stops.)"
+                )
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 pass_app = click.make_pass_decorator(App)
