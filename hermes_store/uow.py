@@ -491,28 +491,19 @@ class UnitOfWork:
     def _begin_is_retryable(self, error: BaseException) -> bool:
         return isinstance(error, sa_exc.DBAPIError) and is_retryable(error)
 
-    def _end_group(
-        self, conn: Connection, size: int, lost: BaseException | None
-    ) -> BaseException | None:
-        """COMMIT a group (or roll back a lost one); the error that lost it, if any. Called
-        inside the writer's turn by :mod:`hermes_store.groupcommit`."""
+    def _end_group(self, conn: Connection, size: int, lost: BaseException) -> None:
+        """Roll back a group whose transaction was lost (``lost``: why). Called inside the
+        writer's turn by :mod:`hermes_store.groupcommit`, which commits a group itself."""
         driver: Any = conn.connection.driver_connection
-        if lost is None:
-            try:
-                driver.commit()
-            except self._dbapi_error as error:
-                lost = error
-        if lost is not None:
-            try:
-                driver.rollback()
-            except self._dbapi_error:
-                self._drop_writer(invalidate=True)  # state unknown: never reuse it
-            else:
-                self._drop_writer(invalidate=False)
-            log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
-                        size, lost)  # fmt: skip
-        self._record_group(size, lost=lost is not None)
-        return lost
+        try:
+            driver.rollback()
+        except self._dbapi_error:
+            self._drop_writer(invalidate=True)  # state unknown: never reuse it
+        else:
+            self._drop_writer(invalidate=False)
+        log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
+                    size, lost)  # fmt: skip
+        self._record_group(size, lost=True)
 
     def _record_group(self, size: int, *, lost: bool) -> None:
         """Count a group of ``size`` units that committed or was lost (both group commits)."""
