@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hermes_store.engine import create_engine, default_db_path
     from hermes_store.errors import (
         AccessDeniedError,
+        DatabaseAliasError,
         DatabaseLockedError,
         DatabaseUnavailableError,
         EngineSettingsError,
@@ -76,6 +77,7 @@ _LAZY = {
             "SharedStoreMismatchError",
             "StoreConfigError",
             "UnsupportedEngineError",
+            "DatabaseAliasError",
         ),
         "errors",
     ),
@@ -117,6 +119,7 @@ __all__ = [
     "AsyncSessionDB",
     "Base",
     "ChatSession",
+    "DatabaseAliasError",
     "DatabaseLockedError",
     "DatabaseUnavailableError",
     "EngineSettingsError",

@@ -231,3 +231,8 @@ def mapped_errors() -> Iterator[None]:
         raise mapped from error
     except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
         raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None
+
+
+class DatabaseAliasError(StoreConfigError):
+    """The database file has another name (a hard link) through which another process could
+    write it with a WAL of its own; refused before anything is opened or written."""
