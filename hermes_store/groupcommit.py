@@ -93,12 +93,14 @@ class LeaderQueue(Generic[U]):
 
     def __init__(self, *, max_group: int = MAX_GROUP) -> None:
         self.max_group = max_group
-        # ``with self._lock`` (a C lock) rather than ``with self._cond``: Condition's Python
-        # __enter__ can be interrupted (Ctrl-C) after it took the lock, leaving it held.
-        self._lock = threading.Lock()
+        # Interrupts (Ctrl-C) must never leave the lock held, or released while held by
+        # another thread: ``with self._lock`` enters in C (Condition's Python __enter__ can be
+        # interrupted after taking it), and an RLock makes ``cond.wait()`` take the lock back
+        # in C, uninterruptibly (with a Lock an interrupt there leaves wait() without it).
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._queue: deque[U] = deque()
-        self._leading = False
+        self._leading: U | None = None  #: the unit whose caller leads (its groups run)
         self._watchers = 0
         self._group: list[U] = []  #: the units the running leader took (see :meth:`_take`)
 
@@ -111,22 +113,21 @@ class LeaderQueue(Generic[U]):
         took it yet, and a leader hands on the lead (its groups are settled by :meth:`_lead`).
         """
         cond = self._cond
-        lead = False
         try:
             with self._lock:
                 self._queue.append(unit)
                 if self._watchers:
                     cond.notify_all()
-                while unit.state == QUEUED and self._leading:
+                while unit.state == QUEUED and self._leading is not None:
                     cond.wait()
                 if unit.state == QUEUED:
-                    self._leading = lead = True
-            if lead:
+                    self._leading = unit
+            if self._leading is unit:  # only this caller sets or clears it to its unit
                 while unit.state == QUEUED:  # mine may be past the first group
                     self._lead(unit)
-                self._leave(unit, lead)
+                self._leave(unit)
         except BaseException:
-            _uninterrupted(partial(self._leave, unit, lead))
+            _uninterrupted(partial(self._leave, unit))
             raise
         if unit.state == DONE:
             return True, unit.result
@@ -136,15 +137,16 @@ class LeaderQueue(Generic[U]):
                 raise unit.error
         return False, None
 
-    def _leave(self, unit: U, lead: bool) -> None:
+    def _leave(self, unit: U) -> None:
         """Done with the queue: a leader hands on the lead and wakes the others; a unit no
-        group took (its caller was interrupted) is withdrawn, so it never runs. Idempotent."""
+        group took (its caller was interrupted) is withdrawn, so it never runs. Idempotent:
+        the lead is handed on only while this caller still holds it."""
         with self._lock:
             if unit.state == QUEUED and unit in self._queue:
                 self._queue.remove(unit)
                 unit.state = RERUN
-            if lead:
-                self._leading = False
+            if self._leading is unit:
+                self._leading = None
                 self._cond.notify_all()
 
     def _lead(self, own: U) -> None:

@@ -221,22 +221,27 @@ class UnitOfWork:
             return
         queue = self.write_queue if queued else None
         with queue.turn() if queue is not None else nullcontext() as turn:
-            if not lock.acquire(blocking=False):
-                started = time.monotonic()
+            waiting = lock.locked()  # another thread of this process writes: a wait, counted
+            started = time.monotonic() if waiting else 0.0
+            if waiting:
                 with self._turn_changed:
                     self.stats.lock_waits += 1
                     self._waiting += 1
                     self._turn_changed.notify_all()
-                try:
-                    lock.acquire()
-                finally:
-                    with self._turn_changed:
-                        self._waiting -= 1
-                        self.stats.lock_wait_seconds += time.monotonic() - started
             try:
-                yield turn
+                with lock:  # entered in C: an interrupt (Ctrl-C) never leaves it held
+                    if waiting:
+                        waiting = False
+                        self._waited(started)
+                    yield turn
             finally:
-                lock.release()
+                if waiting:  # interrupted while it waited
+                    self._waited(started)
+
+    def _waited(self, started: float) -> None:
+        with self._turn_changed:
+            self._waiting -= 1
+            self.stats.lock_wait_seconds += time.monotonic() - started
 
     @property
     def write_queue(self) -> writequeue.WriteQueue | None:

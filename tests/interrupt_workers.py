@@ -9,8 +9,10 @@ then prints what every writer had acknowledged as one JSON line and exits.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 
@@ -27,6 +29,7 @@ def main(path: str, threads: int) -> None:
     # Switch threads often: with the default interval the thread that leads first tends to
     # lead every group, and the main thread must lead some (and wait in others).
     sys.setswitchinterval(1e-4)
+    faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack on a hang
     store = SessionDB(path)
     store.create_session(SESSION, "cli")
     stop = threading.Event()
@@ -56,15 +59,17 @@ def main(path: str, threads: int) -> None:
     answered = -1  # "interrupt 0": ready for the first
     serial = 0
     while not stop.is_set():
-        # A SIGINT is sent only after the last one was answered, and the answer is written
-        # inside the try: the next interrupt always lands where it is caught.
+        # A SIGINT is sent only once the last one was answered, and the answer is written
+        # inside the try, whose loop's back edge is inside it too: the next interrupt always
+        # lands where it is caught.
         try:
-            if answered < interrupts:
-                answered = interrupts
-                _say(f"interrupt {interrupts}")
-            content = f"main-{serial}"
-            serial += 1
-            own.append([store.append_message(SESSION, "user", content), content])
+            while not stop.is_set():
+                if answered < interrupts:
+                    answered = interrupts
+                    _say(f"interrupt {interrupts}")
+                content = f"main-{serial}"
+                serial += 1
+                own.append([store.append_message(SESSION, "user", content), content])
         except KeyboardInterrupt:
             interrupts += 1
     for worker in workers:
