@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hermes_store.engine import create_engine, default_db_path
     from hermes_store.errors import (
         AccessDeniedError,
+        DatabaseAliasError,
         DatabaseLockedError,
         DatabaseUnavailableError,
         EngineSettingsError,
@@ -90,6 +91,7 @@ _LAZY = {
             "WalDeletedError",
             "StoreMisuseError",
             "TransactionMisuseError",
+            "DatabaseAliasError",
         ),
         "errors",
     ),
@@ -131,6 +133,7 @@ __all__ = [
     "AsyncSessionDB",
     "Base",
     "ChatSession",
+    "DatabaseAliasError",
     "DatabaseLockedError",
     "DatabaseUnavailableError",
     "EngineSettingsError",

@@ -289,6 +289,7 @@ def create_engine(
     """
     if isinstance(target, Engine):
         if target.dialect.name == "sqlite":
+            _refuse_aliases(target.url, None)
             install_sqlite_hooks(
                 target,
                 writer_busy_timeout=writer_busy_timeout,
@@ -311,6 +312,7 @@ def create_engine(
         }
     if url.get_backend_name() == "sqlite":
         path = sqlite_file(url)
+        _refuse_aliases(url, target)
         if path is not None and unreadable_in_wal(path):
             log.warning("%s: its folder is read-only; opening it read-only (immutable)", path)
             url = files.sqlite_uri(path, mode="ro", immutable="1")
@@ -343,6 +345,17 @@ def create_engine(
             register_origin(engine, url, engine_kwargs.get("connect_args", {}))
     placement_mod.install(engine, where)
     return engine
+
+
+def _refuse_aliases(url: URL, given: Target | None) -> None:
+    """A SQLite file with a second name (a hard link) is refused: see ``files.refuse_aliases``."""
+    path = sqlite_file(url)
+    if path is None:
+        return
+    plain = None
+    if isinstance(given, str | os.PathLike) and "://" not in str(given):
+        plain = Path(os.fspath(given)).expanduser()
+    files.refuse_aliases(path, plain)
 
 
 def _is_psycopg(engine: Engine) -> bool:

@@ -322,3 +322,8 @@ class TransactionMisuseError(StoreMisuseError):
     one that opened it (a generator resumed elsewhere), through a call that would wait for the
     writer its own thread holds, or after its event loop was closed. A block ended this way is
     rolled back."""
+
+
+class DatabaseAliasError(StoreConfigError):
+    """The database file has another name (a hard link) through which another process could
+    write it with a WAL of its own; refused before anything is opened or written."""

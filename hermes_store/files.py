@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sqlite3
+import stat
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 from sqlalchemy.engine import URL
+
+from hermes_store.errors import DatabaseAliasError
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,8 @@ SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 #: The writer queue's lock file beside a database (:mod:`hermes_store.writequeue`); only ever
 #: locked through descriptors held for a process's life, and harmless to leave behind.
 WRITER_LOCK_SUFFIX = "-writer.lock"
+#: Folder entries looked at (per folder) to name a database's other hard link.
+MAX_ALIAS_SCAN = 10_000
 
 
 def sqlite_uri(path: Path, **params: str) -> URL:
@@ -48,6 +54,7 @@ def connect_sqlite(
     own connection. A SQLite connection shares this process's locks; a file handle would not.
     ``read_only`` opens it ``mode=ro``; ``immutable`` also without locks (a file in a
     read-only folder)."""
+    refuse_aliases(path)
     database = str(sqlite_uri(path).database)
     if immutable:
         database += "?mode=ro&immutable=1"
@@ -156,3 +163,68 @@ def _command_line(entry: Path) -> str:
     except OSError:
         return "?"
     return raw.replace(b"\x00", b" ").decode("utf-8", "replace").strip() or "?"
+
+
+def refuse_aliases(path: Path, given: Path | None = None) -> None:
+    """Refuse a database file that has another name (a hard link): SQLite keeps the WAL and
+    its index beside the name a process opened (``NAME-wal``), so two processes writing
+    through two names keep two WALs and corrupt the file. A symlink is no alias (SQLite opens
+    the file it points to, and its WAL beside it), nor is a folder reached by a bind mount.
+
+    The other name is looked for in the file's folder and in the folder of ``given`` (the
+    path as the caller gave it), at most :data:`MAX_ALIAS_SCAN` entries each. The package's
+    own temporary names (a new database linked into place a moment before its temporary
+    name is removed) do not count. Only ``stat``: no descriptor on the file.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # no file yet (or none to look at): opening reports what is wrong
+    if st.st_nlink <= 1 or not stat.S_ISREG(st.st_mode):
+        return
+    folders = [path.parent]
+    if given is not None and given.parent.resolve() != path.parent.resolve():
+        folders.append(given.parent)
+    others = [other for folder in folders for other in _same_file(folder, path, st)]
+    temporary = re.compile(
+        rf"\.{re.escape(path.name)}\.(?:(?:\d{{1,10}}\.)?[0-9a-f]{{16}}\.new|partial-[0-9a-f]{{12}})"
+    )
+    if (
+        others
+        and len(others) == st.st_nlink - 1
+        and all(temporary.fullmatch(o.name) for o in others)
+    ):
+        return
+    named = [str(other) for other in others if not temporary.fullmatch(other.name)]
+    also = (
+        f"also named {', '.join(named)}"
+        if named
+        else f"its other name is not in {' or '.join(str(f) for f in folders)}"
+    )
+    raise DatabaseAliasError(
+        f"{path} has {st.st_nlink} names (hard links), {also}: SQLite keeps a WAL beside each "
+        "name, so writers through two names corrupt the database; keep one name (remove the "
+        "other links; copy with 'hermes-store backup' instead)"
+    )
+
+
+def _same_file(folder: Path, path: Path, st: os.stat_result) -> list[Path]:
+    """Other entries of ``folder`` that are the file ``st`` describes (bounded scan)."""
+    found: list[Path] = []
+    try:
+        with os.scandir(folder) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= MAX_ALIAS_SCAN:
+                    break
+                if entry.inode() != st.st_ino:
+                    continue
+                try:
+                    other = entry.stat(follow_symlinks=False)
+                    itself = Path(entry.path).resolve() == path.resolve()
+                except OSError:  # removed meanwhile
+                    continue
+                if other.st_dev == st.st_dev and stat.S_ISREG(other.st_mode) and not itself:
+                    found.append(Path(entry.path))
+    except OSError as error:  # a folder we may not list: the name stays unknown
+        log.debug("cannot look for other names of %s in %s: %s", path, folder, error)
+    return found

@@ -22,6 +22,11 @@ along. Each unit runs inside its own ``SAVEPOINT`` (a unit alone: inside its tra
   acknowledged: every caller runs its own unit again, alone, on the ordinary path (with its
   retries), and gets that run's result or error.
 
+An interrupt (Ctrl-C, any ``BaseException``) always reaches the caller it was raised in and
+never re-runs a committed group: in the leader after ``COMMIT`` returned (SQLite then has no
+open transaction), the units are done; before, the group is rolled back and its units run
+again alone; in a caller still waiting, its unit is withdrawn (no group runs it later).
+
 Only units that may run twice are grouped: ``UnitOfWork.run`` already re-runs its function
 whole after a lock error, and the store's single-call writes (``append_message(s)``,
 ``update_token_counts``) are all-or-nothing statements. ``transaction()`` blocks and other
@@ -41,9 +46,11 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from functools import partial
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from hermes_store.errors import mapped_errors
+from hermes_store.errors import WalDeletedError, mapped_errors
 
 if TYPE_CHECKING:
     from hermes_store.uow import UnitOfWork
@@ -62,6 +69,7 @@ _ABORTS_TRANSACTION = frozenset({5, 6, 7, 9, 10, 11, 13, 26})  # BUSY LOCKED NOM
 # IOERR CORRUPT FULL NOTADB
 
 QUEUED, DONE, FAILED, RERUN = range(4)  #: a queued unit's state (``Queued.state``)
+_OPEN, _COMMITTING, _COMMITTED = range(3)  #: how far a SQLite group got (``GroupCommit._stage``)
 
 
 class Queued:
@@ -85,35 +93,42 @@ class LeaderQueue(Generic[U]):
 
     def __init__(self, *, max_group: int = MAX_GROUP) -> None:
         self.max_group = max_group
-        self._cond = threading.Condition(threading.Lock())
+        # Interrupts (Ctrl-C) must never leave the lock held, or released while held by
+        # another thread: ``with self._lock`` enters in C (Condition's Python __enter__ can be
+        # interrupted after taking it), and an RLock makes ``cond.wait()`` take the lock back
+        # in C, uninterruptibly (with a Lock an interrupt there leaves wait() without it).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[U] = deque()
-        self._leading = False
+        self._leading: U | None = None  #: the unit whose caller leads (its groups run)
         self._watchers = 0
+        self._group: list[U] = []  #: the units the running leader took (see :meth:`_take`)
 
     def _settled(self, unit: U) -> tuple[bool, Any]:
         """Queue ``unit``, lead or wait until its group ended: ``(True, result)`` when it was
-        committed, ``(False, None)`` when it must run again alone; a unit that failed raises."""
+        committed, ``(False, None)`` when it must run again alone; a unit that failed raises.
+
+        An exception raised in this caller (an interrupt: Ctrl-C reaches the main thread while
+        it waits or leads) goes on to this caller, always: its unit is withdrawn if no group
+        took it yet, and a leader hands on the lead (its groups are settled by :meth:`_lead`).
+        """
         cond = self._cond
-        with cond:
-            self._queue.append(unit)
-            if self._watchers:
-                cond.notify_all()
-            while unit.state == QUEUED and self._leading:
-                cond.wait()
-            lead = unit.state == QUEUED
-            if lead:
-                self._leading = True
-        if lead:
-            try:
+        try:
+            with self._lock:
+                self._queue.append(unit)
+                if self._watchers:
+                    cond.notify_all()
+                while unit.state == QUEUED and self._leading is not None:
+                    cond.wait()
+                if unit.state == QUEUED:
+                    self._leading = unit
+            if self._leading is unit:  # only this caller sets or clears it to its unit
                 while unit.state == QUEUED:  # mine may be past the first group
                     self._lead(unit)
-            finally:
-                with cond:
-                    self._leading = False
-                    if unit.state == QUEUED:  # interrupted: no later leader may run it
-                        self._queue.remove(unit)
-                        unit.state = RERUN
-                    cond.notify_all()
+                self._leave(unit)
+        except BaseException:
+            _uninterrupted(partial(self._leave, unit))
+            raise
         if unit.state == DONE:
             return True, unit.result
         if unit.state == FAILED:
@@ -122,25 +137,45 @@ class LeaderQueue(Generic[U]):
                 raise unit.error
         return False, None
 
+    def _leave(self, unit: U) -> None:
+        """Done with the queue: a leader hands on the lead and wakes the others; a unit no
+        group took (its caller was interrupted) is withdrawn, so it never runs. Idempotent:
+        the lead is handed on only while this caller still holds it."""
+        with self._lock:
+            if unit.state == QUEUED and unit in self._queue:
+                self._queue.remove(unit)
+                unit.state = RERUN
+            if self._leading is unit:
+                self._leading = None
+                self._cond.notify_all()
+
     def _lead(self, own: U) -> None:
         """Run one group (taking queued units with :meth:`_take`); settle every unit taken."""
         raise NotImplementedError
 
     def _take(self) -> list[U]:
-        """Up to ``max_group`` queued units, oldest first (the group's)."""
-        with self._cond:
-            take = min(len(self._queue), self.max_group)
-            return [self._queue.popleft() for _ in range(take)]
+        """Up to ``max_group`` queued units, oldest first (the group's). They are the group's
+        (``_group``) before they leave the queue: an interrupt meanwhile loses none."""
+        with self._lock:
+            queue = self._queue
+            if len(queue) <= self.max_group:
+                self._group = group = list(queue)
+                queue.clear()
+            else:
+                self._group = group = list(islice(queue, self.max_group))
+                for _ in group:
+                    queue.popleft()
+            return group
 
     def queued(self) -> int:
         """Units waiting for a group (the running group's are no longer counted)."""
-        with self._cond:
+        with self._lock:
             return len(self._queue)
 
     def wait_for_queued(self, count: int, timeout: float) -> bool:
         """Block until at least ``count`` units wait for a group (False: timed out); lets
         tests and callers know units are queued without polling."""
-        with self._cond:
+        with self._lock:
             self._watchers += 1
             try:
                 return self._cond.wait_for(lambda: len(self._queue) >= count, timeout)
@@ -164,6 +199,7 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
     def __init__(self, uow: UnitOfWork, *, max_group: int = MAX_GROUP) -> None:
         super().__init__(max_group=max_group)
         self._uow = uow
+        self._stage = _OPEN
 
     def run(self, fn: Callable[[Any], T]) -> tuple[bool, T | None]:
         """Run ``fn(writer_connection)`` in a group; ``(True, result)`` once committed, or
@@ -171,52 +207,109 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
         return self._settled(Pending(fn))
 
     def _lead(self, own: Pending[Any]) -> None:
-        """One group: the turn, BEGIN, up to ``max_group`` queued units, COMMIT, wake them."""
+        """One group: the turn, BEGIN, up to ``max_group`` queued units, COMMIT, wake them.
+
+        Whatever is raised meanwhile (an interrupt too), every unit taken is settled before
+        it goes on: done once its ``COMMIT`` returned, run again alone otherwise (rolled back,
+        nothing landed). An interrupt is then raised to the leader's caller, never swallowed.
+        """
         uow = self._uow
         waits = uow.retry.waits()
-        batch: list[Pending[Any]] = []
-        lost: BaseException | None = None
-        committed = False
         while True:
+            self._stage = _OPEN
             try:
                 with uow._write_turn() as turn:
-                    conn = uow._begin_driver(turn)
-                    batch = self._take()
                     try:
-                        lost = self._execute(conn, batch)
-                    except BaseException as error:  # never leave a taken unit waiting
-                        lost = error
-                    lost = uow._end_group(conn, len(batch), lost)
-                    committed = lost is None
+                        committed = self._run_group(uow, turn)
+                    except BaseException as error:
+                        _uninterrupted(partial(self._unwind_in_turn, error))
+                        raise
+                self._settle_group(committed)
+                return
             except BaseException as error:
-                if committed:  # on disk: releasing the turn failed, the units did not
-                    log.warning("write queue: releasing a committed group's turn: %s", error)
-                    break
-                if batch:  # taken, then lost: never leave a taken unit waiting
-                    lost = lost or error
-                    break
+                if self._group or self._stage == _COMMITTED:
+                    committed = self._stage == _COMMITTED
+                    _uninterrupted(partial(self._settle_group, committed, interrupted=True))
+                    if not isinstance(error, Exception):
+                        raise
+                    if committed:  # on disk: releasing the turn failed, the units did not
+                        log.warning("write queue: releasing a committed group's turn: %s", error)
+                    return
+                if not isinstance(error, Exception):
+                    raise
                 if uow._begin_is_retryable(error):  # a fallback turn: today's retry
                     try:
                         uow._pause(waits, error)
-                    except BaseException as final:
+                    except Exception as final:
                         error = final
                     else:
                         continue
-                with self._cond:  # BEGIN failed for good: only the leader's unit fails
+                with self._lock:  # BEGIN failed for good: only the leader's unit fails
                     if own.state == QUEUED:
-                        self._queue.remove(own)
+                        if own in self._queue:
+                            self._queue.remove(own)
                         own.state, own.error = FAILED, error
                 return
-            break
-        with self._cond:
-            for pending in batch:
-                if lost is not None:
-                    pending.state, pending.result, pending.error = RERUN, None, None
-                elif pending.state == QUEUED:
-                    pending.state = DONE
-            self._cond.notify_all()
+
+    def _run_group(self, uow: UnitOfWork, turn: Any) -> bool:
+        """BEGIN, the queued units, then COMMIT (True) or, the transaction lost, ROLLBACK
+        (False). ``_stage`` says how far it got, for an exception that leaves midway."""
+        conn = uow._begin_driver(turn)
+        batch = self._take()
+        lost = self._execute(conn, batch)
         if lost is None:
-            uow._count_writes(sum(1 for pending in batch if pending.state == DONE))
+            driver: Any = conn.connection.driver_connection
+            dbapi_error = uow._dbapi_error
+            self._stage = _COMMITTING
+            try:
+                driver.commit()
+            except dbapi_error as error:
+                self._stage = _OPEN  # no check for signals between the two: nothing to undo
+                lost = error
+            else:
+                try:
+                    uow._acknowledge()
+                except WalDeletedError:  # not saved: the units run again and meet the refusal
+                    self._stage = _OPEN
+                    uow._record_group(len(batch), lost=True)
+                    return False
+                self._stage = _COMMITTED
+                uow._record_group(len(batch), lost=False)
+                return True
+        uow._end_group(conn, len(batch), lost)
+        return False
+
+    def _unwind_in_turn(self, error: BaseException) -> None:
+        """An exception left :meth:`_run_group` (still in the writer's turn): tell whether
+        its COMMIT went through (an interrupt raised as it returned: SQLite has no open
+        transaction then) and roll back whatever is still open. Idempotent."""
+        uow = self._uow
+        conn = uow._writer_conn
+        pooled: Any = None if conn is None or conn.closed or conn.invalidated else conn.connection
+        open_transaction = pooled is not None and bool(pooled.driver_connection.in_transaction)
+        if self._stage == _COMMITTING:
+            self._stage = _OPEN if open_transaction else _COMMITTED
+        if self._stage != _COMMITTED and open_transaction:
+            assert conn is not None
+            uow._end_group(conn, len(self._group), error)
+
+    def _settle_group(self, committed: bool, *, interrupted: bool = False) -> None:
+        """Wake the group's callers: done once committed (a unit that failed keeps its
+        error), else all to run again alone. After an interrupt, a unit still queued (the take
+        was cut short) stays queued for the next group. Idempotent."""
+        done = 0
+        with self._lock:
+            queue = self._queue
+            for pending in self._group:
+                if committed:
+                    if pending.state == QUEUED:
+                        pending.state = DONE
+                    done += pending.state == DONE
+                elif not (interrupted and pending.state == QUEUED and pending in queue):
+                    pending.state, pending.result, pending.error = RERUN, None, None
+            self._group = []
+            self._cond.notify_all()
+        self._uow._count_writes(done)
 
     def _execute(self, conn: Any, batch: list[Pending[Any]]) -> BaseException | None:
         """Each unit in its own savepoint; the error that lost the transaction, if any. A
@@ -259,3 +352,16 @@ def _aborts_transaction(error: BaseException) -> bool:
     orig = getattr(error, "orig", error)
     code = getattr(orig, "sqlite_errorcode", None)
     return code is not None and int(code) & 0xFF in _ABORTS_TRANSACTION
+
+
+def _uninterrupted(step: Callable[[], None]) -> None:
+    """Run ``step`` (idempotent bookkeeping) to its end, again if an interrupt (Ctrl-C)
+    cut it short: the interrupt being raised already is the one its caller gets."""
+    while True:
+        try:
+            step()
+            return
+        except Exception:
+            raise
+        except BaseException:
+            continue

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import Integer, bindparam, func, select
+from sqlalchemy import BigInteger, Integer, bindparam, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnElement
@@ -184,8 +184,8 @@ def _page_ids(include_children: bool, by_source: bool, excluding: bool) -> Selec
         select(S.c.id, S.c.started_at)
         .where(*criteria)
         .order_by(S.c.started_at.desc(), S.c.id.desc())
-        .limit(bindparam("lim", type_=Integer))
-        .offset(bindparam("off", type_=Integer))
+        .limit(bindparam("lim", type_=BigInteger))
+        .offset(bindparam("off", type_=BigInteger))
     )
 
 

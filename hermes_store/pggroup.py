@@ -222,7 +222,11 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                 conn.invalidate()
                 self._unknown(batch, "the write's group was interrupted in flight")
                 raise
-            self._settle_committed(uow, ordered, cursors)
+            try:
+                self._settle_committed(uow, ordered, cursors)
+            except BaseException:  # an interrupt: committed all the same, never run again
+                self._unread(batch)
+                raise
         finally:
             conn.close()
 
@@ -241,6 +245,17 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                     )
         uow._record_group(len(ordered), lost=False)
         uow._count_writes(len(ordered))
+
+    def _unread(self, batch: list[Grouped[Any]]) -> None:
+        """The group committed but an interrupt (Ctrl-C) stopped its leader reading the
+        results: the callers still waiting are told so; none runs its write again."""
+        error = HermesStoreError(
+            "the write committed (in a group), but an interrupt stopped its result being read"
+        )
+        with self._cond:
+            for unit in batch:
+                if unit.state == QUEUED:
+                    unit.state, unit.error = FAILED, error
 
     def _failed(
         self,

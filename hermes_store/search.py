@@ -32,6 +32,8 @@ from hermes_store.errors import InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 
+_INT64_MAX = 2**63 - 1
+
 log = logging.getLogger(__name__)
 
 CONTEXT_CHARS = 200
@@ -341,6 +343,7 @@ def search_messages(
     if sort not in SORTS:
         raise InvalidInputError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
     limit, offset = max(0, int(limit)), max(0, int(offset))
+    limit = min(limit, _INT64_MAX - offset)  # the rank window is limit + offset: a 64-bit bind
     if not query or not query.strip() or limit == 0:
         return []
     if source_filter is not None and not _listed(source_filter):
@@ -537,8 +540,8 @@ def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) ->
     """The page of ids first (for ``rank``: the newest RANK_WINDOW matches by rowid, which FTS5
     yields in order, then their ``rank``), then the columns and snippets of its rows."""
     match = _FTS_MATCH(sa.bindparam("fts_query"))
-    limit = sa.bindparam("fts_limit", type_=sa.Integer)
-    offset = sa.bindparam("fts_offset", type_=sa.Integer)
+    limit = sa.bindparam("fts_limit", type_=sa.BigInteger)
+    offset = sa.bindparam("fts_offset", type_=sa.BigInteger)
     source = _FTS.join(M, M.c.id == _FTS.c.rowid)
     if filters:
         source = source.join(S, S.c.id == M.c.session_id)
@@ -548,7 +551,7 @@ def _build_fts_statement(sort: str, filters: tuple[ColumnElement[bool], ...]) ->
             .select_from(source if filters else _FTS)
             .where(match, *filters)
             .order_by(_FTS.c.rowid.desc())
-            .limit(sa.bindparam("fts_window", type_=sa.Integer))
+            .limit(sa.bindparam("fts_window", type_=sa.BigInteger))
             .subquery("window")
         )
         order: tuple[Any, ...] = (window.c.score, window.c.id)
@@ -671,8 +674,8 @@ def _pg_full_text_statement(
     if by_role:
         criteria.append(M.c.role.in_(sa.bindparam("pg_roles", expanding=True)))
     matching = M.join(S, S.c.id == M.c.session_id) if by_source or excluding else M
-    limit = sa.bindparam("pg_limit", type_=sa.Integer)
-    offset = sa.bindparam("pg_offset", type_=sa.Integer)
+    limit = sa.bindparam("pg_limit", type_=sa.BigInteger)
+    offset = sa.bindparam("pg_offset", type_=sa.BigInteger)
     if sort == "rank":
         # ts_rank in the window itself: computed for its rows only, from the row just read.
         window = (
@@ -680,7 +683,7 @@ def _pg_full_text_statement(
             .select_from(matching)
             .where(*criteria)
             .order_by(M.c.id.desc())
-            .limit(sa.bindparam("pg_window", type_=sa.Integer))
+            .limit(sa.bindparam("pg_window", type_=sa.BigInteger))
             .subquery("window")
         )
         hits = select(window.c.id, window.c.rank, window.c.timestamp).order_by(
@@ -974,8 +977,8 @@ def _substring_statement(
     From the CJK index's ``candidates``, ``rank`` means newest stored first (by id): the index
     yields its rows in that order, so the page stops after ``limit`` verified matches instead of
     sorting them all by timestamp (ids follow time, except for imported messages)."""
-    limit = sa.bindparam("sub_limit", type_=sa.Integer)
-    offset = sa.bindparam("sub_offset", type_=sa.Integer)
+    limit = sa.bindparam("sub_limit", type_=sa.BigInteger)
+    offset = sa.bindparam("sub_offset", type_=sa.BigInteger)
     direction = sa.asc if sort == "oldest" else sa.desc
     matching = M.join(S, S.c.id == M.c.session_id)
     if not sqlite:

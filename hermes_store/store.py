@@ -155,6 +155,8 @@ class SessionDB:
     every timestamp the store writes and the prune cutoff. ``schema`` (PostgreSQL) and
     ``version_table`` place the tables beside an application's own (default: the
     ``HERMES_STORE_SCHEMA`` and ``HERMES_STORE_VERSION_TABLE`` environment variables).
+    ``max_message_bytes`` (16 MiB; ``None``: no limit) bounds one message's text: a larger
+    one is refused with :class:`InvalidInputError` before anything is written.
     """
 
     MAX_TITLE_LENGTH = titles.MAX_TITLE_LENGTH
@@ -171,8 +173,13 @@ class SessionDB:
         clock: Callable[[], float] = time.time,
         schema: str | None = None,
         version_table: str | None = None,
+        max_message_bytes: int | None = validate.DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         validate.target(db_path)
+        validate.max_message_bytes(max_message_bytes)
+        #: The most UTF-8 bytes of text one message may hold (None: no limit); see
+        #: :data:`hermes_store.validate.DEFAULT_MAX_MESSAGE_BYTES`.
+        self.max_message_bytes = max_message_bytes
         #: Where the tables live (see :mod:`hermes_store.placement`): checked before anything.
         self.placement = placement.Placement.resolve(schema, version_table)
         if not callable(clock):
@@ -764,7 +771,7 @@ class SessionDB:
         }
         for name, value in encoded.items():
             self._text(name, value)
-        return {
+        row = {
             "session_id": session_id,
             "role": role,
             "content": content,
@@ -776,6 +783,8 @@ class SessionDB:
             "timestamp": self.clock() if timestamp is None else timestamp,
             **encoded,
         }
+        validate.message_size(row, self.max_message_bytes)
+        return row
 
     def get_messages(
         self, session_id: str, *, limit: int | None = None, after_id: int | None = None
@@ -1258,7 +1267,7 @@ def _messages_statement(after: bool, limited: bool) -> Select[Any]:
             or_(M.c.timestamp > anchor, and_(M.c.timestamp == anchor, M.c.id > after_id)),
         )
     if limited:
-        statement = statement.limit(sa.bindparam("lim", type_=sa.Integer))
+        statement = statement.limit(sa.bindparam("lim", type_=sa.BigInteger))
     return statement
 
 

@@ -287,22 +287,27 @@ class UnitOfWork:
             return
         queue = self.write_queue if queued else None
         with queue.turn() if queue is not None else nullcontext() as turn:
-            if not lock.acquire(blocking=False):
-                started = time.monotonic()
+            waiting = lock.locked()  # another thread of this process writes: a wait, counted
+            started = time.monotonic() if waiting else 0.0
+            if waiting:
                 with self._turn_changed:
                     self.stats.lock_waits += 1
                     self._waiting += 1
                     self._turn_changed.notify_all()
-                try:
-                    lock.acquire()
-                finally:
-                    with self._turn_changed:
-                        self._waiting -= 1
-                        self.stats.lock_wait_seconds += time.monotonic() - started
             try:
-                yield turn
+                with lock:  # entered in C: an interrupt (Ctrl-C) never leaves it held
+                    if waiting:
+                        waiting = False
+                        self._waited(started)
+                    yield turn
             finally:
-                lock.release()
+                if waiting:  # interrupted while it waited
+                    self._waited(started)
+
+    def _waited(self, started: float) -> None:
+        with self._turn_changed:
+            self._waiting -= 1
+            self.stats.lock_wait_seconds += time.monotonic() - started
 
     @property
     def write_queue(self) -> writequeue.WriteQueue | None:
@@ -676,34 +681,19 @@ class UnitOfWork:
     def _begin_is_retryable(self, error: BaseException) -> bool:
         return isinstance(error, sa_exc.DBAPIError) and is_retryable(error)
 
-    def _end_group(
-        self, conn: Connection, size: int, lost: BaseException | None
-    ) -> BaseException | None:
-        """COMMIT a group (or roll back a lost one); the error that lost it, if any. Called
-        inside the writer's turn by :mod:`hermes_store.groupcommit`."""
+    def _end_group(self, conn: Connection, size: int, lost: BaseException) -> None:
+        """Roll back a group whose transaction was lost (``lost``: why). Called inside the
+        writer's turn by :mod:`hermes_store.groupcommit`, which commits a group itself."""
         driver: Any = conn.connection.driver_connection
-        if lost is None:
-            try:
-                driver.commit()
-            except self._dbapi_error as error:
-                lost = error
-            else:
-                try:
-                    self._acknowledge()
-                except WalDeletedError as error:  # its re-runs meet the refusal
-                    self._record_group(size, lost=True)
-                    return error
-        if lost is not None:
-            try:
-                driver.rollback()
-            except self._dbapi_error:
-                self._drop_writer(invalidate=True)  # state unknown: never reuse it
-            else:
-                self._drop_writer(invalidate=False)
-            log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
-                        size, lost)  # fmt: skip
-        self._record_group(size, lost=lost is not None)
-        return lost
+        try:
+            driver.rollback()
+        except self._dbapi_error:
+            self._drop_writer(invalidate=True)  # state unknown: never reuse it
+        else:
+            self._drop_writer(invalidate=False)
+        log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
+                    size, lost)  # fmt: skip
+        self._record_group(size, lost=True)
 
     def _record_group(self, size: int, *, lost: bool) -> None:
         """Count a group of ``size`` units that committed or was lost (both group commits)."""

@@ -14,7 +14,10 @@ nothing is written. The rules:
 - lists of names (``exclude_sources``, ``source_filter``, ``role_filter``): a ``str`` (one name)
   or an iterable of ``str``;
 - flags: ``bool`` (or ``int``);
-- messages for ``append_messages``: mappings with ``str`` keys.
+- messages for ``append_messages``: mappings with ``str`` keys;
+- one message's text (content, reasoning, tool calls ... together): at most the store's
+  ``max_message_bytes`` of UTF-8 (:data:`DEFAULT_MAX_MESSAGE_BYTES`): indexing costs time and
+  memory in proportion to it.
 
 A counter that would overflow 64 bits in the database is refused by the statement itself
 (see ``store._checked_add``): the check must be atomic with the increment.
@@ -35,6 +38,23 @@ from hermes_store.errors import InvalidInputError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+#: The most UTF-8 bytes of text one message may hold (content, reasoning, tool calls ...
+#: together). Indexing is linear but not cheap: 16 MiB of distinct words cost about 10 s and
+#: 700 MB of memory in SQLite's full-text index, 16 MiB of CJK about 35 s and 1.1 GB in its
+#: trigram index (100 MB ran for minutes); a 10 MB message still fits, as before.
+#: ``SessionDB(max_message_bytes=None)``: no limit.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+#: A message's text columns (the JSON ones serialised).
+_MESSAGE_TEXT = (
+    "content",
+    "reasoning",
+    "tool_calls",
+    "reasoning_details",
+    "codex_reasoning_items",
+    "tool_name",
+    "tool_call_id",
+    "finish_reason",
+)
 #: SQLite's busy timeout is a 32-bit count of milliseconds.
 _MAX_BUSY_S = (2**31 - 1) // 1000
 
@@ -171,3 +191,29 @@ def open_options(retry: object, checkpoint_every: object, writer_busy_timeout: o
     real("writer_busy_timeout", writer_busy_timeout, optional=True)
     if writer_busy_timeout is not None and not 0 <= writer_busy_timeout <= _MAX_BUSY_S:  # type: ignore[operator]
         raise InvalidInputError(f"writer_busy_timeout must be between 0 and {_MAX_BUSY_S} s")
+
+
+def max_message_bytes(value: object) -> None:
+    """The store's per-message text limit: a positive byte count, or ``None`` (no limit)."""
+    integer("max_message_bytes", value, optional=True, minimum=1)
+
+
+def message_size(row: Mapping[str, Any], limit: int | None) -> None:
+    """One message's text columns together within ``limit`` UTF-8 bytes. Counting characters
+    first (O(1) each) settles every message under a quarter of the limit without encoding."""
+    if limit is None:
+        return
+    chars = 0
+    for key in _MESSAGE_TEXT:
+        value = row[key]
+        if value is not None:
+            chars += len(value)
+    if chars * 4 <= limit:  # a UTF-8 character is at most 4 bytes
+        return
+    texts = [row[key] for key in _MESSAGE_TEXT if row[key]]
+    size = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > limit:
+        raise InvalidInputError(
+            f"the message holds {size:,} bytes of text (content, reasoning and tool calls "
+            f"together); a message may hold at most {limit:,} (SessionDB(max_message_bytes=...))"
+        )
