@@ -58,10 +58,7 @@ def cost_per_day(
 ) -> Axes:
     """Estimated and actual cost (USD) per UTC day, as bars side by side."""
     ax = _axes(ax)
-    daily = analytics.to_dataframe(
-        analytics.usage_per_day(since=since, until=until, source=source), target
-    )
-    days = daily["day"].dt.strftime("%Y-%m-%d").tolist()
+    daily, days = _per_day(target, since, until, source)
     positions = list(range(len(days)))
     ax.bar([p - 0.2 for p in positions], daily["estimated_cost_usd"], 0.4, label="estimated")
     ax.bar([p + 0.2 for p in positions], daily["actual_cost_usd"], 0.4, label="actual")
@@ -82,10 +79,7 @@ def tokens_per_day(
 ) -> Axes:
     """The five token counters per UTC day, stacked."""
     ax = _axes(ax)
-    daily = analytics.to_dataframe(
-        analytics.usage_per_day(since=since, until=until, source=source), target
-    )
-    days = daily["day"].dt.strftime("%Y-%m-%d").tolist()
+    daily, days = _per_day(target, since, until, source)
     bottom = [0] * len(days)
     for column, label in TOKEN_SERIES.items():
         values = daily[column].tolist()
@@ -155,6 +149,16 @@ def tool_usage(
     ax.set_xlabel("calls")
     ax.set_title(f"Tool calls (top {top})")
     return ax
+
+
+def _per_day(
+    target: Target, since: When | None, until: When | None, source: Sources
+) -> tuple[Any, list[str]]:
+    """The usage per UTC day as a frame, and its days as labels."""
+    daily = analytics.to_dataframe(
+        analytics.usage_per_day(since=since, until=until, source=source), target
+    )
+    return daily, daily["day"].dt.strftime("%Y-%m-%d").tolist()
 
 
 def _day_ticks(ax: Axes, days: list[str]) -> None:

@@ -136,26 +136,27 @@ def wrapped(text: str, indent: str = "") -> str:
     return "\n".join(lines)
 
 
+def _terminal(variable: str, axis: str, fallback: int) -> int:
+    """One dimension of the terminal: the environment's ``variable`` first, else the
+    terminal's own size, else ``fallback`` (no terminal)."""
+    given = os.environ.get(variable, "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        size = os.get_terminal_size(sys.__stdout__.fileno())  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        return fallback
+    return int(getattr(size, axis))
+
+
 def _height() -> int:
     """The terminal's height (``LINES`` first), 24 when there is none."""
-    lines = os.environ.get("LINES", "")
-    if lines.isdigit() and int(lines) > 0:
-        return int(lines)
-    try:
-        return os.get_terminal_size(sys.__stdout__.fileno()).lines  # type: ignore[union-attr]
-    except (AttributeError, OSError, ValueError):
-        return 24
+    return _terminal("LINES", "lines", 24)
 
 
 def width() -> int:
     """The terminal's width (``COLUMNS`` first), 80 when there is none."""
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return int(columns)
-    try:
-        return os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
-    except (AttributeError, OSError, ValueError):
-        return 80
+    return _terminal("COLUMNS", "columns", 80)
 
 
 # -- values --------------------------------------------------------------------------------------
