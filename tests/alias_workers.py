@@ -23,8 +23,13 @@ def main(path: str, tag: str, count: int | None) -> int:
         return 3
     store.ensure_session("s", "cli")
     stop = threading.Event()
+
+    def stop_on_stdin() -> None:
+        sys.stdin.readline()
+        stop.set()
+
     if count is None:
-        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+        threading.Thread(target=stop_on_stdin, daemon=True).start()
     print("ready", flush=True)
     wrote = 0
     while not stop.is_set() and (count is None or wrote < count):
