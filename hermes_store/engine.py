@@ -249,7 +249,9 @@ def unreadable_in_wal(path: Path) -> bool:
     (read-only: reads work, writes fail as read-only). A privileged writer that later writes
     into that folder is not seen by such a reader until it reopens."""
     return (
-        path.exists() and not os.access(path.parent, os.W_OK) and not Path(f"{path}-wal").exists()
+        path.exists()
+        and not os.access(path.parent, os.W_OK)
+        and not Path(f"{os.path.realpath(path)}-wal").exists()
     )
 
 

@@ -81,8 +81,10 @@ def path_from_uri(database: str) -> Path:
 
 def sidecars(path: Path) -> list[Path]:
     """The ``-wal``, ``-shm`` and ``-journal`` files beside ``path`` (someone has or had it
-    open). Only ``stat``: never a descriptor on them."""
-    found = (Path(f"{path}{suffix}") for suffix in SIDECAR_SUFFIXES)
+    open). Only ``stat``: never a descriptor on them. Beside the file a symlink names: SQLite
+    resolves the link and keeps them there."""
+    real = os.path.realpath(path)
+    found = (Path(f"{real}{suffix}") for suffix in SIDECAR_SUFFIXES)
     return [p for p in found if p.exists()]
 
 
@@ -186,8 +188,11 @@ def refuse_aliases(path: Path, given: Path | None = None) -> None:
     if given is not None and given.parent.resolve() != path.parent.resolve():
         folders.append(given.parent)
     others = [other for folder in folders for other in _same_file(folder, path, st)]
+    # The package's own temporary names, and the writer queue's lock file: a link planted
+    # there is refused as a lock file and never opened as a database (see writequeue).
     temporary = re.compile(
         rf"\.{re.escape(path.name)}\.(?:(?:\d{{1,10}}\.)?[0-9a-f]{{16}}\.new|partial-[0-9a-f]{{12}})"
+        rf"|{re.escape(path.name)}-writer\.lock"
     )
     if (
         others

@@ -207,7 +207,7 @@ class UnitOfWork:
                 pass  # not created yet (an Engine on a new file): no fork or WAL bookkeeping
             else:
                 self._file_key = (st.st_dev, st.st_ino)
-                self._wal_path = f"{path}-wal"
+                self._wal_path = f"{os.path.realpath(path)}-wal"  # beside a symlink's target
         if group_commit is None:
             switch = os.environ.get(groupcommit.ENV_SWITCH, "1").lower()
             group_commit = switch not in ("0", "off", "false", "no")

@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from hermes_store import SessionDB
+from hermes_store import SessionDB, files
 from hermes_store.cli import cli
 from hermes_store.errors import DatabaseAliasError, StoreConfigError
 
@@ -208,3 +208,16 @@ def test_two_processes_writing_one_folder_through_a_bind_mount_share_one_wal(
     assert [code for code, _ in outcomes] == [0, 0], outcomes
     assert _sound(state) == {"before": 1, "a": 300, "b": 300}
     assert not list(mounted.iterdir())  # the mount was the writer's alone
+
+
+def test_a_symlinks_sidecars_are_the_targets(tmp_path: Path) -> None:
+    """SQLite keeps the WAL beside the file a symlink names, so that is where an opener must
+    look before reading the file without locks (else it reads a live file torn)."""
+    state = tmp_path / "state.db"
+    with SessionDB(state) as db:
+        db.create_session("s", "cli")
+        link = tmp_path / "elsewhere" / "link.db"
+        link.parent.mkdir()
+        link.symlink_to(state)
+        assert Path(f"{state}-wal").exists()  # open: its WAL is there
+        assert files.sidecars(link) == files.sidecars(state) != []
