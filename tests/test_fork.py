@@ -335,6 +335,7 @@ def lost_wal_store(tmp_path: Path, template: Path) -> Iterator[tuple[SessionDB, 
     path = tmp_path / "lost.db"
     fork_workers.fresh_copy(template, path)
     db = SessionDB(path)
+    db.uow.wal_check_every = 0.0  # every commit checks (by default, ten times a second)
     db.append_message(SESSION, "user", "before")
     os.unlink(f"{path}-wal")
     yield db, path
