@@ -269,7 +269,7 @@ def _copy(
 
 def check_snapshot(path: Path) -> list[str]:
     """The problems of a database file (empty list: sound): SQLite's ``integrity_check`` and
-    ``foreign_key_check``, the full-text index against its content, the schema at head."""
+    ``foreign_key_check``, the full-text indexes against their content, the schema at head."""
     problems: list[str] = []
     connection = files.connect_sqlite(path)
     try:
@@ -290,13 +290,7 @@ def check_snapshot(path: Path) -> list[str]:
                 f"schema at {revision[0] if revision else 'no revision'}, head is {head} "
                 "(`hermes-store --db SNAPSHOT db upgrade` brings it to head)"
             )
-        connection.execute("BEGIN")
-        try:
-            connection.execute(fulltext.integrity_statement(ddl.FTS_TABLE))
-        except sqlite3.DatabaseError as error:
-            problems.append(f"full-text index: {error}")
-        finally:
-            connection.execute("ROLLBACK")
+        problems += fulltext.index_damage(connection)
     except sqlite3.DatabaseError as error:
         problems.append(f"not a readable SQLite database: {error}")
     finally:

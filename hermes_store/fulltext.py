@@ -14,6 +14,7 @@ must not change when this code does. Everything else (adoption, repair at open, 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +49,33 @@ _STRUCTURE_V2 = b"\xff\x00\x00\x01"
 def integrity_statement(table: str) -> str:
     """FTS5's 'integrity-check' of ``table`` (a write statement that changes nothing)."""
     return f"INSERT INTO {table}({table}, rank) VALUES ('integrity-check', 1)"
+
+
+def index_damage(connection: sqlite3.Connection) -> list[str]:
+    """FTS5's 'integrity-check' of each full-text index the file has (the main one and the
+    CJK trigram one), on a plain ``sqlite3`` connection outside a transaction: what each
+    reports damaged (empty: sound). ``PRAGMA integrity_check`` cannot see this damage (an
+    unreadable structure record is a valid row of a valid table). Errors that are not
+    corruption (a locked file) are raised."""
+    tables = [
+        str(row[0])
+        for row in connection.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?) ORDER BY name",
+            (ddl.FTS_TABLE, ddl.CJK_TABLE),
+        )
+    ]
+    found: list[str] = []
+    for table in tables:
+        connection.execute("BEGIN")
+        try:
+            connection.execute(integrity_statement(table))
+        except sqlite3.DatabaseError as error:
+            if getattr(error, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+                raise
+            found.append(f"full-text index {table}: {error}")
+        finally:
+            connection.execute("ROLLBACK")
+    return found
 
 
 def merge_statement(table: str = ddl.FTS_TABLE) -> str:

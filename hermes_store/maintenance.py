@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from hermes_store import ddl, files, fulltext
+from hermes_store import files, fulltext
 from hermes_store.engine import sqlite_file
 from hermes_store.errors import (
     DatabaseLockedError,
@@ -252,29 +252,10 @@ def _explain_growth(db: SessionDB, report: Report) -> None:
 
 
 def _damage(connection: sqlite3.Connection) -> list[str]:
-    """What a check finds damaged: ``PRAGMA quick_check`` (b-trees) and FTS5's own
-    'integrity-check' of each full-text index, which the former cannot see (an unreadable
-    structure record is a valid row of a valid table)."""
+    """What a check finds damaged: ``PRAGMA quick_check`` (b-trees) and each full-text
+    index's own check (see :func:`fulltext.index_damage`)."""
     problems = [str(row[0]) for row in connection.execute("PRAGMA quick_check")]
-    found = [] if problems == ["ok"] else problems[:3]
-    tables = [
-        str(row[0])
-        for row in connection.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?) ORDER BY name",
-            (ddl.FTS_TABLE, ddl.CJK_TABLE),
-        )
-    ]
-    for table in tables:
-        connection.execute("BEGIN")
-        try:
-            connection.execute(fulltext.integrity_statement(table))
-        except sqlite3.DatabaseError as error:
-            if getattr(error, "sqlite_errorcode", 0) & 0xFF != fulltext.SQLITE_CORRUPT:
-                raise
-            found.append(f"full-text index {table}: {error}")
-        finally:
-            connection.execute("ROLLBACK")
-    return found
+    return ([] if problems == ["ok"] else problems[:3]) + fulltext.index_damage(connection)
 
 
 def vacuum_offline(path: Path) -> tuple[int, int]:

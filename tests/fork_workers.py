@@ -17,9 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from hermes_store import SessionDB
-from hermes_store.ddl import FTS_TABLE
-from hermes_store.fulltext import integrity_statement
+from hermes_store import SessionDB, backup
 
 SESSION = "forked"
 
@@ -59,23 +57,9 @@ def stored_contents(path: Path) -> list[str]:
 
 
 def integrity(path: Path) -> list[str]:
-    """Problems found by ``PRAGMA integrity_check`` and FTS5's integrity-check (none: [])."""
-    problems: list[str] = []
-    raw = sqlite3.connect(path)
-    try:
-        found = [row[0] for row in raw.execute("PRAGMA integrity_check")]
-        if found != ["ok"]:
-            problems += found
-        try:
-            raw.execute(integrity_statement(FTS_TABLE))
-        except sqlite3.Error as error:
-            problems.append(f"{FTS_TABLE}: {error}")
-        raw.rollback()
-    except sqlite3.Error as error:
-        problems.append(f"cannot check: {error}")
-    finally:
-        raw.close()
-    return problems
+    """What the backup verification finds (integrity_check, foreign keys, the full-text
+    indexes, the schema at head); none: []."""
+    return backup.check_snapshot(path)
 
 
 # -- multiprocessing workers (fork, forkserver, spawn) -------------------------------------
