@@ -26,6 +26,9 @@ from hermes_store import SessionDB, analytics, migrate
 from hermes_store.cli import cli
 from tests.conftest import url_string
 
+#: ``python -c RUN_CLI ARGS`` runs ``hermes-store ARGS`` in a fresh interpreter.
+RUN_CLI = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
+
 
 @pytest.fixture
 def runner() -> CliRunner:
@@ -125,9 +128,8 @@ def test_query_cut_by_limit_says_so(runner: CliRunner, many: Path) -> None:
 
 def _cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HERMES_STORE_URL", "COLUMNS")}
-    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
     return subprocess.Popen(
-        [sys.executable, "-c", code, *args], env=env, text=True, stderr=subprocess.PIPE, **kwargs
+        [sys.executable, "-c", RUN_CLI, *args], env=env, text=True, stderr=subprocess.PIPE, **kwargs
     )
 
 
@@ -227,9 +229,8 @@ def _on_a_terminal(args: list[str], extra_env: dict[str, str]) -> str:
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("HERMES_STORE_URL", "COLUMNS")}
     env.update({"NO_COLOR": "1", "TERM": "dumb", **extra_env})
-    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
     process = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-c", RUN_CLI, *args],
         stdin=follower,  # a pager needs a terminal on both sides, as at a shell prompt
         stdout=follower,
         stderr=subprocess.PIPE,
@@ -290,9 +291,8 @@ def _complete(*words: str) -> list[str]:
             "_HERMES_STORE_COMPLETE": "bash_complete",
         }
     )
-    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", RUN_CLI], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stderr == "", done.stderr
     return [line.split(",", 1)[1] for line in done.stdout.splitlines() if line]

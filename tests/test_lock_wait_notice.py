@@ -15,6 +15,7 @@ import pytest
 
 from hermes_store import SessionDB
 from hermes_store.files import write_lock_holders
+from tests.test_cli_habits import RUN_CLI
 
 HOLD = """
 import sqlite3, sys
@@ -67,9 +68,8 @@ def test_a_waiting_write_says_whom_it_waits_for_on_a_terminal(path: Path) -> Non
     holder = _holder(path)
     leader, follower = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k != "HERMES_STORE_URL"}
-    code = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
     cli = subprocess.Popen(
-        [sys.executable, "-c", code, "--db", str(path), "sessions", "rename", "s1", "renamed"],
+        [sys.executable, "-c", RUN_CLI, "--db", str(path), "sessions", "rename", "s1", "renamed"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=follower,
