@@ -294,6 +294,11 @@ def mapped_errors() -> Iterator[None]:
         raise mapped from error
     except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
         raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None
+    except sa_exc.TimeoutError as error:  # the pool: every connection busy for pool_timeout
+        raise DatabaseUnavailableError(
+            "no database connection came free in time (every one of the pool's connections "
+            f"stayed busy); nothing was sent, so nothing was written: {error}"
+        ) from error
 
 
 class UnsafePathError(HermesStoreError):
