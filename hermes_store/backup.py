@@ -142,6 +142,10 @@ def backup(
         raise InvalidInputError("destination must be a text path, not bytes")
     if "\x00" in raw:  # the OS would refuse it later with a bare ValueError
         raise InvalidInputError("destination contains a NUL character")
+    try:
+        os.fsencode(raw)
+    except UnicodeEncodeError:  # a lone surrogate: no file system can hold that name
+        raise InvalidInputError("destination is not a valid file name") from None
     target = Path(raw).expanduser()
     if _is_database_or_sidecar(target, source):
         raise InvalidInputError(f"refusing to back up onto the database itself ({target})")

@@ -83,7 +83,10 @@ def sidecars(path: Path) -> list[Path]:
     """The ``-wal``, ``-shm`` and ``-journal`` files beside ``path`` (someone has or had it
     open). Only ``stat``: never a descriptor on them. Beside the file a symlink names: SQLite
     resolves the link and keeps them there."""
-    real = os.path.realpath(path)
+    try:
+        real = os.path.realpath(path)
+    except ValueError:  # a name no file can have (a lone surrogate): no sidecars either
+        return []
     found = (Path(f"{real}{suffix}") for suffix in SIDECAR_SUFFIXES)
     return [p for p in found if p.exists()]
 

@@ -551,3 +551,11 @@ def test_the_sql_scan_catches_what_it_should(tmp_path: Path) -> None:
         PACKAGE = saved
     assert flagged == [(2, "user"), (3, "user"), (4, "user"), (5, "user"), (7, "ddl.PG_FTS_INDEX")]
     assert CONSTANT.fullmatch("ddl.PG_FTS_INDEX") and not CONSTANT.fullmatch("user")
+
+
+def test_a_backup_to_a_name_no_file_can_have_is_refused(tmp_path: Path) -> None:
+    with (
+        SessionDB(tmp_path / "state.db") as db,
+        pytest.raises(InvalidInputError, match="not a valid file name"),
+    ):
+        db.backup("\ud800")
