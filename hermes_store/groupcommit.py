@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from hermes_store.errors import WalDeletedError, mapped_errors
 
@@ -112,14 +112,13 @@ class LeaderQueue(Generic[U]):
         it waits or leads) goes on to this caller, always: its unit is withdrawn if no group
         took it yet, and a leader hands on the lead (its groups are settled by :meth:`_lead`).
         """
-        cond = self._cond
         try:
             with self._lock:
                 self._queue.append(unit)
                 if self._watchers:
-                    cond.notify_all()
+                    self._cond.notify_all()
                 while unit.state == QUEUED and self._leading is not None:
-                    cond.wait()
+                    self._wait()
                 if unit.state == QUEUED:
                     self._leading = unit
             if self._leading is unit:  # only this caller sets or clears it to its unit
@@ -136,6 +135,18 @@ class LeaderQueue(Generic[U]):
             with mapped_errors():
                 raise unit.error
         return False, None
+
+    def _wait(self) -> None:
+        """``cond.wait()`` that leaves holding the lock whatever interrupts it: an interrupt
+        raised between the wait's release of the lock and its waiting (CPython checks signals
+        there) leaves without it, and the caller's ``with`` would then release a lock it does
+        not hold."""
+        try:
+            self._cond.wait()
+        except BaseException:
+            if not cast(Any, self._lock)._is_owned():
+                self._lock.acquire()
+            raise
 
     def _leave(self, unit: U) -> None:
         """Done with the queue: a leader hands on the lead and wakes the others; a unit no

@@ -340,3 +340,29 @@ def test_ctrl_c_never_duplicates_an_acknowledged_write_and_always_reaches_main(
     missing = [(mid, content) for mid, content in acked if by_id.get(mid) != content]
     assert not missing, f"acknowledged but not stored: {missing[:10]}"
     assert len(acked) > INTERRUPTS  # the threads did write while the interrupts came
+
+
+def test_an_interrupt_between_the_waits_release_and_its_wait_leaves_the_queue_sound(
+    db: SessionDB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPython may raise a pending interrupt after ``Condition.wait()`` released its lock and
+    before it waits (so before it takes the lock back): the waiter must still raise the
+    interrupt, never "cannot release un-acquired lock", and withdraw its write."""
+    group = db.uow.group
+    assert group is not None
+    group._leading = object()  # type: ignore[assignment]  # another caller leads
+    lock = group._lock
+
+    def released_then_interrupted(timeout: float | None = None) -> bool:
+        lock.release()  # what the wait does first
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(group._cond, "wait", released_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        db.append_message("s", "user", "interrupted")
+    assert not group._queue  # withdrawn: no later group writes it
+    assert not lock._is_owned()  # type: ignore[attr-defined]  # and this thread holds none
+    group._leading = None
+    monkeypatch.undo()
+    db.append_message("s", "user", "after")
+    assert list(_stored(db).values()) == ["after"]
