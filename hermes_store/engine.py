@@ -291,7 +291,7 @@ def create_engine(
     """
     if isinstance(target, Engine):
         if target.dialect.name == "sqlite":
-            _refuse_aliases(target.url, None)
+            refuse_sqlite_aliases(target.url, None)
             install_sqlite_hooks(
                 target,
                 writer_busy_timeout=writer_busy_timeout,
@@ -314,7 +314,7 @@ def create_engine(
         }
     if url.get_backend_name() == "sqlite":
         path = sqlite_file(url)
-        _refuse_aliases(url, target)
+        refuse_sqlite_aliases(url, target)
         if path is not None and unreadable_in_wal(path):
             log.warning("%s: its folder is read-only; opening it read-only (immutable)", path)
             url = files.sqlite_uri(path, mode="ro", immutable="1")
@@ -349,7 +349,7 @@ def create_engine(
     return engine
 
 
-def _refuse_aliases(url: URL, given: Target | None) -> None:
+def refuse_sqlite_aliases(url: URL, given: Target | None) -> None:
     """A SQLite file with a second name (a hard link) is refused: see ``files.refuse_aliases``."""
     path = sqlite_file(url)
     if path is None:

@@ -43,6 +43,7 @@ from hermes_store.engine import (
     create_private_file,
     display_url,
     make_private_dirs,
+    refuse_sqlite_aliases,
     same_connection,
     sqlite_file,
     to_url,
@@ -363,6 +364,7 @@ def migration_connection(
     placement.current().check_dialect(url.get_backend_name())  # before a file is created
     path = sqlite_file(url)
     if path is not None:
+        refuse_sqlite_aliases(url, target)  # before any read (see SessionDB's opening)
         remove_stale_temps(path)
     state = preflight_sqlite(path) if path is not None else None
     created = path is not None and state is None and create_private_file(path)

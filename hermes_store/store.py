@@ -44,6 +44,7 @@ from hermes_store.engine import (
     check_synchronous,
     create_engine,
     default_db_path,
+    refuse_sqlite_aliases,
     sqlite_file,
     to_url,
 )
@@ -212,6 +213,9 @@ class SessionDB:
         self._file: shared.FileKey | None = None
         with placement.using(self.placement):
             if path is not None:
+                # A second name first: reading a live file through a name whose WAL is not
+                # beside it would take it for a torn one instead of saying what is wrong.
+                refuse_sqlite_aliases(url, None if given is not None else target)
                 # Brought to head first (without the write lock when already there); then the
                 # file's one writer in this process is shared.
                 _bring_to_head(url, migrate, options.retry)
