@@ -6,7 +6,7 @@ What the many-writers work must hold: every opener succeeds, every round, while 
 adopts the file and holds the write lock for the whole (long) full-text rebuild.
 
 Each round copies a cached template (built once per size under the temp dir, ``--rebuild``
-builds it again): a file the original store wrote at schema_version 3 (``tests/legacy.py``),
+builds it again): a file the original store wrote at schema_version 3 (``tests/support/legacy.py``),
 grown to ``--sessions`` sessions with one or two messages each, whose FTS5 table and triggers
 are gone, so adopting it recreates them and indexes every message under the write lock (the
 longest step an adoption takes). Then ``--openers`` spawned processes wait on a barrier, open
@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hermes_store import current, ddl, fulltext, writequeue
-from hermes_store.migrate import head_revision
-from tests import legacy, proc_workers
+from hermes_store import current
+from hermes_store.schema import ddl, fulltext
+from hermes_store.schema.migrate import head_revision
+from hermes_store.uow import writequeue
+from tests.support import legacy, proc_workers
 
 #: The version the template is written at (a v3 file adopts through every later revision).
 TEMPLATE_VERSION = 3
@@ -171,7 +173,7 @@ class _HeldLog(logging.Handler):
 def open_and_append(path: str, index: int, barrier: Any, out: Any) -> None:
     """One opener: wait for the others, open the file, append one message; report."""
     handler = _HeldLog()
-    for name in ("hermes_store.migrate", "hermes_store.migrations"):
+    for name in ("hermes_store.schema.migrate", "hermes_store.migrations"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
         logger.addHandler(handler)

@@ -3,7 +3,7 @@
 Same pragmas as the original store's connection: WAL, ``foreign_keys=ON``, ``synchronous`` left
 at its default, ``timeout=1.0``, ``isolation_level=None`` with explicit ``BEGIN IMMEDIATE``, and
 its PASSIVE checkpoint after every 50 writes. Search, listing and message loading use the
-re-implementation of the original store in ``tests/seed_store.py`` (the same SQL).
+re-implementation of the original store in ``tests/support/seed_store.py`` (the same SQL).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.seed_store import LIST_RICH_SQL, SNIPPET, SeedSessionDB
+from tests.support.seed_store import LIST_RICH_SQL, SNIPPET, SeedSessionDB
 
 INSERT_MESSAGE = (
     "INSERT INTO messages (session_id, role, content, tool_call_id, tool_calls, tool_name,"

@@ -10,7 +10,7 @@ per run, and prints a markdown table of medians with [min..max] over the rounds:
 - ``before``: hermes_store with the queue and group commit off (``HERMES_STORE_WRITE_QUEUE=0``,
   ``HERMES_STORE_GROUP_COMMIT=0`` in the worker processes), i.e. the code before the queue:
   every writer meets SQLite's busy handler;
-- ``original``: the original store (``tests/seed_store.py``, raw ``sqlite3``).
+- ``original``: the original store (``tests/support/seed_store.py``, raw ``sqlite3``).
 
 Sets: ``8x4+2r`` (8 processes x 4 threads, 2 reader processes), ``16x1``, ``1x1`` (one
 writer alone: the commit ceiling the other sets share), and ``mixed``
@@ -120,9 +120,9 @@ def _setup(kind: str) -> None:
 
 
 def _open(url: str, kind: str) -> Any:
-    """hermes_store, or the original store's own class (``tests/seed_store.py``)."""
+    """hermes_store, or the original store's own class (``tests/support/seed_store.py``)."""
     if kind in (ORIGINAL, "seed"):
-        from tests.seed_store import SeedSessionDB
+        from tests.support.seed_store import SeedSessionDB
 
         return SeedSessionDB(url)
     if kind == NORMAL:

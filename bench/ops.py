@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.timing import percentile
-from hermes_store import SessionDB, backup, maintenance, migrate, retention
+from hermes_store import SessionDB
+from hermes_store.ops import backup, maintenance, retention
+from hermes_store.schema import migrate
 
 WORDS = [
     *("server", "deploy", "migration", "rollback", "index", "token", "session", "gateway"),

@@ -43,8 +43,10 @@ from bench.build import drop_pg_database, fresh_pg_database
 from bench.corpus import CJK_QUERY, COMMON_WORD, PHRASE, RARE_WORD, Corpus
 from bench.floor import Floor
 from bench.timing import Stats, interleaved
-from hermes_store import SessionDB, migrate, pgstream
-from hermes_store.engine import autocommit_engine
+from hermes_store import SessionDB
+from hermes_store.engine.factory import autocommit_engine
+from hermes_store.repo import pgstream
+from hermes_store.schema import migrate
 from hermes_store.transfer import import_sessions, read_records, write_export
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,7 +276,7 @@ def build_million(base: str, messages: int) -> tuple[str, float]:
             }
             for statement in _GENERATE.strip().split(";\n"):
                 conn.execute(sa.text(statement), params)
-            from hermes_store import ddl
+            from hermes_store.schema import ddl
 
             conn.exec_driver_sql(ddl.PG_FTS_CREATE)
             conn.exec_driver_sql(ddl.PG_TRGM_CREATE)

@@ -3,7 +3,7 @@
 ``python -m bench.pg_writes --rounds 3`` (about 3 minutes on two cores) measures, on a scratch
 database of the server in ``HERMES_STORE_TEST_PG_URL`` (or ``--url``):
 
-- latency through ``tests/latency_proxy.py`` adding 5 ms each way (a network between the
+- latency through ``tests/support/latency_proxy.py`` adding 5 ms each way (a network between the
   gateway and the server): median ``append_message``, ``update_token_counts``,
   ``get_messages`` of a short session and a rare-word ``search_messages``, with the round
   trips per call the proxy counted;
@@ -155,7 +155,8 @@ def _worker_command(tree: Path, *args: str) -> list[str]:
 
 
 def _seed(url: str) -> None:
-    from hermes_store import SessionDB, migrate
+    from hermes_store import SessionDB
+    from hermes_store.schema import migrate
 
     migrate.upgrade(url)
     store = SessionDB(url)
@@ -309,7 +310,7 @@ def _load_run(tree: Path, url: str, processes: int, threads: int, ops: int) -> d
 
 def compare(base_url: str, database: str, rounds: int, calls: int, ops: int, baseline: str) -> str:
     from bench.build import drop_pg_database, fresh_pg_database
-    from tests.latency_proxy import LatencyProxy
+    from tests.support.latency_proxy import LatencyProxy
 
     url = fresh_pg_database(base_url, database)
     url_text = url.render_as_string(hide_password=False)

@@ -644,7 +644,8 @@ def render(report: Report, info: dict[str, str], command: str, elapsed: float) -
         "the original store's own statements with its pragmas (WAL, `synchronous` default = "
         "FULL, `foreign_keys=ON`, `timeout=1.0`, explicit `BEGIN IMMEDIATE`, PASSIVE "
         "checkpoint every 50 writes); for search, listing and message loading the floor is "
-        "the original store's own method (`tests/seed_store.py`, its SQL). Ratio = ours / floor "
+        "the original store's own method (`tests/support/seed_store.py`, its SQL). "
+        "Ratio = ours / floor "
         "(lower is better; below 1.00 is faster than the floor). The PostgreSQL databases are "
         "`ANALYZE`d after loading, as autovacuum would do.",
         "",

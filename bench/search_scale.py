@@ -30,7 +30,9 @@ from bench.build import drop_pg_database, fresh_pg_database
 from bench.corpus import CJK_QUERY, COMMON_WORD, PHRASE, RARE_WORD
 from bench.floor import SeedSessionDB
 from bench.timing import interleaved
-from hermes_store import SessionDB, ddl, search
+from hermes_store import SessionDB
+from hermes_store.schema import ddl
+from hermes_store.search import pipeline as search
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- search-scale:begin -->", "<!-- search-scale:end -->"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_store import SessionDB
-from tests.seed_store import SeedSessionDB
+from tests.support.seed_store import SeedSessionDB
 
 CALLS = 2000
 ROUNDS = 7

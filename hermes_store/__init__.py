@@ -1,7 +1,8 @@
 """hermes_store: the persistence layer of the Hermes agent.
 
 ``SessionDB`` is a drop-in for the original store's; :mod:`hermes_store.models` holds the ORM
-models, :mod:`hermes_store.uow` the Unit of Work, :mod:`hermes_store.migrate` the migrations.
+models, :mod:`hermes_store.uow` the Unit of Work, :mod:`hermes_store.schema` the migrations;
+``docs/architecture.md`` shows every layer.
 
 The names below load on first use (PEP 562), so ``import hermes_store.cli`` (and so
 ``hermes-store --help``) does not pay for SQLAlchemy and Alembic; ``from hermes_store import
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hermes_store.aio import AsyncSessionDB
-    from hermes_store.engine import create_engine, default_db_path
+    from hermes_store.engine.factory import create_engine, default_db_path
     from hermes_store.errors import (
         AccessDeniedError,
         DatabaseAliasError,
@@ -46,8 +47,8 @@ if TYPE_CHECKING:
         UnsupportedEngineError,
         WalDeletedError,
     )
-    from hermes_store.migrate import current, downgrade, upgrade
     from hermes_store.models import Base, ChatSession, Message, SchemaVersion
+    from hermes_store.schema.migrate import current, downgrade, upgrade
     from hermes_store.store import SessionDB, open_store
     from hermes_store.titles import MAX_TITLE_LENGTH
     from hermes_store.trajectory import (
@@ -55,13 +56,13 @@ if TYPE_CHECKING:
         has_incomplete_scratchpad,
         save_trajectory,
     )
-    from hermes_store.uow import RetryPolicy, StoreStats, UnitOfWork
+    from hermes_store.uow.unit import RetryPolicy, StoreStats, UnitOfWork
 
 #: Public name -> the module that defines it.
 _LAZY = {
     "AsyncSessionDB": "aio",
-    "create_engine": "engine",
-    "default_db_path": "engine",
+    "create_engine": "engine.factory",
+    "default_db_path": "engine.factory",
     **dict.fromkeys(
         (
             "AccessDeniedError",
@@ -95,9 +96,9 @@ _LAZY = {
         ),
         "errors",
     ),
-    "current": "migrate",
-    "downgrade": "migrate",
-    "upgrade": "migrate",
+    "current": "schema.migrate",
+    "downgrade": "schema.migrate",
+    "upgrade": "schema.migrate",
     "Base": "models",
     "ChatSession": "models",
     "Message": "models",
@@ -108,9 +109,9 @@ _LAZY = {
     "convert_scratchpad_to_think": "trajectory",
     "has_incomplete_scratchpad": "trajectory",
     "save_trajectory": "trajectory",
-    "RetryPolicy": "uow",
-    "StoreStats": "uow",
-    "UnitOfWork": "uow",
+    "RetryPolicy": "uow.unit",
+    "StoreStats": "uow.unit",
+    "UnitOfWork": "uow.unit",
 }
 
 

@@ -49,7 +49,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 from hermes_store import validate
-from hermes_store.engine import Target, default_db_path, display_url, to_url
+from hermes_store.engine.factory import Target, default_db_path, display_url, to_url
 from hermes_store.errors import (
     HermesStoreError,
     InvalidInputError,
@@ -65,14 +65,14 @@ from hermes_store.rows import (
     SessionRow,
 )
 from hermes_store.store import SessionDB
-from hermes_store.uow import StoreStats, Unit
+from hermes_store.uow.unit import StoreStats, Unit
 
 if TYPE_CHECKING:
     import os
 
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from hermes_store.backup import BackupReport
+    from hermes_store.ops.backup import BackupReport
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +394,7 @@ class AsyncSessionDB:
     def _async_engine(self) -> AsyncEngine:
         from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-        from hermes_store.engine import (
+        from hermes_store.engine.factory import (
             _psycopg_options,
             install_liveness_check,
             install_pooler_guard,

@@ -366,7 +366,7 @@ def to_dataframe(statement: sa.Executable, target: Target) -> pandas.DataFrame:
     if isinstance(target, Engine):
         with target.connect() as conn:
             return frame(conn)
-    from hermes_store.migrate import read_engine
+    from hermes_store.schema.migrate import read_engine
 
     engine = read_engine(target)
     try:

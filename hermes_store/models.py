@@ -3,7 +3,7 @@
 The column list, types, NOT NULL flags and defaults are the original store's v6 schema:
 ``REAL`` timestamps and costs on SQLite (``double precision`` on PostgreSQL) and JSON carried as
 ``TEXT`` exactly as the original store writes it, so a file stays readable by that store.
-The FTS objects are raw DDL in the migrations (see :mod:`hermes_store.ddl`), not models.
+The FTS objects are raw DDL in the migrations (see :mod:`hermes_store.schema.ddl`), not models.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from hermes_store import files
-from hermes_store.engine import create_engine, sqlite_file, to_url, unreadable_in_wal
+from hermes_store.engine import files
+from hermes_store.engine.factory import create_engine, sqlite_file, to_url, unreadable_in_wal
 from hermes_store.errors import InvalidInputError, NotADatabaseError, mapped_errors
 
 __all__ = ["QueryResult", "read_only_query"]

@@ -25,19 +25,9 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import (
-    fastpath,
-    listing,
-    pggroup,
-    pgstream,
-    placement,
-    retention,
-    search,
-    shared,
-    titles,
-    validate,
-)
-from hermes_store.engine import (
+from hermes_store import titles, validate
+from hermes_store.engine import fastpath, placement
+from hermes_store.engine.factory import (
     READER_BUSY_TIMEOUT_S,
     WRITER_BUSY_TIMEOUT_S,
     Target,
@@ -54,10 +44,11 @@ from hermes_store.errors import (
     UnknownSessionError,
     extras_named,
 )
-from hermes_store.migrate import check_head, ensure_head
 from hermes_store.models import Counter
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
+from hermes_store.ops import retention
+from hermes_store.repo import listing, pgstream
 from hermes_store.rows import (
     ConversationTurn,
     ExportRecord,
@@ -66,10 +57,13 @@ from hermes_store.rows import (
     SessionListRow,
     SessionRow,
 )
-from hermes_store.uow import RetryPolicy, StoreStats, UnitOfWork
+from hermes_store.schema.migrate import check_head, ensure_head
+from hermes_store.search import pipeline as search
+from hermes_store.uow import pggroup, shared
+from hermes_store.uow.unit import RetryPolicy, StoreStats, UnitOfWork
 
 if TYPE_CHECKING:
-    from hermes_store.backup import BackupReport
+    from hermes_store.ops.backup import BackupReport
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +175,7 @@ class SessionDB:
         #: The most UTF-8 bytes of text one message may hold (None: no limit); see
         #: :data:`hermes_store.validate.DEFAULT_MAX_MESSAGE_BYTES`.
         self.max_message_bytes = max_message_bytes
-        #: Where the tables live (see :mod:`hermes_store.placement`): checked before anything.
+        #: Where the tables live (:mod:`hermes_store.engine.placement`): checked before anything.
         self.placement = placement.Placement.resolve(schema, version_table)
         if not callable(clock):
             raise InvalidInputError(f"clock must be a callable returning seconds, not {clock!r}")
@@ -1003,7 +997,7 @@ class SessionDB:
 
     def backup(self, destination: str | os.PathLike[str], **options: Any) -> BackupReport:
         """A consistent online snapshot of this SQLite database (see :func:`backup.backup`)."""
-        from hermes_store import backup
+        from hermes_store.ops import backup
 
         return backup.backup(self, destination, **options)
 

@@ -24,11 +24,13 @@ import sqlalchemy as sa
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
-from hermes_store import files, pgstream, redact
-from hermes_store.engine import sqlite_file
+from hermes_store import redact
+from hermes_store.engine import files
+from hermes_store.engine.factory import sqlite_file
 from hermes_store.errors import HermesStoreError, InvalidInputError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
+from hermes_store.repo import pgstream
 from hermes_store.rows import ExportRecord
 from hermes_store.store import SessionDB
 

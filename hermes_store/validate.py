@@ -33,7 +33,7 @@ from typing import Any
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import ArgumentError
 
-from hermes_store.engine import to_url
+from hermes_store.engine.factory import to_url
 from hermes_store.errors import InvalidInputError
 
 INT64_MIN = -(2**63)
@@ -179,7 +179,7 @@ def target(value: object) -> None:
 
 
 def open_options(retry: object, checkpoint_every: object, writer_busy_timeout: object) -> None:
-    from hermes_store.uow import RetryPolicy  # the store imports this module first
+    from hermes_store.uow.unit import RetryPolicy  # the store imports this module first
 
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise InvalidInputError(f"retry must be a RetryPolicy, not {_kind(retry)}")

@@ -17,8 +17,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-from hermes_store import SessionDB, migrate
-from hermes_store.engine import to_url
+from hermes_store import SessionDB
+from hermes_store.engine.factory import to_url
+from hermes_store.schema import migrate
 
 PG_ENV = "HERMES_STORE_TEST_PG_URL"
 #: PgBouncer in transaction pooling mode in front of the same server (host, port and options
@@ -239,7 +240,7 @@ def flavor() -> str:
 @pytest.fixture
 def store(db_url: URL, flavor: str, clock: FakeClock) -> Iterator[SessionDB]:
     if flavor == "async":
-        from tests.aio_driver import AsyncDriver
+        from tests.support.aio_driver import AsyncDriver
 
         driver = AsyncDriver(db_url.render_as_string(hide_password=False), clock=clock)
         yield driver  # type: ignore[misc]

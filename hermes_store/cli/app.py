@@ -157,7 +157,7 @@ class App:
         """``--db``, else ``HERMES_STORE_URL``, else the default file; refused (exit 2) when the
         URL is malformed or names a backend the store does not run on."""
         if self._url is None:
-            from hermes_store.engine import display_url, to_url, url_from_environment
+            from hermes_store.engine.factory import display_url, to_url, url_from_environment
 
             origin = "--db" if self._db else "HERMES_STORE_URL"
             try:
@@ -176,7 +176,7 @@ class App:
 
     @property
     def where(self) -> str:
-        from hermes_store.engine import display_url, sqlite_file
+        from hermes_store.engine.factory import display_url, sqlite_file
 
         path = sqlite_file(self.url)
         return str(path) if path is not None else display_url(self.url)
@@ -187,7 +187,7 @@ class App:
         only read open it with ``migrate="check"``: a database behind head is refused with the
         command to run, never upgraded behind the user's back."""
         if self._store is None:
-            from hermes_store.engine import sqlite_file
+            from hermes_store.engine.factory import sqlite_file
             from hermes_store.errors import NotADatabaseError
             from hermes_store.store import SessionDB
 
@@ -224,7 +224,7 @@ class LockWaitNotice:
         self._thread.start()
 
     def _watch(self) -> None:
-        from hermes_store.files import write_lock_holders
+        from hermes_store.engine.files import write_lock_holders
 
         held_since: float | None = None
         while not self._stopped.wait(self._every):
@@ -378,7 +378,7 @@ def cli(
 
     output.pager_off = no_pager
     if schema is not None or version_table is not None:
-        from hermes_store import placement  # only then: --help stays free of SQLAlchemy
+        from hermes_store.engine import placement  # only then: --help stays free of SQLAlchemy
 
         try:
             where = placement.Placement.resolve(schema, version_table)

@@ -1,5 +1,5 @@
 """``hermes-store backup`` and ``restore``: consistent snapshots of a live SQLite database (the
-work is in :mod:`hermes_store.backup`)."""
+work is in :mod:`hermes_store.ops.backup`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hermes_store.cli.output import chosen_format, echo, echo_json, format_optio
 
 
 def _sqlite_only(app: App, what: str) -> None:
-    from hermes_store import backup
-    from hermes_store.engine import sqlite_file
+    from hermes_store.engine.factory import sqlite_file
+    from hermes_store.ops import backup
 
     if sqlite_file(app.url) is None:
         raise Problem(f"{what} works on SQLite files only. {backup.PG_BACKUP_HINT}")
@@ -42,7 +42,7 @@ def backup_cmd(
       hermes-store backup ~/backups/state-$(date +%F).db --verify
       hermes-store backup snapshot.db --method vacuum --force
     """
-    from hermes_store import backup
+    from hermes_store.ops import backup
 
     _sqlite_only(app, "backup")
     store = app.store()
@@ -81,7 +81,7 @@ def restore_cmd(app: App, snapshot: str, yes: bool, fmt: str | None, as_json: bo
       hermes-store restore ~/backups/state-2026-11-30.db
       hermes-store restore snapshot.db --yes
     """
-    from hermes_store import backup
+    from hermes_store.ops import backup
 
     _sqlite_only(app, "restore")
     store = app.store()

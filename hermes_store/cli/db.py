@@ -59,7 +59,8 @@ def db_upgrade(app: App, revision: str, offline: bool) -> None:
       hermes-store --db postgresql://hermes@db/hermes db upgrade v5_billing_columns:head --sql
       hermes-store db upgrade v5_billing_columns
     """
-    from hermes_store import health, migrate
+    from hermes_store.ops import health
+    from hermes_store.schema import migrate
 
     if offline:
         start, _, end = revision.rpartition(":")
@@ -87,7 +88,8 @@ def db_downgrade(app: App, revision: str, yes: bool) -> None:
       hermes-store db downgrade v5_billing_columns
       hermes-store db downgrade base --yes
     """
-    from hermes_store import health, migrate
+    from hermes_store.ops import health
+    from hermes_store.schema import migrate
 
     before = health.revision_of(health.read_state(app.url))
     what = "every table and every row" if revision == "base" else "the columns it drops"
@@ -111,7 +113,7 @@ def db_current(app: App, fmt: str | None, as_json: bool) -> None:
       hermes-store db current
       hermes-store --db postgresql://hermes@db/hermes db current --json
     """
-    from hermes_store import health
+    from hermes_store.ops import health
 
     status = health.schema_status(app.url)
     info = {"database": app.where, **asdict(status)}
@@ -142,7 +144,7 @@ def db_history(app: App, fmt: str | None, as_json: bool) -> None:
       hermes-store db history
       hermes-store db history --format tsv | grep current
     """
-    from hermes_store import migrate
+    from hermes_store.schema import migrate
 
     rows = [asdict(revision) for revision in migrate.history(app.url)]
 
@@ -186,9 +188,10 @@ def db_check(app: App) -> None:
     from alembic.util import CommandError
     from sqlalchemy.pool import NullPool
 
-    from hermes_store import ddl, health, migrate
-    from hermes_store.engine import create_engine
+    from hermes_store.engine.factory import create_engine
     from hermes_store.errors import mapped_errors
+    from hermes_store.ops import health
+    from hermes_store.schema import ddl, migrate
 
     state = health.read_state(app.url)
     if state is None or state.is_empty:
@@ -240,8 +243,8 @@ def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
     """
     from dataclasses import asdict
 
-    from hermes_store import maintenance
-    from hermes_store.engine import sqlite_file
+    from hermes_store.engine.factory import sqlite_file
+    from hermes_store.ops import maintenance
 
     as_json = chosen_format(fmt, as_json, piped="table") == "json"
     if vacuum:

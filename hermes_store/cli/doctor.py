@@ -1,4 +1,4 @@
-"""``hermes-store doctor``: health checks (the checks are in :mod:`hermes_store.health`)."""
+"""``hermes-store doctor``: health checks (the checks are in :mod:`hermes_store.ops.health`)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def doctor(app: App, rebuild_index: bool, fmt: str | None, as_json: bool) -> Non
       hermes-store doctor --json
       hermes-store doctor --format tsv | grep -v "	ok	"
     """
-    from hermes_store import health
+    from hermes_store.ops import health
 
     chosen = chosen_format(fmt, as_json, piped="table")
     if rebuild_index:

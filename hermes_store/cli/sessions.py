@@ -241,7 +241,7 @@ def sessions_show(
       hermes-store sessions show 7f3c9a2e --system-prompt
       hermes-store sessions show 7f3c9a2e --format tsv | cut -f2,5
     """
-    from hermes_store import listing
+    from hermes_store.repo import listing
 
     chosen = chosen_format(fmt, as_json, piped="table")
     store = app.store(read_only=True)
@@ -420,7 +420,7 @@ def sessions_prune(
       hermes-store sessions prune --older-than 90 --source cli --source telegram --keep-titled
       hermes-store sessions prune --older-than 90 --yes    # from cron
     """
-    from hermes_store import retention
+    from hermes_store.ops import retention
 
     store = app.store()
     policy = retention.Policy(days, sources, keep_titled=keep_titled, keep_lineage=keep_lineage)

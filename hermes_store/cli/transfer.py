@@ -80,7 +80,7 @@ def export(
 
     from hermes_store import markdown, transfer
     from hermes_store import redact as redaction
-    from hermes_store.engine import make_private_dirs
+    from hermes_store.engine.factory import make_private_dirs
 
     if session_ref and sources:
         raise click.UsageError("--session and --source cannot be combined")

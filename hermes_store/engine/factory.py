@@ -1,0 +1,853 @@
+"""The one engine factory: where a target (path, URL or Engine) becomes a configured Engine.
+
+SQLite gets the hooks that make several processes safe on one file: SQLAlchemy owns the
+transaction (the driver's implicit BEGIN is switched off) and the ``begin`` hook picks
+``BEGIN IMMEDIATE`` for write units and a deferred ``BEGIN`` for read units, per transaction,
+from the ``hermes_write`` execution option that the Unit of Work sets.
+No engine is made at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import sqlite3
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, quote_plus, urlencode, urlsplit, urlunsplit
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from hermes_store.engine import files
+from hermes_store.engine import placement as placement_mod
+from hermes_store.engine.placement import Placement
+from hermes_store.errors import EngineSettingsError, InvalidInputError, UnsupportedEngineError
+
+log = logging.getLogger(__name__)
+
+#: Execution option read by the ``begin`` hook: True takes the write lock up front.
+WRITE_OPTION = "hermes_write"
+#: Execution option read by the ``begin`` hook: a busy timeout (ms) for this BEGIN only.
+BUSY_OPTION = "hermes_busy_ms"
+#: Short for writers: past it, the Unit of Work's jittered retry takes over.
+WRITER_BUSY_TIMEOUT_S = 1.0
+#: Longer for readers: a deferred BEGIN only waits when a checkpoint or recovery runs.
+READER_BUSY_TIMEOUT_S = 5.0
+#: Pool-record key holding ``(writer_ms, reader_ms)``, for code that begins on a raw connection.
+BUSY_TIMEOUTS_KEY = "hermes_busy_timeouts"
+#: Pool-record key holding the :class:`SqliteSettings` a connection was set up with.
+SETTINGS_KEY = "hermes_settings"
+#: ``PRAGMA synchronous`` modes offered: FULL (the default) and NORMAL (an explicit opt-in).
+SYNCHRONOUS_MODES = frozenset({"full", "normal"})
+
+#: After a burst, a checkpointed WAL is cut back to this size (the next writer truncates it).
+DEFAULT_JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
+#: Environment variable overriding :data:`DEFAULT_JOURNAL_SIZE_LIMIT` (bytes; -1: no limit).
+JOURNAL_SIZE_LIMIT_ENV = "HERMES_STORE_JOURNAL_SIZE_LIMIT"
+
+#: A pooled PostgreSQL connection idle longer than this is pinged before it is handed out;
+#: younger ones only get the cheap checks (state, socket), which cost no round trip.
+IDLE_PING_AFTER_S = 30.0
+#: Seconds a connection attempt may take per host, unless the URL says (``connect_timeout``).
+CONNECT_TIMEOUT_S = 10
+#: psycopg's default: a statement is prepared server-side from its 5th execution on.
+PSYCOPG_PREPARE_THRESHOLD = 5
+#: The startup option asking the server for a plan per execution (see ``_psycopg_options``).
+CUSTOM_PLANS_OPTION = "-c plan_cache_mode=force_custom_plan"
+#: The client encoding of every store connection, whatever the database, the role or
+#: ``PGCLIENTENCODING`` say: in SJIS, BIG5, GBK, ... a ``¥`` or a backslash does not survive
+#: the trip, and only UTF-8 carries every string as given.
+CLIENT_ENCODING = "UTF8"
+#: The autocommit pool of one-statement calls: small and without overflow. Small: each call
+#: holds a connection for one round trip, the server runs a few statements per core at once,
+#: and on a machine it shares every extra busy backend preempts the caller (an asyncio loop
+#: lagged 7-9 ms at p99 with 5 connections, 14-20 ms with 10). No overflow: an overflow
+#: connection is closed when it comes back to a full pool, and a burst (200 asyncio tasks,
+#: whose waiters wake only when the loop gets to them) returned connections faster than
+#: waiters took them: 135 new server connections per 2,000 appends, halving throughput.
+AUTOCOMMIT_POOL_SIZE = 5
+AUTOCOMMIT_MAX_OVERFLOW = 0
+#: Pool-record key: when the connection was last given back (``time.monotonic()``).
+IDLE_SINCE_KEY = "hermes_idle_since"
+
+#: SQLite's Unix VFS handles names of up to 512 bytes, its sidecars' suffixes included.
+MAX_PATH_BYTES = 512 - len("-journal")
+
+Target = str | os.PathLike[str] | URL | Engine
+
+
+def default_db_path() -> Path:
+    """``$HERMES_HOME/state.db``, else ``~/.hermes/state.db`` (resolved now, not at import)."""
+    home = os.environ.get("HERMES_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".hermes"
+    return base / "state.db"
+
+
+def url_from_environment() -> URL:
+    """``HERMES_STORE_URL`` when set, else the default SQLite file (for tools, not SessionDB)."""
+    env = os.environ.get("HERMES_STORE_URL")
+    return to_url(env) if env else to_url(default_db_path())
+
+
+def to_url(target: str | os.PathLike[str] | URL) -> URL:
+    """A SQLAlchemy URL from a URL, a URL string or a file path (made absolute)."""
+    if isinstance(target, URL):
+        url = target
+    elif isinstance(target, str) and "://" in target:
+        try:
+            url = make_url(_hosts_in_query(target))
+        except ValueError as error:  # int() of a non-numeric port
+            raise InvalidInputError(
+                "malformed database URL: its port must be a number"
+                if "int()" in str(error)
+                else f"malformed database URL: {error}"
+            ) from None
+        except sa_exc.ArgumentError as error:
+            raise InvalidInputError(f"malformed database URL: {error}") from None
+    else:
+        if isinstance(target, str) and _LIBPQ_KEYWORDS.search(target):
+            raise InvalidInputError(
+                "this looks like a libpq keyword string (host=... dbname=...), not a file path: "
+                "give a URL instead, postgresql://USER@HOST:PORT/DBNAME (several hosts: "
+                "postgresql://USER@/DBNAME?host=a:5432&host=b:5432&target_session_attrs=read-write)"
+            )
+        path = Path(os.fspath(target)).expanduser().resolve()
+        if len(os.fsencode(path)) > MAX_PATH_BYTES:
+            raise InvalidInputError(
+                f"{path} is {len(os.fsencode(path))} bytes long; SQLite opens database paths "
+                f"of at most {MAX_PATH_BYTES} bytes (it adds '-journal' within 512): "
+                "choose a shorter path or a symlink to the folder"
+            )
+        return URL.create("sqlite", database=str(path))
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    given = url.query.get("password")
+    if url.password is None and isinstance(given, str) and url.get_backend_name() != "sqlite":
+        # The driver gets it either way; in its place every rendering of the URL masks it.
+        url = url.set(password=given).difference_update_query(["password"])
+    return url
+
+
+def is_secret_parameter(key: str) -> bool:
+    """True for a URL query parameter that carries a credential: ``password``,
+    ``sslpassword``, any name with "pass", "secret" or "token" in it (``passfile``, a path,
+    is shown)."""
+    name = key.lower()
+    return name != "passfile" and any(part in name for part in ("pass", "secret", "token"))
+
+
+def display_url(url: URL | str) -> str:
+    """``url`` as shown to people (messages, logs, the CLI): its password and every
+    credential in its query string masked as ``***``, the rest as given."""
+    if isinstance(url, str):
+        try:
+            url = make_url(url)
+        except (ValueError, sa_exc.ArgumentError):
+            return "<an unparseable URL>"
+    shown = url.set(query={}).render_as_string(hide_password=True)
+    parts = [
+        f"{quote_plus(key)}={'***' if is_secret_parameter(key) else quote_plus(value)}"
+        for key, values in url.query.items()
+        for value in ((values,) if isinstance(values, str) else values)
+    ]
+    return f"{shown}?{'&'.join(parts)}" if parts else shown
+
+
+#: A libpq keyword/value connection string ("host=a port=5432 dbname=x"): never a file name.
+_LIBPQ_KEYWORDS = re.compile(
+    r"(?:^|\s)(?:host|hostaddr|port|dbname|user|password|sslmode|target_session_attrs)\s*="
+)
+
+
+def _hosts_in_query(text: str) -> str:
+    """libpq's multi-host forms in SQLAlchemy's: ``postgresql://u@h1:5432,h2:5433/db`` and
+    ``?host=h1,h2&port=5432,5433`` become ``?host=h1:5432&host=h2:5433`` (psycopg is given
+    every host; ``target_session_attrs`` then picks the primary)."""
+    parts = urlsplit(text)
+    if not parts.scheme.startswith(("postgresql", "postgres")):
+        return text
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    hosts = [h for h in hostlist.split(",") if h] if "," in hostlist else []
+    given = [v for k, v in query if k == "host"]
+    ports = [v for k, v in query if k == "port"]
+    if not hosts and not any("," in v for v in given + ports):
+        return text
+    if not hosts:
+        names = [h for value in given for h in value.split(",") if h]
+        numbers = [p for value in ports for p in value.split(",") if p]
+        if len(numbers) not in (0, 1, len(names)):
+            raise InvalidInputError(f"{len(names)} hosts but {len(numbers)} ports")
+        if not numbers:
+            hosts = names
+        else:
+            numbers = numbers * len(names) if len(numbers) == 1 else numbers
+            hosts = [f"{name}:{port}" for name, port in zip(names, numbers, strict=True)]
+    rest = [(k, v) for k, v in query if k not in ("host", "port")]
+    netloc = f"{userinfo}{at}" if at else ""
+    query_text = urlencode([("host", h) for h in hosts] + rest, safe=":/")
+    return urlunsplit((parts.scheme, netloc, parts.path, query_text, parts.fragment))
+
+
+def sqlite_file(url: URL) -> Path | None:
+    """The file behind a SQLite URL, or None for other backends and in-memory databases."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file::memory:"):
+        return None
+    if database.startswith("file:"):
+        return files.path_from_uri(database)
+    return Path(database)
+
+
+def make_private_dirs(folder: Path) -> None:
+    """Create ``folder`` and any missing parents owner-only (0700) whatever the umask: they
+    will hold conversations. Folders that already exist (or that another process creates
+    meanwhile) are left exactly as they are."""
+    missing: list[Path] = []
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    for candidate in reversed(missing):
+        try:
+            os.mkdir(candidate, 0o700)
+        except FileExistsError:
+            if not candidate.is_dir():
+                raise
+            continue
+        os.chmod(candidate, 0o700)  # mkdir's mode is cut by the umask
+
+
+def create_private_file(path: Path) -> bool:
+    """Create ``path`` owner-only (0600) unless it exists; SQLite gives -wal/-shm the same mode."""
+    make_private_dirs(path.parent)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def unreadable_in_wal(path: Path) -> bool:
+    """True for a database in a folder this process cannot write and with no ``-wal`` file:
+    SQLite cannot create the ``-shm`` that a WAL read needs, so not even a read would work.
+    Nothing committed lives outside the main file then, so it can be opened ``immutable``
+    (read-only: reads work, writes fail as read-only). A privileged writer that later writes
+    into that folder is not seen by such a reader until it reopens."""
+    return (
+        path.exists()
+        and not os.access(path.parent, os.W_OK)
+        and not Path(f"{os.path.realpath(path)}-wal").exists()
+    )
+
+
+def journal_size_limit() -> int:
+    """The WAL size limit in bytes: ``$HERMES_STORE_JOURNAL_SIZE_LIMIT``, else 64 MiB."""
+    raw = os.environ.get(JOURNAL_SIZE_LIMIT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_JOURNAL_SIZE_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidInputError(
+            f"{JOURNAL_SIZE_LIMIT_ENV}={raw!r} is not a whole number of bytes"
+        ) from None
+    if value < -1:
+        raise InvalidInputError(f"{JOURNAL_SIZE_LIMIT_ENV} must be -1 (no limit) or >= 0")
+    return value
+
+
+def create_engine(
+    target: Target,
+    *,
+    writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
+    reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
+    foreign_keys: bool = True,
+    synchronous: str = "full",
+    wal_size_limit: int | None = None,
+    placement: Placement | None = None,
+    **engine_kwargs: Any,
+) -> Engine:
+    """An Engine for ``target`` with this package's hooks (an Engine given is hooked in place:
+    see :func:`install_sqlite_hooks`). ``placement`` (default: the current one, see
+    :mod:`hermes_store.engine.placement`) puts the tables in a schema and names the version table.
+
+    Connecting does not create a missing file owner-only: open databases through
+    :class:`~hermes_store.SessionDB` or :mod:`hermes_store.schema.migrate`, which do.
+    """
+    if isinstance(target, Engine):
+        if target.dialect.name == "sqlite":
+            refuse_sqlite_aliases(target.url, None)
+            install_sqlite_hooks(
+                target,
+                writer_busy_timeout=writer_busy_timeout,
+                reader_busy_timeout=reader_busy_timeout,
+                foreign_keys=foreign_keys,
+                synchronous=synchronous,
+                wal_size_limit=wal_size_limit,
+            )
+        elif _is_psycopg(target):
+            install_utf8(target)
+            install_pooler_guard(target)
+        return target
+    url = to_url(target)
+    where = placement_mod.current() if placement is None else placement
+    where.check_dialect(url.get_backend_name())
+    if not where.is_default:
+        engine_kwargs["execution_options"] = {
+            **engine_kwargs.get("execution_options", {}),
+            **where.execution_options(),
+        }
+    if url.get_backend_name() == "sqlite":
+        path = sqlite_file(url)
+        refuse_sqlite_aliases(url, target)
+        if path is not None and unreadable_in_wal(path):
+            log.warning("%s: its folder is read-only; opening it read-only (immutable)", path)
+            url = files.sqlite_uri(path, mode="ro", immutable="1")
+        if path is not None and "poolclass" not in engine_kwargs:
+            # One connection per busy thread; SQLite connections are cheap to keep.
+            engine_kwargs.setdefault("pool_size", 8)
+            engine_kwargs.setdefault("max_overflow", 32)
+        engine = sa.create_engine(url, **engine_kwargs)
+        install_sqlite_hooks(
+            engine,
+            writer_busy_timeout=writer_busy_timeout,
+            reader_busy_timeout=reader_busy_timeout,
+            foreign_keys=foreign_keys,
+            synchronous=synchronous,
+            wal_size_limit=wal_size_limit,
+        )
+        return engine
+    url, engine_kwargs = _psycopg_options(url, engine_kwargs)
+    # A fleet of gateways shares the server: keep a modest pool. No ping before every use
+    # (a round trip per call): the liveness check pings only connections idle for a while.
+    if "poolclass" not in engine_kwargs:
+        engine_kwargs.setdefault("pool_size", 5)
+        engine_kwargs.setdefault("max_overflow", 10)
+    engine = sa.create_engine(url, **engine_kwargs)
+    if _is_psycopg(engine):
+        install_safe_ping(engine)
+        install_liveness_check(engine)
+        install_pooler_guard(engine)
+        if "creator" not in engine_kwargs:
+            register_origin(engine, url, engine_kwargs.get("connect_args", {}))
+    placement_mod.install(engine, where)
+    return engine
+
+
+def refuse_sqlite_aliases(url: URL, given: Target | None) -> None:
+    """A SQLite file with a second name (a hard link) is refused: see ``files.refuse_aliases``."""
+    path = sqlite_file(url)
+    if path is None:
+        return
+    plain = None
+    if isinstance(given, str | os.PathLike) and "://" not in str(given):
+        plain = Path(os.fspath(given)).expanduser()
+    files.refuse_aliases(path, plain)
+
+
+def _is_psycopg(engine: Engine) -> bool:
+    return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+
+
+#: Where the engines this module made connect: their URL and connect arguments.
+_ORIGINS: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+#: Each PostgreSQL engine's autocommit twin (see :func:`autocommit_engine`).
+_TWINS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+_TWIN_LOCK = threading.Lock()
+
+
+def register_origin(engine: Engine, url: URL, connect_args: dict[str, Any]) -> None:
+    """Record what ``engine`` was made from (see :func:`connection_key`)."""
+    _ORIGINS[engine] = (url, dict(connect_args))
+
+
+def connection_key(engine: Engine) -> str:
+    """Where ``engine`` connects, as a key: two engines with equal keys reach one database.
+    The URL alone is not enough (connect_args may name another host or database); an engine
+    this module did not make from a URL (its connect function is opaque) is a key of its own."""
+    origin = _ORIGINS.get(engine)
+    if origin is None:
+        return f"{engine.url.render_as_string(hide_password=False)}#engine-{id(engine)}"
+    url, connect_args = origin
+    return f"{url.render_as_string(hide_password=False)}#{sorted(connect_args.items())!r}"
+
+
+def same_connection(target: Target) -> dict[str, Any]:
+    """``create_engine`` arguments that make a new engine connect exactly where ``target``
+    does when it is a server Engine: its own connect function (its connect_args, its creator
+    and its dialect's do_connect hooks are in there; its URL alone may name another server)."""
+    if isinstance(target, Engine) and target.dialect.name != "sqlite":
+        return {"creator": target.pool._creator}
+    return {}
+
+
+def autocommit_engine(engine: Engine) -> Engine:
+    """The autocommit twin of a PostgreSQL ``engine``: its own small pool whose connections are
+    opened in autocommit (never toggled: psycopg refuses that on a connection not idle), with
+    the same liveness check and execution options, connecting exactly where ``engine`` does.
+    One statement on it is one round trip: no BEGIN, no COMMIT. Made once per engine;
+    disposed with it."""
+    with _TWIN_LOCK:
+        twin = _TWINS.get(engine)
+        if twin is None:
+            twin = _TWINS[engine] = _make_twin(engine)
+    return twin
+
+
+def _make_twin(engine: Engine) -> Engine:
+    base = sa.create_engine(
+        engine.url,
+        # An asyncio engine's twin is one too: its statements then run in the caller's greenlet.
+        _is_async=engine.dialect.is_async,
+        isolation_level="AUTOCOMMIT",
+        pool_size=AUTOCOMMIT_POOL_SIZE,
+        max_overflow=AUTOCOMMIT_MAX_OVERFLOW,
+        # The given engine's own connect function: its connect_args (UTF-8 among them) and
+        # do_connect hooks come along.
+        **same_connection(engine),
+    )
+    if _is_psycopg(base):
+        install_safe_ping(base)
+        install_liveness_check(base)
+        install_pooler_guard(base)
+    options = {
+        key: value
+        for key, value in engine.get_execution_options().items()
+        if key not in ("isolation_level", WRITE_OPTION, "postgresql_readonly")
+    }
+    twin = base.execution_options(**options) if options else base
+    pid = os.getpid()
+
+    def dispose_twin(_engine: Engine) -> None:
+        # A forked child must not close its parent's connections (the server would drop them).
+        base.dispose(close=os.getpid() == pid)
+
+    event.listen(engine, "engine_disposed", dispose_twin)
+    return twin
+
+
+def install_liveness_check(engine: Engine, *, idle_ping_after: float = IDLE_PING_AFTER_S) -> None:
+    """Check each PostgreSQL connection as the pool hands it out, instead of a ping per use.
+
+    Free checks every time: the driver's own state (closed, broken, not idle) and the socket
+    (a server that terminated the backend or shut down has already written its goodbye and
+    closed it, so an idle connection's socket is readable). A ping (one round trip) only for
+    a connection idle longer than ``idle_ping_after`` seconds, where a silent network drop may
+    hide. A failed check discards the connection and the pool opens another: a restarted
+    server costs the caller no error.
+    """
+    pq = engine.dialect.loaded_dbapi.pq
+    idle = pq.TransactionStatus.IDLE
+    ok = pq.ConnStatus.OK
+    empty_query = pq.ExecStatus.EMPTY_QUERY
+    dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+
+    def stale(adapted: Any, record: ConnectionPoolEntry) -> str | None:
+        # The psycopg connection itself (an asyncio engine's pool hands out an adapter).
+        dbapi_connection = getattr(adapted, "driver_connection", adapted)
+        if dbapi_connection.closed or dbapi_connection.pgconn.status != ok:
+            return "closed"
+        status = dbapi_connection.info.transaction_status
+        if status != idle:
+            return f"not idle ({status.name})"
+        try:
+            if _socket_readable(dbapi_connection.pgconn.socket):
+                return "closed by the server"
+            since = record.info.get(IDLE_SINCE_KEY)
+            if since is not None and time.monotonic() - since > idle_ping_after:
+                # An empty query: one round trip, no transaction, no state changed.
+                result = dbapi_connection.pgconn.exec_(b"")
+                if result.status != empty_query or dbapi_connection.pgconn.status != ok:
+                    return "failed its ping"
+        except dbapi_error as error:
+            return f"failed its check ({error})"
+        return None
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: Any) -> None:
+        reason = stale(dbapi_connection, record)
+        if reason is not None:
+            log.info("pooled connection %s; replacing it", reason)
+            # This connection only: the pool invalidates it and hands out a fresh one.
+            raise sa_exc.DisconnectionError(f"pooled connection {reason}")
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        record.info[IDLE_SINCE_KEY] = time.monotonic()
+
+
+def _socket_readable(fd: int) -> bool:
+    """True when an idle connection's socket has something to read (the server's goodbye or
+    end of stream): checked without waiting."""
+    if fd < 0:
+        return True
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    readable, _, _ = select.select([fd], [], [], 0)
+    return bool(readable)
+
+
+def install_safe_ping(engine: Engine) -> None:
+    """Make the pool's liveness check treat a connection in any unknown state as dead.
+
+    SQLAlchemy's psycopg ping switches ``autocommit`` on and back off around ``SELECT 1``;
+    on a connection not idle (a request still in flight after a send failed halfway, as
+    terminated backends leave them) psycopg refuses the switch with a ``ProgrammingError``
+    that the pool does not count as a disconnect, so it reached the caller raw. Here any such
+    state closes the connection and the pool replaces it; a driver error of the ping itself
+    closes it and reports it dead, so the pool renews every connection as after a restart.
+    """
+    dialect = engine.dialect
+    original = dialect.do_ping
+    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+    idle = dialect.loaded_dbapi.pq.TransactionStatus.IDLE
+
+    def do_ping(dbapi_connection: Any) -> bool:
+        status = dbapi_connection.info.transaction_status
+        if status != idle:
+            dbapi_connection.close()
+            # This connection only: the pool replaces it (the server itself may be fine).
+            raise sa_exc.DisconnectionError(f"pooled connection not idle ({status.name})")
+        try:
+            return bool(original(dbapi_connection))
+        except dbapi_error as error:
+            log.info("pooled connection failed its ping (%s); replacing it", error)
+            dbapi_connection.close()
+            return False
+
+    dialect.do_ping = do_ping  # type: ignore[method-assign]
+
+
+def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
+    """Connect arguments for psycopg from the URL.
+
+    ``?prepare_threshold=none`` turns off psycopg's automatic server-side prepared statements,
+    which PgBouncer in transaction pooling mode (1.18, Debian 12) cannot carry from one
+    transaction to the next server connection; a number sets the threshold.
+
+    While statements are prepared (the default: from a statement's 5th execution on), the
+    server is asked for custom plans (``plan_cache_mode=force_custom_plan``, a startup option:
+    no round trip). Why: after five executions of a prepared statement PostgreSQL may switch to
+    a generic plan that cannot see the parameters, and for a full-text search that plan walks
+    the whole table for a rare word (3 ms became 10-16 ms at 10k messages). Planning a simple
+    write again costs microseconds; unprepared statements (PgBouncer) always get custom plans.
+
+    The client encoding is UTF-8 (:data:`CLIENT_ENCODING`, a startup parameter: no round trip).
+    """
+    connect_args = dict(engine_kwargs.get("connect_args", {}))
+    # Credentials (?sslpassword=...) go to the driver as they would from the URL, but leave
+    # the engine's URL, which repr(engine) and SQLAlchemy's own messages show.
+    secrets = [key for key in url.query if is_secret_parameter(key)]
+    for key in secrets:
+        value = url.query[key]
+        connect_args.setdefault(key, value if isinstance(value, str) else value[-1])
+    url = url.difference_update_query(secrets)
+    connect_args["client_encoding"] = CLIENT_ENCODING
+    if "connect_timeout" not in url.query:
+        # A host that accepts and never answers (a dead standby behind a load balancer) would
+        # block opening for good; per host, so a multi-host URL moves on to the next.
+        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    raw = url.query.get("prepare_threshold")
+    if raw is not None:
+        value = raw if isinstance(raw, str) else raw[-1]
+        try:
+            connect_args["prepare_threshold"] = (
+                None if value.lower() in ("none", "off", "") else int(value)
+            )
+        except ValueError:
+            raise InvalidInputError(
+                f"prepare_threshold={value!r} in the URL: use a number or 'none'"
+            ) from None
+        url = url.difference_update_query(["prepare_threshold"])
+    if connect_args.get("prepare_threshold", PSYCOPG_PREPARE_THRESHOLD) is not None:
+        given = connect_args.get("options", url.query.get("options", ""))
+        given = given if isinstance(given, str) else given[-1]
+        if "plan_cache_mode" not in given:
+            connect_args["options"] = f"{given} {CUSTOM_PLANS_OPTION}".strip()
+    return url, {**engine_kwargs, "connect_args": connect_args}
+
+
+def install_pooler_guard(engine: Engine) -> None:
+    """Never prepare statements through a connection pooler. PgBouncer in transaction mode
+    hands one server connection to many clients in turn, and psycopg names its prepared
+    statements ``_pg3_0``, ``_pg3_1``... on every connection: behind it they collide
+    ("prepared statement does not exist", "already exists", or worse, another client's
+    statement of the same shape run with these values). Each new connection compares the
+    server process it talks to (``pg_backend_pid()``) with the one its startup named; a
+    pooler answers the startup itself, so they differ, and the connection prepares nothing
+    (as ``prepare_threshold=none`` in the URL, which also skips this check). One round trip
+    per new connection; idempotent."""
+    if not event.contains(engine, "connect", _guard_pooler):
+        event.listen(engine, "connect", _guard_pooler)
+
+
+#: Pooler fronts already reported (one warning per server address, not per connection).
+_POOLERS_SEEN: set[tuple[str, int]] = set()
+
+
+def _guard_pooler(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    if driver.prepare_threshold is None:
+        return
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SELECT pg_backend_pid()")
+        server_pid = cursor.fetchone()[0]
+    finally:
+        cursor.close()
+    if not driver.autocommit:
+        dbapi_connection.rollback()
+    if server_pid == driver.info.backend_pid:
+        return
+    driver.prepare_threshold = None
+    front = (str(driver.info.host), int(driver.info.port))
+    if front not in _POOLERS_SEEN:
+        _POOLERS_SEEN.add(front)
+        log.info(
+            "%s:%s is a connection pooler (PgBouncer?): statements are not prepared on its "
+            "connections (add prepare_threshold=none to the URL to skip this check)",
+            *front,
+        )
+
+
+def install_utf8(engine: Engine) -> None:
+    """Make a PostgreSQL engine handed to the store talk UTF-8 (see :data:`CLIENT_ENCODING`):
+    its new connections ask for it at startup, and a connection it pooled before in another
+    encoding is replaced when the pool hands it out. Idempotent."""
+    if not event.contains(engine, "do_connect", _utf8_startup):
+        event.listen(engine, "do_connect", _utf8_startup)
+        event.listen(engine, "checkout", _utf8_checkout)
+
+
+def _utf8_startup(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    cparams["client_encoding"] = CLIENT_ENCODING
+
+
+def _utf8_checkout(dbapi_connection: Any, _record: ConnectionPoolEntry, _proxy: Any) -> None:
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    if driver.info.encoding != "utf-8":
+        log.info("pooled connection in client encoding %s; replacing it", driver.info.encoding)
+        raise sa_exc.DisconnectionError("pooled connection not in UTF-8")
+
+
+@dataclass(frozen=True)
+class SqliteSettings:
+    """Per-connection state every pooled SQLite connection of a hooked engine carries."""
+
+    writer_ms: int
+    reader_ms: int
+    foreign_keys: bool
+    synchronous: str
+    read_only: bool
+    wal_limit: int = DEFAULT_JOURNAL_SIZE_LIMIT
+
+
+_PRAGMA_FOREIGN_KEYS = {True: "PRAGMA foreign_keys=ON", False: "PRAGMA foreign_keys=OFF"}
+_PRAGMA_QUERY_ONLY = {True: "PRAGMA query_only=ON", False: "PRAGMA query_only=OFF"}
+_PRAGMA_SYNCHRONOUS = {"FULL": "PRAGMA synchronous=FULL", "NORMAL": "PRAGMA synchronous=NORMAL"}
+
+#: Engines carrying this package's hooks, with the settings they were hooked with.
+_HOOKED: weakref.WeakKeyDictionary[Engine, SqliteSettings] = weakref.WeakKeyDictionary()
+_HOOK_LOCK = threading.Lock()
+
+
+def sqlite_settings(engine: Engine) -> SqliteSettings | None:
+    """The settings ``engine`` was hooked with, or None when it carries no hooks."""
+    return _HOOKED.get(engine)
+
+
+def check_synchronous(synchronous: str) -> str:
+    """``"full"`` (durable through power loss) or ``"normal"`` (app-crash safe), upper-cased."""
+    if not isinstance(synchronous, str) or synchronous.lower() not in SYNCHRONOUS_MODES:
+        raise InvalidInputError(
+            f"synchronous must be one of {sorted(SYNCHRONOUS_MODES)}, not {synchronous!r}"
+        )
+    return synchronous.upper()
+
+
+def install_sqlite_hooks(
+    engine: Engine,
+    *,
+    writer_busy_timeout: float = WRITER_BUSY_TIMEOUT_S,
+    reader_busy_timeout: float = READER_BUSY_TIMEOUT_S,
+    foreign_keys: bool = True,
+    synchronous: str = "full",
+    wal_size_limit: int | None = None,
+) -> SqliteSettings:
+    """Attach the connect and begin hooks that the store's concurrency model relies on.
+
+    Idempotent: an engine already hooked with the same settings is left as it is, one hooked
+    with other settings is refused (two sets of hooks would fight over every connection).
+    Engines the hooks cannot make safe are refused with :class:`UnsupportedEngineError`.
+    """
+    if engine.dialect.driver != "pysqlite":
+        raise UnsupportedEngineError(
+            f"SQLite engines must use the standard sqlite3 driver (pysqlite), not "
+            f"{engine.dialect.driver!r}: the store begins its write units on that driver"
+        )
+    if getattr(engine.dialect, "_on_connect_isolation_level", None) == "AUTOCOMMIT" or (
+        engine.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    ):
+        raise UnsupportedEngineError(
+            "this SQLite engine runs in AUTOCOMMIT: SQLAlchemy would never COMMIT the store's "
+            "BEGIN IMMEDIATE; pass an engine without isolation_level='AUTOCOMMIT'"
+        )
+    read_only = engine.url.query.get("mode") == "ro" or engine.url.query.get("immutable") == "1"
+    settings = SqliteSettings(
+        writer_ms=int(writer_busy_timeout * 1000),
+        reader_ms=int(reader_busy_timeout * 1000),
+        foreign_keys=foreign_keys,
+        synchronous=check_synchronous(synchronous),
+        read_only=read_only,
+        wal_limit=int(journal_size_limit() if wal_size_limit is None else wal_size_limit),
+    )
+    with _HOOK_LOCK:
+        existing = _HOOKED.get(engine)
+        if existing is not None:
+            if existing != settings:
+                raise EngineSettingsError(
+                    f"this engine already carries hermes_store hooks with other settings "
+                    f"({existing}); open every store on it with the same options"
+                )
+            return existing
+        _HOOKED[engine] = settings
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry) -> None:
+        try:
+            setup_connection(dbapi_connection, record.info, settings, str(engine.url.database))
+        except sqlite3.Error as error:
+            # As in the begin hook: raised inside an event, a driver error would escape
+            # SQLAlchemy's wrapping (and the package's error mapping) on raw_connection().
+            raise sa_exc.DBAPIError.instance(
+                "PRAGMA", None, error, sqlite3.Error, dialect=engine.dialect
+            ) from error
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # True: a write unit; False: a store's read unit (refuses writes); absent: a plain
+        # connection of the engine (deferred, writable, as SQLite's own BEGIN).
+        options = conn.get_execution_options()
+        option = options.get(WRITE_OPTION)
+        pooled = conn.connection
+        try:
+            begin_on_driver(
+                pooled.driver_connection,  # type: ignore[arg-type]
+                pooled.info,
+                settings,
+                write=bool(option),
+                query_only=option is False,
+                busy_ms=options.get(BUSY_OPTION),
+            )
+        except sqlite3.Error as error:
+            # Raised inside an event, a driver error would escape SQLAlchemy's wrapping.
+            raise sa_exc.DBAPIError.instance(
+                "BEGIN", None, error, sqlite3.Error, dialect=engine.dialect
+            ) from error
+
+    return settings
+
+
+def setup_connection(
+    dbapi_connection: sqlite3.Connection,
+    info: dict[Any, Any],
+    settings: SqliteSettings,
+    where: str = "",
+) -> None:
+    """The connect hook's body; also run lazily by :func:`prepare_driver` for connections that
+    were already in an engine's pool when the hooks were attached."""
+    # SQLAlchemy, not the driver, decides when a transaction starts (see the begin hook).
+    dbapi_connection.isolation_level = None
+    if sys.version_info >= (3, 12):  # stay in legacy mode: autocommit=False would BEGIN itself
+        dbapi_connection.autocommit = sqlite3.LEGACY_TRANSACTION_CONTROL  # type: ignore[attr-defined]
+    cursor = dbapi_connection.cursor()
+    try:
+        # WAL: readers never block the writer and the writer never blocks readers.
+        mode = (
+            "wal" if settings.read_only else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        )
+        if mode not in ("wal", "memory"):
+            log.warning(
+                "%s refuses WAL (journal_mode=%s, e.g. a network file system); "
+                "falling back to DELETE: readers will wait for writers",
+                where,
+                mode,
+            )
+            cursor.execute("PRAGMA journal_mode=DELETE")
+        # A burst grows the WAL; once checkpointed, the next commit cuts it back to this.
+        cursor.execute(f"PRAGMA journal_size_limit={int(settings.wal_limit)}")
+        # The original store relies on parent_session_id and session_id references being
+        # enforced.
+        cursor.execute(_PRAGMA_FOREIGN_KEYS[settings.foreign_keys])
+        # FULL: a commit survives power loss (WAL's durable mode); NORMAL is the opt-in.
+        cursor.execute(_PRAGMA_SYNCHRONOUS[settings.synchronous])
+        # Start as a reader; the begin hook switches when a writer takes this connection.
+        reader_ms = int(settings.reader_ms)
+        cursor.execute(f"PRAGMA busy_timeout={reader_ms}")
+    finally:
+        cursor.close()
+    info["busy_ms"] = settings.reader_ms
+    info[BUSY_TIMEOUTS_KEY] = (settings.writer_ms, settings.reader_ms)
+    info[SETTINGS_KEY] = settings
+
+
+def prepare_driver(
+    dbapi_connection: sqlite3.Connection,
+    info: dict[Any, Any],
+    settings: SqliteSettings,
+    *,
+    write: bool,
+    query_only: bool = False,
+    busy_ms: int | None = None,
+) -> None:
+    """Make a pooled connection ready for a unit of the given kind (no BEGIN): the per-connection
+    state (set lazily when the connection predates the hooks), the unit's busy timeout
+    (``busy_ms`` overrides it: the writer queue's head waits briefly), and ``query_only`` for
+    read units (SQLite itself then refuses their writes)."""
+    if info.get(SETTINGS_KEY) is not settings:
+        setup_connection(dbapi_connection, info, settings)
+    wanted = busy_ms if busy_ms is not None else settings.writer_ms if write else settings.reader_ms
+    if info["busy_ms"] != wanted:
+        dbapi_connection.execute(f"PRAGMA busy_timeout={int(wanted)}")
+        info["busy_ms"] = wanted
+    if info.get("query_only", False) != query_only:
+        dbapi_connection.execute(_PRAGMA_QUERY_ONLY[query_only])
+        info["query_only"] = query_only
+
+
+def begin_on_driver(
+    dbapi_connection: sqlite3.Connection,
+    info: dict[Any, Any],
+    settings: SqliteSettings,
+    *,
+    write: bool,
+    query_only: bool = False,
+    busy_ms: int | None = None,
+) -> None:
+    """Begin a unit on a pooled SQLite connection: the one begin of the package (the engine's
+    begin hook calls it for every unit, the hot path included)."""
+    prepare_driver(
+        dbapi_connection, info, settings, write=write, query_only=query_only, busy_ms=busy_ms
+    )
+    # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
+    # readers take a deferred BEGIN and never queue behind a writer.
+    dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

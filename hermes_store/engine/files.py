@@ -1,0 +1,238 @@
+"""The database's files on disk, looked at without disturbing SQLite's locks.
+
+SQLite's POSIX advisory locks belong to the process, not to the connection: closing *any*
+descriptor on the database file releases every lock this process holds on it, including those
+of live connections. Another process may then believe it is the last user, checkpoint and unlink
+the WAL, and this process's later commits go into an unlinked file and vanish. So this package
+never opens the database, its ``-wal`` or its ``-shm`` with a plain file handle: it reads them
+through SQLite (whose connections in one process share their locks), and only ``stat``\\ s paths.
+
+Paths reach SQLite as URIs (``file:...?mode=ro``) where a connection needs flags; they are
+percent-encoded here, so folders named ``My%20Files`` or ``a#b?c`` open the file they name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sqlite3
+import stat
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from sqlalchemy.engine import URL
+
+from hermes_store.errors import DatabaseAliasError
+
+log = logging.getLogger(__name__)
+
+#: The files SQLite keeps beside a database while it is (or was) open.
+SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
+#: The writer queue's lock file beside a database (:mod:`hermes_store.uow.writequeue`); only ever
+#: locked through descriptors held for a process's life, and harmless to leave behind.
+WRITER_LOCK_SUFFIX = "-writer.lock"
+#: Folder entries looked at (per folder) to name a database's other hard link.
+MAX_ALIAS_SCAN = 10_000
+
+
+def sqlite_uri(path: Path, **params: str) -> URL:
+    """A SQLAlchemy URL that hands SQLite ``file:<path>?<params>`` with the path percent-encoded.
+
+    ``URL.create`` keeps the database string as given (``make_url`` would decode it first),
+    and SQLite decodes the ``%XX`` escapes itself, so any byte of a path survives.
+    """
+    encoded = quote(os.fspath(path), safe="/")
+    return URL.create("sqlite", database=f"file:{encoded}", query={**params, "uri": "true"})
+
+
+def connect_sqlite(
+    path: Path, *, timeout: float = 5.0, read_only: bool = False, immutable: bool = False
+) -> sqlite3.Connection:
+    """A plain ``sqlite3`` connection (autocommit: the caller issues BEGIN) through a
+    percent-encoded ``file:`` URI: for the backup API and maintenance, which need the driver's
+    own connection. A SQLite connection shares this process's locks; a file handle would not.
+    ``read_only`` opens it ``mode=ro``; ``immutable`` also without locks (a file in a
+    read-only folder)."""
+    refuse_aliases(path)
+    database = str(sqlite_uri(path).database)
+    if immutable:
+        database += "?mode=ro&immutable=1"
+    elif read_only:
+        database += "?mode=ro"
+    return sqlite3.connect(
+        database,
+        uri=True,
+        isolation_level=None,
+        timeout=timeout,
+        check_same_thread=False,
+    )
+
+
+def path_from_uri(database: str) -> Path:
+    """The file a ``file:`` URI names, decoded the way SQLite decodes it."""
+    rest = database[len("file:") :]
+    if rest.startswith("//"):  # an authority (empty or ``localhost`` on Unix) before the path
+        rest = "/" + rest[2:].partition("/")[2]
+    for stop in ("?", "#"):
+        rest = rest.split(stop, 1)[0]
+    return Path(unquote(rest))
+
+
+def sidecars(path: Path) -> list[Path]:
+    """The ``-wal``, ``-shm`` and ``-journal`` files beside ``path`` (someone has or had it
+    open). Only ``stat``: never a descriptor on them. Beside the file a symlink names: SQLite
+    resolves the link and keeps them there."""
+    try:
+        real = os.path.realpath(path)
+    except ValueError:  # a name no file can have (a lone surrogate): no sidecars either
+        return []
+    found = (Path(f"{real}{suffix}") for suffix in SIDECAR_SUFFIXES)
+    return [p for p in found if p.exists()]
+
+
+def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:
+    """Processes holding this database's WAL open although the file was unlinked.
+
+    Such a process lost its locks (something closed a descriptor on the database), another
+    process checkpointed and deleted the WAL, and every commit it makes since lands in a file
+    nobody else can see and that vanishes when it exits. Linux only (reads ``/proc``); other
+    systems and processes this user may not inspect are skipped. Returns (pid, command line).
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    wanted = f"{Path(path).resolve()}-wal (deleted)"
+    found: list[tuple[int, str]] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:  # gone meanwhile, or not ours to inspect
+            continue
+        if wanted in targets:
+            found.append((int(entry.name), _command_line(entry)))
+    return found
+
+
+#: Where SQLite takes a WAL database's write lock: byte 120 of the ``-shm`` file (the first of
+#: its lock bytes); a rollback-journal database's locks are at 0x40000000 of the file itself.
+WAL_WRITE_LOCK_BYTE = 120
+PENDING_BYTE = 0x40000000
+
+
+def write_lock_holders(path: Path) -> list[tuple[int, str]]:
+    """Other processes holding this database's write lock, as the kernel lists them
+    (``/proc/locks``), with their command lines: whom a waiting writer waits for. Linux only;
+    elsewhere, or when nothing can be read, empty. Never opens the database or its sidecars
+    (closing a descriptor would drop this process's own locks on them)."""
+    targets: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for name, low in ((f"{path}-shm", WAL_WRITE_LOCK_BYTE), (str(path), PENDING_BYTE)):
+        try:
+            info = os.stat(name)
+        except OSError:
+            continue
+        key = (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)
+        high = low if low == WAL_WRITE_LOCK_BYTE else PENDING_BYTE + 511
+        targets[key] = (low, high)
+    try:
+        table = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    me = os.getpid()
+    holders: dict[int, str] = {}
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or fields[1] != "POSIX" or fields[3] != "WRITE":
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            start = int(fields[6])
+            end = -1 if fields[7] == "EOF" else int(fields[7])
+        except ValueError:
+            continue
+        span = targets.get(key)
+        if span is None or pid == me or pid in holders:
+            continue
+        if start <= span[1] and (end == -1 or end >= span[0]):
+            holders[pid] = _command_line(Path("/proc") / str(pid))
+    return sorted(holders.items())
+
+
+def _command_line(entry: Path) -> str:
+    try:
+        raw = (entry / "cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\x00", b" ").decode("utf-8", "replace").strip() or "?"
+
+
+def refuse_aliases(path: Path, given: Path | None = None) -> None:
+    """Refuse a database file that has another name (a hard link): SQLite keeps the WAL and
+    its index beside the name a process opened (``NAME-wal``), so two processes writing
+    through two names keep two WALs and corrupt the file. A symlink is no alias (SQLite opens
+    the file it points to, and its WAL beside it), nor is a folder reached by a bind mount.
+
+    The other name is looked for in the file's folder and in the folder of ``given`` (the
+    path as the caller gave it), at most :data:`MAX_ALIAS_SCAN` entries each. The package's
+    own temporary names (a new database linked into place a moment before its temporary
+    name is removed) do not count. Only ``stat``: no descriptor on the file.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # no file yet (or none to look at): opening reports what is wrong
+    if st.st_nlink <= 1 or not stat.S_ISREG(st.st_mode):
+        return
+    folders = [path.parent]
+    if given is not None and given.parent.resolve() != path.parent.resolve():
+        folders.append(given.parent)
+    others = [other for folder in folders for other in _same_file(folder, path, st)]
+    # The package's own temporary names, and the writer queue's lock file: a link planted
+    # there is refused as a lock file and never opened as a database (see writequeue).
+    temporary = re.compile(
+        rf"\.{re.escape(path.name)}\.(?:(?:\d{{1,10}}\.)?[0-9a-f]{{16}}\.new|partial-[0-9a-f]{{12}})"
+        rf"|{re.escape(path.name)}-writer\.lock"
+    )
+    if (
+        others
+        and len(others) == st.st_nlink - 1
+        and all(temporary.fullmatch(o.name) for o in others)
+    ):
+        return
+    named = [str(other) for other in others if not temporary.fullmatch(other.name)]
+    also = (
+        f"also named {', '.join(named)}"
+        if named
+        else f"its other name is not in {' or '.join(str(f) for f in folders)}"
+    )
+    raise DatabaseAliasError(
+        f"{path} has {st.st_nlink} names (hard links), {also}: SQLite keeps a WAL beside each "
+        "name, so writers through two names corrupt the database; keep one name (remove the "
+        "other links; copy with 'hermes-store backup' instead)"
+    )
+
+
+def _same_file(folder: Path, path: Path, st: os.stat_result) -> list[Path]:
+    """Other entries of ``folder`` that are the file ``st`` describes (bounded scan)."""
+    found: list[Path] = []
+    try:
+        with os.scandir(folder) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= MAX_ALIAS_SCAN:
+                    break
+                if entry.inode() != st.st_ino:
+                    continue
+                try:
+                    other = entry.stat(follow_symlinks=False)
+                    itself = Path(entry.path).resolve() == path.resolve()
+                except OSError:  # removed meanwhile
+                    continue
+                if other.st_dev == st.st_dev and stat.S_ISREG(other.st_mode) and not itself:
+                    found.append(Path(entry.path))
+    except OSError as error:  # a folder we may not list: the name stays unknown
+        log.debug("cannot look for other names of %s in %s: %s", path, folder, error)
+    return found

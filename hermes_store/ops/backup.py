@@ -1,0 +1,357 @@
+"""Online backup and restore of a SQLite store, while other processes keep writing.
+
+**Backup** copies a consistent snapshot: the copy runs inside one read transaction on the live
+file, so it holds exactly what was committed when it began (whatever writers commit meanwhile
+goes to the WAL, which readers never block in WAL mode) and it never takes the write lock.
+Two ways, same guarantee: SQLite's backup API (``method="backup"``, the default: a page-exact
+copy made in steps, so it can report progress) or ``VACUUM INTO`` (``method="vacuum"``: a
+compacted copy, one statement). The copy is written to an owner-only (0600) temporary file
+beside the destination and linked into place when complete, so a destination path is either
+absent or a whole snapshot.
+
+**Restore** writes a snapshot *into* the live database with the backup API, which holds the
+live file's write lock until the last page is in: other processes that keep the file open see
+the restored content on their next transaction. The file is never replaced (processes holding
+it open would go on writing into the old, unlinked one).
+
+PostgreSQL: these functions refuse and name the server's own tools (``pg_dump``/``pg_restore``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from hermes_store.engine import files
+from hermes_store.engine.factory import create_private_file, sqlite_file, unreadable_in_wal
+from hermes_store.errors import HermesStoreError, InvalidInputError, UnsafePathError
+from hermes_store.schema import ddl, fulltext, migrate
+
+if TYPE_CHECKING:
+    from hermes_store.store import SessionDB
+
+#: Pages per backup step (4 MiB with 4 KiB pages): the unit of progress reports.
+BACKUP_PAGES = 1024
+#: Bytes the copy writes before it flushes them to disk. Writers fsync their WAL on every
+#: commit; a copy that leaves a gigabyte of dirty pages for the kernel (or for one final fsync)
+#: makes those commits queue behind its writeback for hundreds of milliseconds, so the copy
+#: writes in small flushed increments instead.
+SYNC_BYTES = 4 * 1024 * 1024
+#: How often (SQLite virtual-machine instructions) ``VACUUM INTO`` looks at what it has written.
+VACUUM_CHECK_OPS = 20_000
+Method = Literal["backup", "vacuum"]
+#: Called with (pages done, pages in total).
+Progress = Callable[[int, int], None]
+
+
+class NotSupportedError(HermesStoreError, ValueError):
+    """The operation does not exist on this backend (the message says what to use instead)."""
+
+
+class SnapshotError(HermesStoreError, ValueError):
+    """A snapshot failed its checks: it is not written anywhere."""
+
+
+PG_BACKUP_HINT = (
+    "PostgreSQL keeps its own consistent snapshots: back up with "
+    "`pg_dump --format=custom --file=hermes.dump DBNAME` (online, no lock on writers) and "
+    "restore with `pg_restore --clean --if-exists --dbname=DBNAME hermes.dump`"
+)
+
+
+@dataclass
+class BackupReport:
+    """What :func:`backup` wrote."""
+
+    source: str
+    destination: str
+    method: str
+    bytes: int
+    pages: int
+    seconds: float
+    verified: bool | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RestoreReport:
+    """What :func:`restore` wrote into the live database."""
+
+    database: str
+    snapshot: str
+    pages: int
+    seconds: float
+    sessions: int
+    messages: int
+
+
+def _live_file(db: SessionDB, what: str) -> Path:
+    path = sqlite_file(db.engine.url)
+    if path is None:
+        if db.is_sqlite:
+            raise NotSupportedError(f"an in-memory database has no file to {what}")
+        raise NotSupportedError(f"{what} works on SQLite files only. {PG_BACKUP_HINT}")
+    return path
+
+
+def _is_database_or_sidecar(candidate: Path, database: Path) -> bool:
+    live = database.resolve()
+    return candidate.resolve() in {Path(f"{live}{s}") for s in ("", *files.SIDECAR_SUFFIXES)}
+
+
+def backup(
+    db: SessionDB,
+    destination: str | os.PathLike[str],
+    *,
+    method: Method = "backup",
+    overwrite: bool = False,
+    verify: bool = False,
+    progress: Progress | None = None,
+    pages_per_step: int = BACKUP_PAGES,
+    sync_bytes: int = SYNC_BYTES,
+    pause: float = 0.0,
+) -> BackupReport:
+    """Copy a consistent snapshot of the live database to ``destination`` (mode 0600).
+
+    Writers keep writing throughout; the copy holds every transaction committed before it
+    began and nothing committed after. ``verify`` opens the copy and runs the integrity
+    checks (:func:`check_snapshot`); a copy that fails them is removed and
+    :class:`SnapshotError` raised. An existing destination is refused unless ``overwrite``.
+    The copy is flushed to disk every ``sync_bytes`` (0: once, at the end) and ``pause``
+    seconds are slept after each flush, so writers' own fsyncs never wait behind a backlog of
+    the copy's dirty pages.
+    """
+    source = _live_file(db, "back up")
+    if method not in ("backup", "vacuum"):
+        raise InvalidInputError(f"method must be 'backup' or 'vacuum', not {method!r}")
+    if isinstance(pages_per_step, bool) or not isinstance(pages_per_step, int):
+        raise InvalidInputError("pages_per_step must be a whole number")
+    if isinstance(sync_bytes, bool) or not isinstance(sync_bytes, int) or sync_bytes < 0:
+        raise InvalidInputError("sync_bytes must be a whole number >= 0")
+    if isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause <= 10:
+        raise InvalidInputError("pause must be a number of seconds from 0 to 10")
+    if not isinstance(destination, str | os.PathLike) or isinstance(destination, bytes):
+        raise InvalidInputError(f"destination must be a path, not {type(destination).__name__}")
+    raw = os.fspath(destination)
+    if not isinstance(raw, str):
+        raise InvalidInputError("destination must be a text path, not bytes")
+    if "\x00" in raw:  # the OS would refuse it later with a bare ValueError
+        raise InvalidInputError("destination contains a NUL character")
+    try:
+        os.fsencode(raw)
+    except UnicodeEncodeError:  # a lone surrogate: no file system can hold that name
+        raise InvalidInputError("destination is not a valid file name") from None
+    target = Path(raw).expanduser()
+    if _is_database_or_sidecar(target, source):
+        raise InvalidInputError(f"refusing to back up onto the database itself ({target})")
+    if target.is_dir():
+        raise InvalidInputError(f"{target} is a folder: give the backup file's name")
+    if target.exists() and not overwrite:
+        raise InvalidInputError(
+            f"{target} exists (pass overwrite=True to replace it)"
+        ).with_cli_message(f"{target} exists (use --force to replace it)")
+    if overwrite and files.sidecars(target):
+        raise InvalidInputError(
+            f"{target} has -wal/-shm files beside it: it looks like a database in use; "
+            "refusing to replace it"
+        )
+    if not target.parent.is_dir():
+        raise InvalidInputError(f"the folder {target.parent} does not exist")
+
+    partial = target.parent / f".{target.name}.partial-{secrets.token_hex(6)}"
+    if not create_private_file(partial):  # a random name: planted (a link?) or left
+        raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
+    started = time.monotonic()
+    try:
+        pages = _copy(
+            source, partial, method, progress, pages_per_step, _Flusher(sync_bytes, pause)
+        )
+        report = BackupReport(str(source), str(target), method, partial.stat().st_size, pages, 0.0)
+        if verify:
+            report.problems = check_snapshot(partial)
+            report.verified = not report.problems
+            if report.problems:
+                raise SnapshotError(
+                    f"the copy failed its checks and was removed: {'; '.join(report.problems)}"
+                )
+        for sidecar in files.sidecars(partial):  # left by the checks' connection, if any
+            sidecar.unlink()
+        if overwrite:
+            os.replace(partial, target)
+        else:
+            os.link(partial, target)  # fails rather than replace a file that appeared meanwhile
+    finally:
+        partial.unlink(missing_ok=True)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+class _Flusher:
+    """Flushes the copy's file to disk each time it has grown by ``every`` bytes."""
+
+    def __init__(self, every: int, pause: float) -> None:
+        self.every, self.pause = every, pause
+        self.fd = -1
+        self.flushed = 0
+
+    def __call__(self, *_: object) -> int:
+        """Also the ``VACUUM INTO`` progress handler: returning 0 lets the statement go on."""
+        if self.every and self.fd >= 0:
+            size = os.fstat(self.fd).st_size
+            if size - self.flushed >= self.every:
+                os.fdatasync(self.fd)
+                self.flushed = size
+                if self.pause:
+                    time.sleep(self.pause)  # not synchronisation: leaves the disk to writers
+        return 0
+
+    def finish(self) -> None:
+        if self.fd >= 0:
+            os.fsync(self.fd)
+
+
+def _copy(
+    source: Path,
+    partial: Path,
+    method: Method,
+    progress: Progress | None,
+    step: int,
+    flusher: _Flusher,
+) -> int:
+    """Copy ``source`` into the empty file ``partial``; returns the pages copied."""
+    # A file in a folder this process cannot write is read as the stores read it: immutable.
+    live = files.connect_sqlite(source, immutable=unreadable_in_wal(source))
+    # Our own descriptor on our own private copy, only to flush it: closed after the copy's
+    # connection (closing a descriptor drops this process's locks on that file).
+    flusher.fd = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if method == "vacuum":
+            # One statement, one read transaction: a consistent, compacted copy. The progress
+            # handler flushes what it has written so far.
+            live.set_progress_handler(flusher, VACUUM_CHECK_OPS)
+            live.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
+            live.set_progress_handler(None, 0)
+            flusher.finish()
+            pages = int(live.execute("PRAGMA page_count").fetchone()[0])
+            if progress is not None:
+                progress(pages, pages)
+            return pages
+        # Pin one snapshot for every step: with a read transaction open on the source
+        # connection, the steps never see (nor restart on) what writers commit meanwhile.
+        live.execute("BEGIN")
+        live.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        copy = files.connect_sqlite(partial)
+        total = 0
+        try:
+            # The copy is private until it is linked into place: no journal, and we flush.
+            copy.execute("PRAGMA journal_mode=OFF")
+            copy.execute("PRAGMA synchronous=OFF")
+
+            def report(status: int, remaining: int, pages: int) -> None:
+                nonlocal total
+                total = pages
+                flusher()
+                if progress is not None:
+                    progress(pages - remaining, pages)
+
+            live.backup(copy, pages=step if step > 0 else -1, progress=report)
+        finally:
+            copy.close()
+        flusher.finish()
+        live.execute("ROLLBACK")
+        return total
+    finally:
+        os.close(flusher.fd)
+        flusher.fd = -1
+        live.close()
+
+
+def check_snapshot(path: Path) -> list[str]:
+    """The problems of a database file (empty list: sound): SQLite's ``integrity_check`` and
+    ``foreign_key_check``, the full-text indexes against their content, the schema at head."""
+    problems: list[str] = []
+    connection = files.connect_sqlite(path)
+    try:
+        rows = [r[0] for r in connection.execute("PRAGMA integrity_check")]
+        if rows != ["ok"]:
+            problems.extend(f"integrity_check: {r}" for r in rows[:5])
+            return problems
+        if connection.execute("PRAGMA foreign_key_check").fetchone() is not None:
+            problems.append("foreign_key_check: rows reference missing sessions")
+        tables = {r[0] for r in connection.execute("SELECT name FROM sqlite_master")}
+        if not {"sessions", "messages", "alembic_version", ddl.FTS_TABLE} <= tables:
+            problems.append("not a hermes-store database at head (tables are missing)")
+            return problems
+        revision = connection.execute("SELECT version_num FROM alembic_version").fetchone()
+        head = migrate.head_revision()
+        if revision is None or revision[0] != head:
+            problems.append(
+                f"schema at {revision[0] if revision else 'no revision'}, head is {head} "
+                "(`hermes-store --db SNAPSHOT db upgrade` brings it to head)"
+            )
+        problems += fulltext.index_damage(connection)
+    except sqlite3.DatabaseError as error:
+        problems.append(f"not a readable SQLite database: {error}")
+    finally:
+        connection.close()
+    return problems
+
+
+def restore(
+    db: SessionDB,
+    snapshot: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+    pages_per_step: int = BACKUP_PAGES,
+) -> RestoreReport:
+    """Write ``snapshot`` into the live database, replacing its content, under its write lock.
+
+    The snapshot is checked first (:func:`check_snapshot`): a damaged file, another schema
+    revision or a different page size is refused before anything is written. Other processes
+    keep their connections; their next transaction reads the restored content. Whatever they
+    committed after the snapshot was taken is gone, which is what a restore means.
+    """
+    live = _live_file(db, "restore")
+    source = Path(os.fspath(snapshot)).expanduser()
+    if not source.is_file():
+        raise InvalidInputError(f"there is no snapshot file at {source}")
+    if _is_database_or_sidecar(source, live):
+        raise InvalidInputError("the snapshot is the live database itself")
+    problems = check_snapshot(source)
+    if problems:
+        raise SnapshotError(f"refusing to restore {source}: {'; '.join(problems)}")
+    started = time.monotonic()
+    reader = files.connect_sqlite(source)
+    writer = files.connect_sqlite(live, timeout=30.0)
+    try:
+        theirs = reader.execute("PRAGMA page_size").fetchone()[0]
+        ours = writer.execute("PRAGMA page_size").fetchone()[0]
+        if theirs != ours:
+            raise SnapshotError(
+                f"refusing to restore {source}: its page size is {theirs} bytes, the live "
+                f"database's {ours}; SQLite cannot restore across page sizes in WAL mode"
+            )
+        total = 0
+
+        def report(status: int, remaining: int, pages: int) -> None:
+            nonlocal total
+            total = pages
+            if progress is not None:
+                progress(pages - remaining, pages)
+
+        # The destination's write lock is taken by the first step and held to the last.
+        reader.backup(writer, pages=pages_per_step if pages_per_step > 0 else -1, progress=report)
+        sessions = writer.execute("SELECT count(*) FROM sessions").fetchone()[0]
+        messages = writer.execute("SELECT count(*) FROM messages").fetchone()[0]
+    finally:
+        reader.close()
+        writer.close()
+    return RestoreReport(
+        str(live), str(source), total, time.monotonic() - started, sessions, messages
+    )

@@ -1,0 +1,539 @@
+"""The full-text index, one strategy per backend: the one place that creates, drops, rebuilds,
+optimizes, checks and repairs it at run time.
+
+SQLite: the original store's external-content FTS5 table ``messages_fts`` with its three sync
+triggers, plus (from ``h7_cjk_index``, where SQLite has trigrams) the contentless trigram table
+``messages_cjk`` for scripts written without spaces. PostgreSQL: the stored ``content_tsv``
+column with its GIN index, and the ``pg_trgm`` index when the extension is there.
+
+The Alembic revisions spell out their own DDL and never call this module: a released revision
+must not change when this code does. Everything else (adoption, repair at open, the doctor,
+``rebuild_search_index``, maintenance, snapshot checks) goes through :func:`for_dialect`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from hermes_store.engine import placement
+from hermes_store.schema import ddl
+
+log = logging.getLogger(__name__)
+
+#: The revision that added the CJK index (SQLite).
+CJK_REVISION = "h7_cjk_index"
+#: SQLITE_CORRUPT; also the low byte of SQLITE_CORRUPT_VTAB.
+SQLITE_CORRUPT = 11
+#: FTS5 reads at most this many levels (and segments) from its structure record: one more and
+#: every statement on the table, its constructor's included (so DROP TABLE too), fails as corrupt.
+FTS5_MAX_STRUCTURE = 2000
+#: Levels from which no full merge is started and the doctor warns, half of FTS5's limit: each
+#: start on a structure whose segments sit on several levels adds two empty levels that
+#: nothing removes (SQLite 3.40; later releases stop at 64), so a daily job reaches it in over
+#: a year; only a rebuild makes the structure shallow again.
+DEEP_LEVELS = 1000
+#: The row of ``<table>_data`` holding the structure record; row 1 holds the averages.
+STRUCTURE_ROWID = 10
+#: A structure record of an empty index: cookie 0, no level, no segment, write counter 0.
+EMPTY_STRUCTURE = bytes(7)
+#: Marks a structure record of the second format (SQLite >= 3.44): four bytes after the cookie.
+_STRUCTURE_V2 = b"\xff\x00\x00\x01"
+
+
+def integrity_statement(table: str) -> str:
+    """FTS5's 'integrity-check' of ``table`` (a write statement that changes nothing)."""
+    return f"INSERT INTO {table}({table}, rank) VALUES ('integrity-check', 1)"
+
+
+def index_damage(connection: sqlite3.Connection) -> list[str]:
+    """FTS5's 'integrity-check' of each full-text index the file has (the main one and the
+    CJK trigram one), on a plain ``sqlite3`` connection outside a transaction: what each
+    reports damaged (empty: sound). ``PRAGMA integrity_check`` cannot see this damage (an
+    unreadable structure record is a valid row of a valid table). Errors that are not
+    corruption (a locked file) are raised."""
+    tables = [
+        str(row[0])
+        for row in connection.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?) ORDER BY name",
+            (ddl.FTS_TABLE, ddl.CJK_TABLE),
+        )
+    ]
+    found: list[str] = []
+    for table in tables:
+        connection.execute("BEGIN")
+        try:
+            connection.execute(integrity_statement(table))
+        except sqlite3.DatabaseError as error:
+            if getattr(error, "sqlite_errorcode", 0) & 0xFF != SQLITE_CORRUPT:
+                raise
+            found.append(f"full-text index {table}: {error}")
+        finally:
+            connection.execute("ROLLBACK")
+    return found
+
+
+def merge_statement(table: str = ddl.FTS_TABLE) -> str:
+    """FTS5's bounded 'merge' (``:pages`` leaf pages of work; negative: every segment)."""
+    return f"INSERT INTO {table}({table}, rank) VALUES ('merge', :pages)"
+
+
+@dataclass(frozen=True)
+class IndexShape:
+    """The header of an FTS5 structure record: how many levels and segments the index has."""
+
+    levels: int
+    segments: int
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """SQLite's varint at ``at``: (value, offset after it); ValueError past the end."""
+    value = 0
+    for i in range(9):
+        if at >= len(data):
+            raise ValueError("the record ends inside a number")
+        byte = data[at]
+        at += 1
+        if i == 8:
+            return (value << 8) | byte, at
+        value = (value << 7) | (byte & 0x7F)
+        if not byte & 0x80:
+            return value, at
+    raise AssertionError("unreachable")
+
+
+def decode_structure(block: bytes) -> IndexShape:
+    """The header of an FTS5 structure record; ValueError when FTS5 itself would refuse it."""
+    at = 4  # the cookie
+    if block[at : at + 4] == _STRUCTURE_V2:
+        at += 4
+    levels, at = _varint(block, at)
+    segments, at = _varint(block, at)
+    _varint(block, at)  # the write counter
+    if levels > FTS5_MAX_STRUCTURE or segments > FTS5_MAX_STRUCTURE:
+        raise ValueError(
+            f"{levels} levels and {segments} segments (FTS5 reads at most {FTS5_MAX_STRUCTURE})"
+        )
+    return IndexShape(levels, segments)
+
+
+def structure(conn: Connection, table: str = ddl.FTS_TABLE) -> IndexShape | None:
+    """The index's shape read from its structure record (a plain table read, so it works when
+    the table's own constructor fails); None when the index has none. ValueError: damaged."""
+    block = conn.execute(
+        sa.text(f"SELECT block FROM {table}_data WHERE id = :id"), {"id": STRUCTURE_ROWID}
+    ).scalar()
+    if block is None:
+        return None
+    if not isinstance(block, bytes):
+        raise ValueError(f"the structure record is a {type(block).__name__}, not a blob")
+    return decode_structure(block)
+
+
+class FullText(Protocol):
+    """What the runtime code asks of a backend's full-text index."""
+
+    dialect: str
+
+    def missing(
+        self, tables: Collection[str], triggers: Collection[str], indexes: Collection[str]
+    ) -> list[str]:
+        """Objects of the index absent from a schema read (names, for messages)."""
+        ...
+
+    def damage(
+        self,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        """What a schema read lacks, described for the repair's log."""
+        ...
+
+    def create(self, conn: Connection) -> None:
+        """Create whatever is missing (idempotent); does not fill the index."""
+        ...
+
+    def drop(self, conn: Connection) -> None:
+        """Drop the index objects (the messages stay)."""
+        ...
+
+    def rebuild(self, conn: Connection) -> None:
+        """Recreate missing objects and rebuild the index from ``messages``."""
+        ...
+
+    def optimize(self, conn: Connection) -> None:
+        """Compact the index."""
+        ...
+
+    def check(self, conn: Connection) -> bool:
+        """True when the index is present and sound (logs what is wrong)."""
+        ...
+
+    def repair(
+        self,
+        conn: Connection,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        """Recreate what is missing, from the data; returns what was done."""
+        ...
+
+
+class SqliteFullText:
+    """FTS5 ``messages_fts`` (the original store's) and the CJK trigram table."""
+
+    dialect = "sqlite"
+
+    def missing(
+        self, tables: Collection[str], triggers: Collection[str], indexes: Collection[str] = ()
+    ) -> list[str]:
+        found = set(tables) | set(triggers)
+        return sorted({ddl.FTS_TABLE, *ddl.FTS_TRIGGERS} - found)
+
+    def damage(
+        self,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str] = (),
+        columns: Collection[str] = (),
+    ) -> list[str]:
+        found: list[str] = []
+        if ddl.FTS_TABLE not in tables:
+            found.append(f"no {ddl.FTS_TABLE} table")
+        missing_triggers = set(ddl.FTS_TRIGGERS) - set(triggers)
+        if missing_triggers:
+            found.append(f"missing triggers {sorted(missing_triggers)}")
+        return found
+
+    def present(self, conn: Connection) -> list[str]:
+        """The objects of the main index missing from the database (read from sqlite_master)."""
+        found = conn.scalars(
+            sa.text(
+                "SELECT name FROM sqlite_master "
+                "WHERE name = :t OR (type = 'trigger' AND tbl_name = 'messages')"
+            ),
+            {"t": ddl.FTS_TABLE},
+        ).all()
+        return self.missing(found, found)
+
+    def create(self, conn: Connection) -> None:
+        for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS):
+            conn.exec_driver_sql(statement)
+        if cjk_index_expected(conn):
+            for statement in (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS):
+                conn.exec_driver_sql(statement)
+
+    def create_main(self, conn: Connection, fill: bool) -> None:
+        """The original store's objects only (adoption: the CJK index comes with h7)."""
+        for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS):
+            conn.exec_driver_sql(statement)
+        if fill:
+            conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
+
+    def drop(self, conn: Connection) -> None:
+        for statement in (*ddl.SQLITE_FTS_DROP, *ddl.SQLITE_CJK_DROP):
+            conn.exec_driver_sql(statement)
+
+    def rebuild(self, conn: Connection) -> None:
+        """Rebuild both indexes from ``messages``; an index whose table cannot even be opened
+        (a damaged structure record fails its constructor, and with it 'rebuild' and DROP
+        TABLE) is emptied through its shadow tables first."""
+        for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
+            if _has_table(conn, table) and not _opens(conn, table):
+                reset_shadow_tables(conn, table)
+        self.create_main(conn, fill=True)
+        if cjk_index_expected(conn):
+            statements = (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS, *ddl.SQLITE_CJK_REBUILD)
+            for statement in statements:
+                conn.exec_driver_sql(statement)
+
+    def optimize(self, conn: Connection) -> None:
+        """FTS5 'optimize'; a structure already deep is rebuilt instead (as much work: both
+        rewrite the whole index), as 'optimize' would make it deeper still."""
+        shape = structure(conn)
+        if shape is not None and shape.levels >= DEEP_LEVELS:
+            conn.exec_driver_sql(ddl.SQLITE_FTS_REBUILD)
+            return
+        conn.exec_driver_sql(f"INSERT INTO {ddl.FTS_TABLE}({ddl.FTS_TABLE}) VALUES ('optimize')")
+
+    def merge_step(self, conn: Connection, pages: int) -> None:
+        """One bounded FTS5 'merge' of ``pages`` leaf pages (negative: every segment)."""
+        conn.execute(sa.text(merge_statement()), {"pages": pages})
+
+    def leaf_pages(self, conn: Connection) -> int:
+        """Rows of the index's data table: the size of the work a full merge takes."""
+        return int(conn.exec_driver_sql(f"SELECT count(*) FROM {ddl.FTS_TABLE}_data").scalar() or 0)
+
+    def check(self, conn: Connection) -> bool:
+        """FTS5 'integrity-check' against the content table (a write statement: use a write
+        transaction), then the CJK index when present or due."""
+        if self.present(conn):
+            log.error("full-text table %s or its triggers are missing", ddl.FTS_TABLE)
+            return False
+        if not fts5_integrity(conn, ddl.FTS_TABLE):
+            return False
+        return _check_cjk_index(conn)
+
+    def repair(
+        self,
+        conn: Connection,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str] = (),
+        columns: Collection[str] = (),
+    ) -> list[str]:
+        damage = self.damage(tables, triggers)
+        if not damage:
+            return []
+        # Rows written while the table or a trigger was missing are not indexed: rebuild.
+        self.create_main(conn, fill=True)
+        return [
+            f"recreated {ddl.FTS_TABLE} and its triggers and rebuilt the index "
+            f"(was: {'; '.join(damage)})"
+        ]
+
+
+class PostgresFullText:
+    """The stored ``content_tsv`` column, its GIN index and the optional trigram index."""
+
+    dialect = "postgresql"
+
+    def missing(
+        self, tables: Collection[str], triggers: Collection[str], indexes: Collection[str]
+    ) -> list[str]:
+        return [] if ddl.PG_FTS_INDEX in indexes else [ddl.PG_FTS_INDEX]
+
+    def damage(
+        self,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        found: list[str] = []
+        if ddl.PG_TSV_COLUMN not in columns:
+            found.append(f"no messages.{ddl.PG_TSV_COLUMN} column")
+        if ddl.PG_FTS_INDEX not in indexes:
+            found.append(f"no {ddl.PG_FTS_INDEX} index")
+        return found
+
+    def create(self, conn: Connection) -> None:
+        conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
+        conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+
+    def drop(self, conn: Connection) -> None:
+        for name in (ddl.PG_TRGM_INDEX, ddl.PG_FTS_INDEX):
+            conn.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
+        conn.exec_driver_sql(f"ALTER TABLE messages DROP COLUMN IF EXISTS {ddl.PG_TSV_COLUMN}")
+
+    def rebuild(self, conn: Connection) -> None:
+        self.create(conn)
+        for name in self.existing_indexes(conn):
+            conn.exec_driver_sql(f"REINDEX INDEX {name}")
+
+    def optimize(self, conn: Connection) -> None:
+        """Flush the GIN pending lists and refresh the planner's statistics (VACUUM cannot run
+        in a transaction)."""
+        for name in self.existing_indexes(conn):
+            conn.execute(
+                sa.text("SELECT gin_clean_pending_list(CAST(:name AS regclass))"), {"name": name}
+            )
+        conn.exec_driver_sql("ANALYZE messages")
+
+    def check(self, conn: Connection) -> bool:
+        """The tsvector index, and the trigram index if present, exist and are valid (amcheck
+        has no GIN check before PostgreSQL 18)."""
+        rows = conn.execute(
+            sa.text(
+                "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
+                " JOIN pg_class c ON c.oid = i.indexrelid"
+                " WHERE c.relname IN (:fts, :trgm) AND pg_table_is_visible(c.oid)"
+            ),
+            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+        ).all()
+        status = {str(name): bool(ok) for name, ok in rows}
+        if ddl.PG_FTS_INDEX not in status:
+            log.error("full-text index %s is missing", ddl.PG_FTS_INDEX)
+            return False
+        broken = sorted(name for name, ok in status.items() if not ok)
+        if broken:
+            log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
+            return False
+        return True
+
+    def has_trigram_index(self, conn: Connection) -> bool:
+        return (
+            conn.scalar(sa.text("SELECT to_regclass(:name)"), {"name": ddl.PG_TRGM_INDEX})
+            is not None
+        )
+
+    def existing_indexes(self, conn: Connection) -> list[str]:
+        names = conn.execute(
+            sa.text("SELECT to_regclass(:fts)::text, to_regclass(:trgm)::text"),
+            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+        ).one()
+        return [str(name) for name in names if name is not None]
+
+    def repair(
+        self,
+        conn: Connection,
+        tables: Collection[str],
+        triggers: Collection[str],
+        indexes: Collection[str],
+        columns: Collection[str],
+    ) -> list[str]:
+        done: list[str] = []
+        if ddl.PG_TSV_COLUMN not in columns:
+            conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
+            done.append(f"recreated the messages.{ddl.PG_TSV_COLUMN} column")
+        if ddl.PG_FTS_INDEX not in indexes:
+            conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+            done.append(f"recreated the {ddl.PG_FTS_INDEX} index")
+        return done
+
+
+SQLITE = SqliteFullText()
+POSTGRESQL = PostgresFullText()
+
+
+def for_dialect(name: str) -> SqliteFullText | PostgresFullText:
+    """The strategy of a dialect (``conn.dialect.name``)."""
+    if name == "sqlite":
+        return SQLITE
+    if name == "postgresql":
+        return POSTGRESQL
+    raise ValueError(f"no full-text strategy for the {name!r} dialect")
+
+
+def of(conn: Connection) -> SqliteFullText | PostgresFullText:
+    """The strategy of a connection's dialect."""
+    return for_dialect(conn.dialect.name)
+
+
+def _is_corrupt(error: sa.exc.DatabaseError) -> bool:
+    return bool(getattr(error.orig, "sqlite_errorcode", 0) & 0xFF == SQLITE_CORRUPT)
+
+
+def _opens(conn: Connection, table: str) -> bool:
+    """Whether FTS5 can open ``table`` (its constructor reads the structure record)."""
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(f"SELECT rowid FROM {table} WHERE rowid = 0").all()
+    except sa.exc.DatabaseError as error:
+        if not _is_corrupt(error):
+            raise
+        log.warning("full-text table %s cannot be opened: %s", table, error.orig)
+        return False
+    return True
+
+
+def reset_shadow_tables(conn: Connection, table: str) -> None:
+    """Empty an FTS5 index through its shadow tables (plain tables) and give it the structure
+    and averages records of an empty index, as FTS5's own 'delete-all' does: its constructor
+    works again, and a 'rebuild' refills it. Its configuration (``_config``) is kept."""
+    shadows = set(
+        conn.execute(
+            sa.text(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN :names"
+            ).bindparams(sa.bindparam("names", expanding=True)),
+            {"names": [f"{table}_{suffix}" for suffix in ("data", "idx", "docsize")]},
+        )
+        .scalars()
+        .all()
+    )
+    for name in sorted(shadows):
+        conn.exec_driver_sql(f"DELETE FROM {name}")
+    conn.execute(
+        sa.text(f"INSERT INTO {table}_data(id, block) VALUES (1, x''), (:id, :block)"),
+        {"id": STRUCTURE_ROWID, "block": EMPTY_STRUCTURE},
+    )
+    log.warning("emptied the full-text index %s through its shadow tables", table)
+
+
+def fts5_integrity(conn: Connection, table: str) -> bool:
+    """FTS5's 'integrity-check' (against the content table when it has one), in a savepoint."""
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(integrity_statement(table))
+    except sa.exc.DatabaseError as error:
+        if not _is_corrupt(error):
+            raise
+        log.error("full-text index %s failed its integrity check: %s", table, error.orig)
+        return False
+    return True
+
+
+def cjk_index_expected(conn: Connection) -> bool:
+    """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
+    from hermes_store.schema import revisions  # Alembic's script reader: only when asked
+    from hermes_store.schema import steps as schema_ops
+
+    version_table = placement.of(conn).version_table
+    if not _has_table(conn, version_table):
+        return False
+    revision = conn.execute(sa.text(f"SELECT version_num FROM {version_table}")).scalar()
+    if revision is None:
+        return False
+    try:
+        chain = {s.revision for s in revisions.scripts().iterate_revisions(revision, "base")}
+    except Exception:  # an unknown revision: not ours to extend
+        return False
+    version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
+    return CJK_REVISION in chain and schema_ops.trigram_supported(version)
+
+
+def _has_table(conn: Connection, name: str) -> bool:
+    return bool(
+        conn.execute(
+            sa.text("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :n"),
+            {"n": name},
+        ).scalar()
+    )
+
+
+def _check_cjk_index(conn: Connection) -> bool:
+    """The CJK index, when present (or due), has its triggers, passes FTS5's check, and holds
+    exactly the messages its triggers select (compared by id)."""
+    if not _has_table(conn, ddl.CJK_TABLE):
+        if cjk_index_expected(conn):
+            log.error("the CJK index %s is missing", ddl.CJK_TABLE)
+            return False
+        return True
+    triggers = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+        ).bindparams(sa.bindparam("names", expanding=True)),
+        {"names": list(ddl.CJK_TRIGGERS)},
+    ).scalar_one()
+    if triggers != len(ddl.CJK_TRIGGERS):
+        log.error("triggers of the CJK index %s are missing", ddl.CJK_TABLE)
+        return False
+    if not fts5_integrity(conn, ddl.CJK_TABLE):
+        return False
+    drift = (
+        conn.execute(
+            sa.text(
+                f"SELECT count(*) FROM (SELECT id FROM messages WHERE content GLOB :glob"
+                f" EXCEPT SELECT id FROM {ddl.CJK_DOCSIZE}) UNION ALL"
+                f" SELECT count(*) FROM (SELECT id FROM {ddl.CJK_DOCSIZE}"
+                f" EXCEPT SELECT id FROM messages WHERE content GLOB :glob)"
+            ),
+            {"glob": ddl.CJK_GLOB},
+        )
+        .scalars()
+        .all()
+    )
+    if any(drift):
+        log.error("the CJK index misses %d messages and holds %d it should not", drift[0], drift[1])
+        return False
+    return True

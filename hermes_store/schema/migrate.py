@@ -1,0 +1,841 @@
+"""Programmatic migrations and the adoption of ``state.db`` files written by the original store.
+
+The original store tracks its schema in ``schema_version`` (1..6) and knows nothing of Alembic.
+Such a file is *adopted*: its tables are checked against that version (a file may already carry
+columns of later versions: the revisions skip what exists), it is stamped with the matching
+revision and upgraded, all in one write transaction. Anything that is not a database, or whose
+shape or version this package does not know, is refused before a single byte is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import random
+import re
+import secrets
+import sqlite3
+import stat
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from hermes_store.engine import files, placement
+from hermes_store.engine.factory import (
+    BUSY_OPTION,
+    WRITE_OPTION,
+    WRITER_BUSY_TIMEOUT_S,
+    Target,
+    create_engine,
+    create_private_file,
+    display_url,
+    make_private_dirs,
+    refuse_sqlite_aliases,
+    same_connection,
+    sqlite_file,
+    to_url,
+)
+from hermes_store.errors import (
+    AccessDeniedError,
+    DatabaseLockedError,
+    HermesStoreError,
+    NotADatabaseError,
+    SchemaBehindError,
+    SchemaTooNewError,
+    UnrecognizedSchemaError,
+    UnsafePathError,
+    is_retryable,
+    mapped_errors,
+    open_errors,
+)
+from hermes_store.schema import ddl, fulltext, revisions
+from hermes_store.uow import writequeue
+from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S, RetryPolicy
+
+log = logging.getLogger(__name__)
+
+#: Key of the transaction-level advisory lock that serialises migrations on PostgreSQL.
+PG_MIGRATION_LOCK = 0x4865726D6573  # "Hermes"
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """An Alembic Config that needs no alembic.ini (works from an installed wheel)."""
+    config = Config()
+    config.set_main_option("script_location", revisions.script_location())
+    config.attributes["placement"] = placement.current()
+    if connection is not None:
+        config.attributes["connection"] = connection
+        config.attributes["placement"] = placement.of(connection)
+    return config
+
+
+def _migration_context(conn: Connection) -> MigrationContext:
+    """Alembic's context on ``conn``, with the placement's version table."""
+    where = placement.of(conn)
+    opts = {"version_table": where.version_table, "version_table_schema": where.schema}
+    return MigrationContext.configure(conn, opts=opts)
+
+
+def revision_for_version(version: int) -> str:
+    """The Alembic revision of the original store's schema version (``v3_session_title`` for 3)."""
+    for script in revisions.scripts().walk_revisions():
+        if script.revision.startswith(f"v{version}_"):
+            return script.revision
+    raise UnrecognizedSchemaError(f"no revision corresponds to schema_version {version}")
+
+
+def head_revision() -> str:
+    head = revisions.scripts().get_current_head()
+    assert head is not None
+    return head
+
+
+# -- looking at a database without changing it -------------------------------------------------
+
+
+@dataclass
+class DatabaseState:
+    """What a database holds, read without taking any lock."""
+
+    tables: set[str] = field(default_factory=set)
+    revision: str | None = None
+    version_table: str = placement.DEFAULT_VERSION_TABLE
+    schema_version: int | None = None
+    columns: dict[str, set[str]] = field(default_factory=dict)
+    #: SQLite: the trigger names; PostgreSQL: the index names on ``messages``.
+    triggers: set[str] = field(default_factory=set)
+    indexes: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.tables - ddl.UNMODELLED_TABLES - {self.version_table})
+
+    @property
+    def is_legacy(self) -> bool:
+        return self.revision is None and "schema_version" in self.tables
+
+
+def read_state(conn: Connection) -> DatabaseState:
+    """Tables, Alembic revision and the original store's schema_version of the connected
+    database."""
+    inspector = sa.inspect(conn)
+    where = placement.of(conn)
+    triggers: set[str] = set()
+    indexes: set[str] = set()
+    if conn.dialect.name == "sqlite":
+        # One read of sqlite_master gives the tables and the FTS triggers (the open-time check).
+        rows = conn.exec_driver_sql(
+            "SELECT type, name FROM sqlite_master WHERE type IN ('table', 'trigger') "
+            "AND name NOT LIKE 'sqlite~_%' ESCAPE '~'"
+        ).all()
+        tables = {name for kind, name in rows if kind == "table"}
+        triggers = {name for kind, name in rows if kind == "trigger"}
+    else:
+        tables = set(inspector.get_table_names(schema=where.schema))
+        if "messages" in tables:
+            indexes = set(
+                conn.execute(
+                    sa.text(
+                        "SELECT indexname FROM pg_indexes "
+                        "WHERE schemaname = COALESCE(:schema, current_schema()) "
+                        "AND tablename = 'messages'"
+                    ),
+                    {"schema": where.schema},
+                ).scalars()
+            )
+    state = DatabaseState(
+        tables=tables, triggers=triggers, indexes=indexes, version_table=where.version_table
+    )
+    if where.version_table in tables:
+        state.revision = conn.execute(
+            sa.text(f"SELECT version_num FROM {where.table(where.version_table)}")
+        ).scalar()
+    if "schema_version" in tables:
+        state.schema_version = conn.execute(sa.text("SELECT version FROM schema_version")).scalar()
+    for table in ("sessions", "messages"):
+        if table in tables:
+            state.columns[table] = {
+                c["name"] for c in inspector.get_columns(table, schema=where.schema)
+            }
+    return state
+
+
+def check_adoptable(state: DatabaseState, where: str) -> None:
+    """Raise a clear error unless the database is empty, ours, or a known legacy version."""
+    known = {s.revision for s in revisions.scripts().walk_revisions()}
+    version_type = type(state.schema_version)
+    if state.schema_version is not None and version_type is not int:
+        raise UnrecognizedSchemaError(
+            f"{where} has a schema_version that is not a number "
+            f"({state.schema_version!r}, {version_type.__name__}): not a Hermes state database"
+        )
+    if state.schema_version is not None and state.schema_version > ddl.HEAD_VERSION:
+        raise SchemaTooNewError(
+            f"{where} has schema_version {state.schema_version}; this hermes_store knows "
+            f"versions up to {ddl.HEAD_VERSION}. Upgrade hermes_store to open it."
+        )
+    if state.revision is not None:
+        if state.revision not in known:
+            raise SchemaTooNewError(
+                f"{where} is at Alembic revision {state.revision!r}, unknown to this "
+                "hermes_store (written by a newer release?)"
+            )
+        return
+    if state.is_empty:
+        return
+    if state.schema_version is None:
+        found = ", ".join(sorted(state.tables - ddl.UNMODELLED_TABLES - {state.version_table}))
+        raise UnrecognizedSchemaError(
+            f"{where} holds tables ({found}) but no schema_version: not a Hermes state database"
+        )
+    version = state.schema_version
+    if version < 1:
+        raise UnrecognizedSchemaError(f"{where} has schema_version {version}, which never existed")
+    need, allowed = ddl.columns_at(version), ddl.columns_at(ddl.HEAD_VERSION)
+    for table in ("sessions", "messages"):
+        have = state.columns.get(table)
+        if have is None:
+            raise UnrecognizedSchemaError(
+                f"{where} says schema_version {version} but has no {table}"
+            )
+        missing, unknown = need[table] - have, have - allowed[table]
+        if missing or unknown:
+            raise UnrecognizedSchemaError(
+                f"{where}: table {table} matches no schema version "
+                f"(schema_version {version}; missing {sorted(missing)}, unknown {sorted(unknown)})"
+            )
+
+
+def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | None:
+    """Refuse files that are not adoptable, reading them only (None: the file does not exist).
+    With ``adoptable=False`` a readable database's state is returned whatever its schema (a
+    newer release's file included), for reports.
+
+    The file is only ``stat``-ed and read through SQLite, never with a plain file handle:
+    closing one would drop the SQLite locks this process's live connections hold on it.
+    """
+    where = str(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise NotADatabaseError(f"{where} cannot be examined: {error.strerror or error}") from error
+    if stat.S_ISDIR(info.st_mode):
+        raise NotADatabaseError(f"{where} is a directory, not a SQLite database")
+    if info.st_size == 0:
+        raise NotADatabaseError(f"{where} is an empty file (0 bytes), not a SQLite database")
+    if not os.access(path, os.R_OK):
+        raise AccessDeniedError(
+            f"permission denied opening the database: {where} belongs to uid {info.st_uid} "
+            f"(mode {stat.S_IMODE(info.st_mode):o})"
+        )
+    quiet = not files.sidecars(path)
+    before = _signature(path)
+    try:
+        state = _probe(path, immutable=quiet)
+        if quiet and (files.sidecars(path) or _signature(path) != before):
+            # Another process opened (and may have written) the file while it was read
+            # without locks: that read may be torn, so read it again, properly.
+            state = _probe(path, immutable=False)
+    except sa.exc.DBAPIError as error:
+        if not (quiet and files.sidecars(path)):
+            raise _unreadable(where, info.st_size, error) from error
+        # Another process opened the file while it was read without locks: read it properly.
+        try:
+            state = _probe(path, immutable=False)
+        except sa.exc.DBAPIError as again:
+            raise _unreadable(where, info.st_size, again) from again
+    if adoptable:
+        check_adoptable(state, where)
+    return state
+
+
+def _unreadable(where: str, size: int, error: sa.exc.DBAPIError) -> NotADatabaseError:
+    if getattr(error.orig, "sqlite_errorname", None) == "SQLITE_NOTADB":
+        return NotADatabaseError(
+            f"{where} is not a SQLite database ({size:,} bytes without a SQLite header)"
+        )
+    return NotADatabaseError(f"{where} is not a readable SQLite database: {error.orig}")
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    """Inode, size and modification time: a change means another process wrote meanwhile."""
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _probe(path: Path, *, immutable: bool) -> DatabaseState:
+    """Read the state without writing. A read-only connection to a WAL file still creates
+    -wal and -shm and cannot remove them again, so a file nobody has open (no sidecar files)
+    is read with ``immutable=1``, which touches nothing: a refused file is left as it was.
+    Either way it is a SQLite connection, whose close keeps this process's other locks."""
+    params = {"immutable": "1"} if immutable else {"mode": "ro"}
+    probe = sa.create_engine(files.sqlite_uri(path, **params), poolclass=NullPool)
+    try:
+        with probe.connect() as conn:
+            return read_state(conn)
+    finally:
+        probe.dispose()
+
+
+# -- changing it ----------------------------------------------------------------------------------
+
+
+def adopt(conn: Connection) -> DatabaseState:
+    """Inside a write transaction: validate, and stamp a legacy file with its revision."""
+    state = read_state(conn)
+    check_adoptable(state, _describe(conn))
+    if state.is_legacy and state.schema_version is not None:
+        revision = revision_for_version(state.schema_version)
+        log.info(
+            "adopting a legacy database at schema_version %s as %s", state.schema_version, revision
+        )
+        _migration_context(conn).stamp(revisions.scripts(), revision)
+        # The original store always created the FTS objects and title index; put back any that
+        # are gone.
+        if conn.dialect.name == "sqlite":
+            had_fts = ddl.FTS_TABLE in state.tables
+            started = time.monotonic()
+            fulltext.SQLITE.create_main(conn, fill=not had_fts)
+            if not had_fts:
+                log.info(
+                    "built the full-text index of the adopted file in %.2f s (under the write "
+                    "lock: other writers waited behind its heartbeat)",
+                    time.monotonic() - started,
+                )
+        state.revision = revision
+    return state
+
+
+def _describe(conn: Connection) -> str:
+    return display_url(conn.engine.url)
+
+
+@contextmanager
+def migration_connection(
+    target: Target, *, retry: RetryPolicy | None = None
+) -> Iterator[Connection]:
+    """One connection holding the write lock, foreign keys off (SQLite rebuilds tables).
+
+    Waiting for the lock is retried with the store's jittered policy (each attempt waits up to
+    the writer's busy timeout), so opening a file while another process writes never fails
+    before the writes' own retries would; how long the lock was then held is logged.
+
+    On a SQLite file the migration first takes a turn in the fair writer queue, as every write
+    does (see :func:`_queues`; a legacy file's first adoption creates the lock file): it
+    neither overtakes the writers already in line nor makes them fall back to SQLite's busy
+    handler. As the queue's head it asks for the lock with the head's short busy timeout, and
+    while it runs it beats every 0.2 s, so the writers and openers behind it keep waiting in
+    the kernel instead of spending their retries. An adoption holds the lock in one piece (the
+    stamp, the revisions and the full-text rebuild commit together, so a file is either
+    untouched or at head): about 3 s for 450,000 messages on a quiet 2-core machine, 15-25 s
+    when it is loaded (``bench/adoption.py``); the time is logged. Those behind it wait as long
+    as it beats, and give up on a fixed budget only once it has stopped (see
+    :func:`_begin_migration`).
+    """
+    url = target.url if isinstance(target, Engine) else to_url(target)
+    placement.current().check_dialect(url.get_backend_name())  # before a file is created
+    path = sqlite_file(url)
+    if path is not None:
+        refuse_sqlite_aliases(url, target)  # before any read (see SessionDB's opening)
+        remove_stale_temps(path)
+    state = preflight_sqlite(path) if path is not None else None
+    created = path is not None and state is None and create_private_file(path)
+    engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
+    queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
+    try:
+        with _lock_errors(url), mapped_errors(), queue.turn() if queue else nullcontext() as turn:
+            line = queue.progress if queue is not None and queue.enabled else None
+            conn, transaction = _begin_migration(engine, retry or RetryPolicy(), turn, line)
+            locked_at = time.monotonic()
+            with conn, transaction:
+                if turn is not None and turn.queued:
+                    _beat_while_running(conn, turn)
+                if conn.dialect.name == "postgresql":
+                    # SQLite's BEGIN IMMEDIATE serialises migrations; PostgreSQL needs a lock
+                    # of its own, or processes opening one new database at once all run v1.
+                    conn.execute(
+                        sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK}
+                    )
+                    placement.create_schema(conn, placement.of(conn))
+                yield conn
+            log.info(
+                "%s: migration committed; it held the write lock for %.2f s",
+                _describe_url(url),
+                time.monotonic() - locked_at,
+            )
+    except BaseException:
+        if created and path is not None and path.stat().st_size == 0:
+            path.unlink()  # leave no empty file behind: it would be refused next time
+        raise
+    finally:
+        engine.dispose()
+
+
+def _queues(path: Path, state: DatabaseState | None) -> bool:
+    """Whether a migration of ``path`` takes a turn in the writer queue (creating its lock file).
+
+    Where the lock file exists, always. Otherwise only for a file that holds tables (a legacy
+    file being adopted, one at an older revision): the processes opening such a file at once
+    must line up behind the one that migrates it, which beats while it works, instead of each
+    spending a fixed retry budget on SQLite's lock while an index rebuild may outlast it. Its
+    writers create the lock file at their first write anyway. A new or empty file, and a file
+    :func:`preflight_sqlite` refused, are left without a lock file beside them.
+    """
+    if Path(f"{path}{files.WRITER_LOCK_SUFFIX}").exists():
+        return True
+    return state is not None and not state.is_empty
+
+
+def _begin_migration(
+    engine: Engine,
+    retry: RetryPolicy,
+    turn: writequeue.Turn | None = None,
+    line: Callable[[], bytes] | None = None,
+) -> tuple[Connection, sa.RootTransaction]:
+    """A connection with its write transaction begun, waiting for the lock as writes do.
+
+    The queue's head asks with short busy timeouts and beats, within the writes' overall
+    budget (``attempts`` x (busy timeout + longest pause)). A waiter outside the line (its
+    turn fell back: the line stood still for the queue's bounded wait, e.g. an adopter starved
+    of CPU between two statements) that can watch the line (``line``: the queue's progress
+    marks) gives up only once the line has not moved for that same budget: a head that is
+    alive and working (an adoption rebuilding a big index beats every 0.2 s) is waited for
+    however long its work takes, while one that stopped (SIGSTOP, hung) is given up on after
+    the budget, as before, and a dead one lets go of SQLite's lock (the kernel drops it). With
+    neither a turn nor a line (no queue), the writes' fixed retry policy applies.
+    """
+    waits = retry.waits()
+    head = turn is not None and turn.queued
+    budget = retry.attempts * (WRITER_BUSY_TIMEOUT_S + retry.max_wait)
+    deadline: float | None = None
+    seen: bytes | None = None
+    busy_ms = int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000) if head else None
+    while True:
+        conn = engine.connect()
+        conn.execution_options(**{WRITE_OPTION: True, BUSY_OPTION: busy_ms})
+        try:
+            return conn, conn.begin()
+        except sa.exc.DBAPIError as error:
+            conn.close()
+            if not is_retryable(error):
+                raise
+            delay: float | None
+            now = time.monotonic()
+            if head:
+                assert turn is not None
+                if deadline is None:
+                    deadline = now + budget
+                if now >= deadline:
+                    raise
+                turn.still_trying()
+                delay = random.uniform(retry.min_wait, retry.max_wait)
+            elif line is not None:
+                moved = line()
+                if moved != seen:
+                    seen, deadline = moved, now + budget
+                if deadline is not None and now >= deadline:
+                    raise
+                delay = random.uniform(retry.min_wait, retry.max_wait)
+            else:
+                delay = next(waits, None)
+            if delay is None:
+                raise
+            log.debug("migration waits for the write lock (%s); retrying in %.0f ms",
+                      error.orig, delay * 1000)  # fmt: skip
+            time.sleep(delay)
+
+
+def _beat_while_running(conn: Connection, turn: writequeue.Turn) -> None:
+    """Tell the writer queue, every 0.2 s of a long migration step, that the line is moving
+    (SQLite's progress handler runs inside the statements; the connection is the migration's
+    own and closed after it)."""
+    last = time.monotonic()
+
+    def beat() -> int:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= 0.2:
+            last = now
+            turn.still_trying()
+        return 0  # go on
+
+    conn.connection.driver_connection.set_progress_handler(beat, 20_000)  # type: ignore[union-attr]
+
+
+@contextmanager
+def _lock_errors(url: sa.URL) -> Iterator[None]:
+    """A migration that cannot get the write lock in time fails as DatabaseLockedError."""
+    try:
+        yield
+    except sa.exc.DBAPIError as error:
+        if not is_retryable(error):
+            raise
+        raise DatabaseLockedError(
+            f"{_describe_url(url)} stayed locked by another writer; its schema could not be "
+            f"brought to head ({error.orig})"
+        ) from error
+
+
+# -- damage on a database Alembic says is at head ------------------------------------------------
+
+
+def find_damage(state: DatabaseState, dialect: str, where: str) -> list[str]:
+    """What must be repaired on a database whose Alembic revision is head (empty: nothing).
+
+    Runs on every open, on the state already read (no further query). Raises
+    :class:`UnrecognizedSchemaError` for damage the data cannot repair (columns or tables gone).
+    """
+    want = ddl.columns_at(ddl.HEAD_VERSION)
+    for table in ("sessions", "messages"):
+        have = state.columns.get(table)
+        if have is None:
+            raise UnrecognizedSchemaError(
+                f"{where} is at Alembic revision {state.revision!r} but has no {table} table; "
+                "it cannot be repaired (restore it from a backup)"
+            )
+        missing = want[table] - have
+        if missing:
+            raise UnrecognizedSchemaError(
+                f"{where} is at Alembic revision {state.revision!r} but table {table} lacks "
+                f"columns {sorted(missing)}; it cannot be repaired (restore it from a backup)"
+            )
+    damage: list[str] = []
+    if state.schema_version != ddl.HEAD_VERSION:
+        damage.append(f"schema_version {state.schema_version} (Alembic is at head)")
+    damage += fulltext.for_dialect(dialect).damage(
+        state.tables, state.triggers, state.indexes, state.columns["messages"]
+    )
+    return damage
+
+
+def repair_at_head(conn: Connection) -> list[str]:
+    """Inside a write transaction: repair what :func:`find_damage` reports, from the data.
+
+    Re-reads the state under the lock (another process may have repaired it meanwhile) and
+    logs a WARNING naming every repair. Returns what was repaired (empty: nothing was wrong).
+    """
+    state = read_state(conn)
+    if state.revision != head_revision():
+        return []
+    where = _describe(conn)
+    damage = find_damage(state, conn.dialect.name, where)
+    if not damage:
+        return []
+    done: list[str] = []
+    if state.schema_version != ddl.HEAD_VERSION:
+        if "schema_version" not in state.tables:
+            conn.exec_driver_sql("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        conn.exec_driver_sql("DELETE FROM schema_version")
+        conn.execute(
+            sa.text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": ddl.HEAD_VERSION}
+        )
+        done.append(f"set schema_version from {state.schema_version} to {ddl.HEAD_VERSION}")
+    done += fulltext.of(conn).repair(
+        conn, state.tables, state.triggers, state.indexes, state.columns["messages"]
+    )
+    log.warning("%s was damaged and has been repaired: %s", where, "; ".join(done))
+    return done
+
+
+def repair(target: Target, *, retry: RetryPolicy | None = None) -> list[str]:
+    """Repair a damaged database at head under the write lock (see :func:`repair_at_head`)."""
+    with migration_connection(target, retry=retry) as conn:
+        return repair_at_head(conn)
+
+
+def read_engine(target: Target) -> Engine:
+    """An engine for read-only commands (``current``, ``check``) on an existing database."""
+    url = target.url if isinstance(target, Engine) else to_url(target)
+    path = sqlite_file(url)
+    if path is not None:
+        if preflight_sqlite(path) is None:
+            raise NotADatabaseError(f"there is no database at {path}")
+        return sa.create_engine(url, poolclass=NullPool)
+    return create_engine(url, poolclass=NullPool, **same_connection(target))
+
+
+def upgrade(
+    target: Target, revision: str = "head", *, retry: RetryPolicy | None = None
+) -> str | None:
+    """Bring ``target`` (a path, URL or Engine) to ``revision``, adopting a legacy file first."""
+    with migration_connection(target, retry=retry) as conn:
+        command.upgrade(alembic_config(conn), revision)
+        reached = _current_revision(conn)
+        if reached == head_revision():
+            repair_at_head(conn)
+        return reached
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One revision of the schema, as ``hermes-store db history`` lists it."""
+
+    revision: str
+    down_revision: str | None
+    description: str
+    current: bool
+    head: bool
+
+
+def history(target: Target | None = None) -> list[Revision]:
+    """Every revision, oldest first; ``current`` marks the one ``target`` is at (none when
+    it cannot be read, or without a target)."""
+    at: str | None = None
+    if target is not None:
+        with contextlib.suppress(HermesStoreError):
+            at = current(target)
+    scripts = revisions.scripts()
+    head = scripts.get_current_head()
+    return [
+        Revision(
+            revision=script.revision,
+            down_revision=script.down_revision,  # type: ignore[arg-type]
+            description=(script.doc or "").strip().splitlines()[0] if script.doc else "",
+            current=script.revision == at,
+            head=script.revision == head,
+        )
+        for script in reversed(list(scripts.walk_revisions()))
+    ]
+
+
+def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = None) -> str:
+    """The SQL that upgrades ``target`` from ``start`` to ``revision``, without connecting to
+    it (Alembic's offline mode, ``--sql``), for a DBA to review or run. The backend comes from
+    the URL; ``start`` defaults to the database's own revision when it can be read, else base.
+    """
+    url = target.url if isinstance(target, Engine) else to_url(target)
+    placement.current().check_dialect(url.get_backend_name())
+    buffer = io.StringIO()
+    config = alembic_config()
+    config.output_buffer = buffer
+    config.attributes["url"] = url
+    destination = f"{start}:{revision}" if start else revision
+    command.upgrade(config, destination, sql=True)
+    return buffer.getvalue()
+
+
+def downgrade(target: Target, revision: str) -> str | None:
+    """Step ``target`` down to ``revision`` (``base`` removes every table)."""
+    with migration_connection(target) as conn:
+        command.downgrade(alembic_config(conn), revision)
+        return _current_revision(conn)
+
+
+def stamp(target: Target, revision: str) -> None:
+    with migration_connection(target) as conn:
+        command.stamp(alembic_config(conn), revision)
+
+
+def current(target: Target) -> str | None:
+    """The Alembic revision of ``target``; for an unadopted legacy file, its matching revision.
+
+    Reads only: never takes the write lock and never changes the file.
+    """
+    url = target.url if isinstance(target, Engine) else to_url(target)
+    path = sqlite_file(url)
+    if path is not None:
+        state = preflight_sqlite(path)
+        if state is None:
+            return None
+    else:
+        engine = create_engine(url, poolclass=NullPool, **same_connection(target))
+        try:
+            with mapped_errors(), engine.connect() as conn:
+                state = read_state(conn)
+        finally:
+            engine.dispose()
+        check_adoptable(state, _describe_url(url))
+    if state.revision is not None:
+        return state.revision
+    if state.is_legacy and state.schema_version is not None:
+        return revision_for_version(state.schema_version)
+    return None
+
+
+def _describe_url(url: sa.URL) -> str:
+    return display_url(url)
+
+
+def _current_revision(conn: Connection) -> str | None:
+    return _migration_context(conn).get_current_revision()
+
+
+def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) -> None:
+    """Open-time check: read the version without locking; migrate only when behind, repair
+    (under the write lock) only when damaged.
+
+    Several processes open the same file at once, so the common case (already at head) must
+    not queue for the write lock; the upgrade itself re-checks under the lock, and waits for
+    it with the writes' retry policy. ``target`` is an Engine, or a SQLite file's URL.
+    """
+    head = head_revision()
+    url = target.url if isinstance(target, Engine) else target
+    path = sqlite_file(url)
+    with open_errors(path or _describe_url(url)):
+        if path is not None and not path.exists():
+            _create_sqlite_at_head(path)
+            return
+        if path is not None:
+            state = preflight_sqlite(path)
+        else:
+            assert isinstance(target, Engine), "ensure_head takes an Engine for servers"
+            with mapped_errors(), target.connect() as conn:
+                state = read_state(conn)
+            check_adoptable(state, _describe_url(url))
+        if state is not None and state.revision == head:
+            # At head: repair only when something is wrong, so a sound database takes no lock.
+            dialect = "sqlite" if path is not None else url.get_backend_name()
+            if find_damage(state, dialect, _describe_url(url)):
+                repair(target, retry=retry)
+            return
+        upgrade(target, "head", retry=retry)
+
+
+def check_head(target: Engine | sa.URL) -> None:
+    """Refuse, changing nothing, a database that is not at head (``migrate="check"``): a
+    missing file, a legacy file, or one at an older revision. Reads without any lock."""
+    head = head_revision()
+    url = target.url if isinstance(target, Engine) else target
+    path = sqlite_file(url)
+    where = str(path) if path is not None else _describe_url(url)
+    with open_errors(where):
+        if path is not None:
+            state = preflight_sqlite(path)
+            if state is None:
+                raise NotADatabaseError(
+                    f"there is no database at {path} (`hermes-store db upgrade` creates one)"
+                )
+        else:
+            assert isinstance(target, Engine), "check_head takes an Engine for servers"
+            with mapped_errors(), target.connect() as conn:
+                state = read_state(conn)
+            check_adoptable(state, where)
+    if state.revision != head:
+        found = state.revision or (
+            f"the original store's schema_version {state.schema_version}"
+            if state.is_legacy
+            else "no schema"
+        )
+        behind = f"{where} is at {found}, behind {head}; it was opened without migrating: "
+        raise SchemaBehindError(
+            behind + 'run `hermes-store db upgrade` (or open it with migrate="auto")'
+        ).with_cli_message(behind + "run `hermes-store db upgrade`")
+
+
+def _create_sqlite_at_head(path: Path) -> None:
+    """Build a new file beside ``path`` and link it into place, so a path either does not
+    exist or holds a complete database at head, whatever other processes do meanwhile."""
+    make_private_dirs(path.parent)
+    remove_stale_temps(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.new")
+    if not create_private_file(temp):  # a random name: planted (a link?) or left
+        raise UnsafePathError(f"{temp} exists already: no database is built through it")
+    try:
+        _format_incremental(temp)
+        engine = create_engine(temp, poolclass=NullPool)
+        try:
+            with mapped_errors(), engine.connect() as conn:
+                conn.execution_options(**{WRITE_OPTION: True})
+                with conn.begin():
+                    command.upgrade(alembic_config(conn), "head")
+        finally:
+            engine.dispose()
+        _close_wal(temp)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            # Another process linked its complete database first; it is at head too.
+            log.debug("%s was created by another process meanwhile", path)
+    finally:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{temp}{suffix}").unlink(missing_ok=True)
+
+
+def _format_incremental(path: Path) -> None:
+    """Write the empty file's first page with ``auto_vacuum=INCREMENTAL``, so ``db optimize``
+    can hand freed pages back in short steps instead of only by rewriting the whole file.
+
+    It must come first: the page size and this setting are fixed once the first page exists
+    (switching to WAL writes it). The setting lives in the file's header; the original store
+    reads and writes such a file as any other.
+    """
+    plain = sa.create_engine(files.sqlite_uri(path), poolclass=NullPool)
+    try:
+        with mapped_errors(), plain.connect() as conn:
+            conn.exec_driver_sql("PRAGMA auto_vacuum = INCREMENTAL")
+            conn.exec_driver_sql("PRAGMA journal_mode = WAL")
+    finally:
+        plain.dispose()
+
+
+#: A database is created in well under a second: a temporary file this old whose creator is
+#: gone was left by a process that was killed (or lost power) while creating it.
+STALE_TEMP_AFTER_S = 3600.0
+
+
+def remove_stale_temps(path: Path, *, older_than: float = STALE_TEMP_AFTER_S) -> list[Path]:
+    """Delete what killed creators left beside ``path``: ``.NAME.PID.HEX.new`` (and its
+    ``-wal``/``-shm``/``-journal``) whose process no longer exists on this machine AND that
+    is older than ``older_than`` seconds; the age also covers creators in other pid
+    namespaces or on other hosts sharing the folder. ``.NAME.HEX.new``, the name of older
+    releases, has no pid: only the age applies. Anything else is never touched."""
+    pattern = re.compile(
+        rf"\.{re.escape(path.name)}\.(?:(?P<pid>\d{{1,10}})\.)?[0-9a-f]{{16}}\.new"
+        r"(?:-wal|-shm|-journal)?"
+    )
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError as error:
+        log.debug("cannot list %s for stale temporary files: %s", path.parent, error)
+        return removed
+    now = time.time()
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        pid = match.group("pid")
+        try:
+            stale = entry.is_file(follow_symlinks=False) and (
+                now - entry.stat(follow_symlinks=False).st_mtime > older_than
+            )
+            if stale and (pid is None or not _pid_alive(int(pid))):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError as error:  # gone meanwhile, or not ours to delete: leave it
+            log.debug("left %s in place: %s", entry.path, error)
+    if removed:
+        log.info("removed %d stale temporary file(s) beside %s", len(removed), path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process here (another user's counts as alive)."""
+    if pid <= 0 or pid == os.getpid():  # ours, or no creator's at all: keep the file
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _close_wal(path: Path) -> None:
+    """Fold the WAL into the main file so the file alone is the whole database."""
+    with closing(sqlite3.connect(path)) as raw:
+        raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")

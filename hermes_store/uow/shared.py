@@ -1,0 +1,117 @@
+"""One writer per process and SQLite file: the registry of shared Units of Work.
+
+``SessionDB`` instances opened on the same file in one process share one engine, one writer
+connection and one in-process write lock (one :class:`UnitOfWork`): two writers of one
+process never meet as strangers inside SQLite's busy handler, and a ``transaction()`` opened
+through one instance is joined by calls through another. Entries are keyed by the process id
+and the file's identity (device, inode), reference-counted, and re-keyed in a forked child,
+whose Units of Work have by then dropped every connection and lock of the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from hermes_store.errors import SharedStoreMismatchError
+from hermes_store.uow.unit import RetryPolicy, UnitOfWork
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """What stores sharing one writer must agree on."""
+
+    retry: RetryPolicy
+    checkpoint_every: int
+    writer_busy_timeout: float
+    reader_busy_timeout: float
+    synchronous: str
+    #: ``id()`` of an Engine the caller passed in (None: the store made its own).
+    engine: int | None
+
+
+@dataclass
+class _Entry:
+    uow: UnitOfWork
+    options: StoreOptions
+    owns_engine: bool
+    refs: int = 1
+
+
+FileKey = tuple[int, int]
+
+_lock = threading.Lock()
+_entries: dict[tuple[int, int, int], _Entry] = {}
+
+
+def file_key(path: Path) -> FileKey:
+    """The identity of an existing file: (device, inode), whatever path names it."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
+
+
+def acquire(
+    key: FileKey,
+    options: StoreOptions,
+    make: Callable[[], tuple[UnitOfWork, bool]],
+    where: str,
+) -> UnitOfWork:
+    """The file's shared Unit of Work (made by ``make`` for the first opener: the Unit of Work
+    and whether the store owns its engine); refuses options that differ from the first's."""
+    with _lock:
+        entry = _entries.get((os.getpid(), *key))
+        if entry is not None:
+            if entry.options != options:
+                diff = ", ".join(
+                    f"{f.name}={getattr(options, f.name)!r}, "
+                    f"open with {getattr(entry.options, f.name)!r}"
+                    for f in fields(options)
+                    if f.name != "engine"
+                    and getattr(options, f.name) != getattr(entry.options, f.name)
+                )
+                if options.engine != entry.options.engine:
+                    diff = "; ".join(filter(None, [diff, "through a different Engine"]))
+                raise SharedStoreMismatchError(
+                    f"{where} is already open in this process with other options ({diff}); "
+                    "stores on one file share one writer, so open them with the same options"
+                )
+            entry.refs += 1
+            return entry.uow
+        uow, owns_engine = make()
+        _entries[(os.getpid(), *key)] = _Entry(uow, options, owns_engine)
+        return uow
+
+
+def release(key: FileKey) -> tuple[bool, bool]:
+    """Drop one reference: (was it the last, does the store own the engine)."""
+    with _lock:
+        full = (os.getpid(), *key)
+        entry = _entries.get(full)
+        if entry is None:
+            return True, False
+        entry.refs -= 1
+        if entry.refs > 0:
+            return False, entry.owns_engine
+        del _entries[full]
+        return True, entry.owns_engine
+
+
+def open_files() -> int:
+    """How many files this process has open through shared writers (for tests and stats)."""
+    with _lock:
+        return sum(1 for pid, *_ in _entries if pid == os.getpid())
+
+
+def _after_fork_in_child() -> None:
+    """The child keeps its copies of the parent's stores: their entries move to its pid (the
+    Units of Work have already forgotten the parent's connections and locks)."""
+    global _lock, _entries
+    _lock = threading.Lock()
+    child = os.getpid()
+    _entries = {(child, dev, ino): entry for (_pid, dev, ino), entry in _entries.items()}
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,109 @@
+"""Odd but legal paths open the file they name, every time, and leave nothing beside it.
+
+Paths reach SQLite as ``file:`` URIs where a connection needs flags (the read-only probe, the
+read-only fallback). Unescaped, ``%20`` in a folder name was decoded into a space (the file
+was "not a readable SQLite database" on every later open) and ``#``/``?`` cut the path short
+(the probe created a stray empty file in the parent folder and every open took the
+migration path).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hermes_store import SessionDB
+from hermes_store.engine.factory import MAX_PATH_BYTES, sqlite_file, to_url
+from hermes_store.engine.files import WRITER_LOCK_SUFFIX, path_from_uri, sqlite_uri
+from hermes_store.errors import InvalidInputError
+from hermes_store.schema import migrate
+
+
+def _files(folder: Path) -> list[str]:
+    """What is in the folder, besides the writer queue's lock file (which stays by design)."""
+    return sorted(p for p in os.listdir(folder) if not p.endswith(WRITER_LOCK_SUFFIX))
+
+
+NAMES = [
+    "My%20Files",
+    "100%",
+    "a#b",
+    "what?x=1&y=2",
+    "a=b&c",
+    "with spaces  twice",
+    "ünïcödé 数据库 🚀",
+    "%2e%2e",
+    "x" * 200,
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_database_in_an_odd_folder_reopens_as_itself(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / name
+    folder.mkdir()
+    path = folder / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+        store.append_message("s", "user", "hello")
+    before = sorted(os.listdir(tmp_path))
+    for _ in range(2):
+        state = migrate.preflight_sqlite(path)
+        assert state is not None and state.revision == migrate.head_revision()
+        assert migrate.current(path) == migrate.head_revision()
+        with SessionDB(path) as store:
+            assert store.get_messages("s")[0]["content"] == "hello"
+    assert sorted(os.listdir(tmp_path)) == before == sorted([name])
+    assert _files(folder) == ["state.db"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_read_only_uri_of_an_odd_path_reads_that_file(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / name
+    folder.mkdir()
+    path = folder / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+    url = sqlite_uri(path, mode="ro")
+    assert sqlite_file(url) == path
+    with SessionDB(url) as store:
+        assert store.get_session("s") is not None
+
+
+@pytest.mark.parametrize("name", ["state#1.db", "state?.db", "state%41.db", "ß tate.db"])
+def test_odd_file_names(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    for _ in range(2):
+        with SessionDB(path) as store:
+            store.ensure_session("s")
+    assert _files(tmp_path) == [name]
+
+
+def test_uri_paths_decode_as_sqlite_does() -> None:
+    assert path_from_uri("file:/a%20b/c%23d.db?mode=ro") == Path("/a b/c#d.db")
+    assert path_from_uri("file:///srv/state.db") == Path("/srv/state.db")
+    assert path_from_uri("file://localhost/srv/state.db#x") == Path("/srv/state.db")
+    assert sqlite_file(to_url("sqlite:///file:/a%2520b/s.db?mode=ro&uri=true")) == Path(
+        "/a b/s.db"  # make_url decodes once, as SQLAlchemy hands it to SQLite; SQLite again
+    )
+
+
+def test_a_path_too_long_for_sqlite_is_refused_before_anything_is_created(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path
+    while len(os.fsencode(folder)) < MAX_PATH_BYTES:
+        folder = folder / ("d" * 100)
+    with pytest.raises(InvalidInputError, match="at most 504 bytes"):
+        SessionDB(folder / "state.db")
+    assert not (tmp_path / ("d" * 100)).exists()
+    room = MAX_PATH_BYTES - len(os.fsencode(tmp_path)) - len("/state.db")
+    longest = tmp_path / ("d" * (room // 2 - 1)) / ("e" * (room - room // 2 - 1)) / "state.db"
+    longest.parent.mkdir(parents=True)
+    assert len(os.fsencode(longest)) == MAX_PATH_BYTES
+    with SessionDB(tmp_path / "state.db") as store:
+        store.ensure_session("s")
+    (tmp_path / "state.db").rename(longest)
+    with SessionDB(longest) as store:  # the longest path SQLite opens still works
+        assert store.get_session("s") is not None

@@ -1,0 +1,385 @@
+"""Misuse gets a clear error at once, never a hang, a held lock or a raw error.
+
+A transaction belongs to the thread that opened it: a generator that opened one and is
+resumed in another thread is refused (and its block rolled back); an AsyncSessionDB call inside
+a sync block on the same file, and a sync write inside an async block, are refused instead of
+waiting for themselves; an event loop closed with an async block open releases SQLite's write
+lock (another process writes afterwards); AsyncSessionDB's sync store on PostgreSQL outside
+``run_sync`` says what to do instead of MissingGreenlet. A nested ``transaction()`` is a
+SAVEPOINT. Folders the package creates are owner-only whatever the umask.
+
+The would-be hangs run in a thread joined with a generous timeout: a regression fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from sqlalchemy.engine import URL
+
+from hermes_store import (
+    AsyncSessionDB,
+    SessionDB,
+    StoreMisuseError,
+    TransactionMisuseError,
+)
+from hermes_store.cli import cli
+from hermes_store.engine.factory import to_url
+from tests.conftest import url_string
+
+#: A deadlock guard only: the calls under test answer at once.
+STUCK = 60.0
+#: What the refusal of an async call inside a sync block tells the caller to use.
+ASYNC_BLOCK = r"async with adb\.transaction\(\)"
+
+
+def _outcome(work: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """Run ``work`` in a thread; its result or error once it ended (fails if it hangs)."""
+    box: list[Any] = []
+
+    def body() -> None:
+        try:
+            box.append((work(), None))
+        except BaseException as error:  # handed to the test
+            box.append((None, error))
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(STUCK)
+    assert not thread.is_alive(), f"still waiting after {STUCK} s: a hang, not an error"
+    return box[0]  # type: ignore[no-any-return]
+
+
+def _committed(url: URL | Path, sql: str) -> list[Any]:
+    engine = sa.create_engine(url_string(to_url(url)), poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return list(conn.scalars(sa.text(sql)))
+    finally:
+        engine.dispose()
+
+
+def _messages(url: URL | Path) -> list[str]:
+    return _committed(url, "SELECT content FROM messages ORDER BY id")
+
+
+def _sessions(url: URL | Path) -> list[str]:
+    return _committed(url, "SELECT id FROM sessions ORDER BY id")
+
+
+# -- a transaction belongs to the thread that opened it ----------------------------------------
+
+
+@pytest.mark.parametrize("resumed", ["calls the store", "only ends the block"])
+def test_a_generator_resumed_in_another_thread_is_refused_at_once(
+    db_url: URL, resumed: str
+) -> None:
+    db = SessionDB(url_string(db_url))  # closed only on success: a hang must not hang teardown
+    db.create_session("other", "cli")
+
+    def rows() -> Iterator[int]:
+        with db.transaction():
+            db.create_session("opened", "cli")
+            yield 1
+            if resumed == "calls the store":
+                db.append_message("other", "user", "from the resumed generator")
+            yield 2
+
+    generator = rows()
+    assert next(generator) == 1  # the block is open, in this thread
+    result, error = _outcome(lambda: list(generator))
+    assert result is None and isinstance(error, TransactionMisuseError), error
+    assert "belongs to the thread that opened it" in str(error)
+    # The block was rolled back, nothing of it landed and no lock is left held: this
+    # thread (whose context still named the block) and the file go on working.
+    assert _sessions(db_url) == ["other"]
+    db.append_message("other", "user", "after")
+    assert _messages(db_url) == ["after"]
+    with db.transaction():
+        db.create_session("later", "cli")
+    assert _sessions(db_url) == ["later", "other"]
+    db.close()
+
+
+def test_the_thread_running_an_open_blocks_body_is_refused_a_write(tmp_path: Path) -> None:
+    """Two asyncio tasks of one thread: one holds a sync block across an await, the other's
+    sync write would wait for the writer its own thread holds (freezing the loop)."""
+    db = SessionDB(tmp_path / "state.db")
+    db.create_session("s", "cli")
+
+    async def scenario() -> BaseException | None:
+        inside = asyncio.Event()
+        leave = asyncio.Event()
+
+        async def holder() -> None:
+            with db.transaction():
+                db.append_message("s", "user", "held")
+                inside.set()
+                await leave.wait()
+
+        task = asyncio.create_task(holder())
+        await inside.wait()
+        try:
+            db.append_message("s", "user", "refused")
+        except TransactionMisuseError as error:
+            return error
+        finally:
+            leave.set()
+            await task
+        return None
+
+    result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None and isinstance(result, TransactionMisuseError), (result, error)
+    assert _messages(tmp_path / "state.db") == ["held"]
+    db.close()
+
+
+# -- AsyncSessionDB and sync blocks of the same file --------------------------------------------
+
+
+def test_an_async_call_inside_a_sync_block_of_the_same_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    db = SessionDB(path)
+    db.create_session("s", "cli")
+
+    async def scenario() -> list[str]:
+        refused: list[str] = []
+        async with AsyncSessionDB(path) as adb:
+            await adb.message_count("s")
+            with db.transaction():
+                db.append_message("s", "user", "sync")
+                for attempt in (
+                    lambda: adb.append_message("s", "user", "async"),
+                    lambda: asyncio.wait_for(adb.get_session("s"), STUCK),
+                    lambda: adb.run_sync(lambda store: store.message_count("s")),
+                ):
+                    with pytest.raises(TransactionMisuseError, match=ASYNC_BLOCK):
+                        await attempt()
+                    refused.append("call")
+                with pytest.raises(TransactionMisuseError):
+                    async with adb.transaction():
+                        pass
+                refused.append("block")
+            await adb.append_message("s", "user", "after the block")  # then it works
+        return refused
+
+    result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert result == ["call", "call", "call", "block"]
+    assert _messages(path) == ["sync", "after the block"]
+    db.close()
+
+
+def test_a_sync_write_inside_an_async_block_of_the_same_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    db = SessionDB(path)
+    db.create_session("s", "cli")
+
+    async def scenario() -> None:
+        async with AsyncSessionDB(path) as adb:
+            async with adb.transaction():
+                await adb.append_message("s", "user", "async")
+                with pytest.raises(TransactionMisuseError, match="wait for itself"):
+                    db.append_message("s", "user", "sync")
+                with pytest.raises(TransactionMisuseError), db.transaction():
+                    pass
+            db.append_message("s", "user", "after the block")
+
+    _result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert _messages(path) == ["async", "after the block"]
+    db.close()
+
+
+def test_the_sync_store_of_a_postgresql_adb_says_what_to_do(pg_url: URL) -> None:
+    async def scenario() -> list[str]:
+        seen: list[str] = []
+        async with AsyncSessionDB(url_string(pg_url)) as adb:
+            await adb.create_session("s", "cli")
+            for call in (
+                lambda: adb.sync.append_message("s", "user", "raw"),
+                lambda: adb.sync.get_session("s"),
+                lambda: adb.sync.message_count("s"),
+                adb.sync.transaction().__enter__,
+            ):
+                with pytest.raises(StoreMisuseError, match="run_sync") as refused:
+                    call()
+                seen.append(type(refused.value).__name__)
+            # Inside run_sync the same store works (SQLAlchemy's greenlet is there).
+            await adb.run_sync(lambda db: db.append_message("s", "user", "in run_sync"))
+            seen.append(str(await adb.message_count("s")))
+        return seen
+
+    result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert result == ["StoreMisuseError"] * 4 + ["1"]
+    assert _messages(pg_url) == ["in run_sync"]
+
+
+# -- an event loop closed with a block open -----------------------------------------------------
+
+_OTHER_WRITER = """
+import sys
+from hermes_store import SessionDB
+db = SessionDB(sys.argv[1])
+db.append_message("s", "user", "another process")
+db.close()
+"""
+
+
+def test_a_loop_closed_with_an_open_block_releases_its_locks(db_url: URL) -> None:
+    """SQLite's write lock, PostgreSQL's row locks (the block updated the session's row)."""
+    url = url_string(db_url)
+    with SessionDB(url) as setup:
+        setup.create_session("s", "cli")
+    adb = AsyncSessionDB(url)
+    loop = asyncio.new_event_loop()
+    inside = asyncio.Event()
+
+    async def holder() -> None:
+        async with adb.transaction():
+            await adb.append_message("s", "user", "abandoned")
+            inside.set()
+            await asyncio.Event().wait()  # never set: the block stays open
+
+    pending = loop.create_task(holder())
+    loop.run_until_complete(inside.wait())
+    loop.close()  # the holder is never cancelled, never resumed
+    # Another process can write: the abandoned block no longer holds the lock (the other
+    # waits its whole retry budget, or on PostgreSQL for the row, far longer than the
+    # release takes).
+    other = subprocess.run(
+        [sys.executable, "-c", _OTHER_WRITER, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert _messages(db_url) == ["another process"]  # the abandoned write was rolled back
+    with SessionDB(url) as db:  # and this process writes again too
+        db.append_message("s", "user", "this process")
+    assert _messages(db_url) == ["another process", "this process"]
+    del pending
+    asyncio.run(adb.close())
+
+
+# -- nested transaction(): a SAVEPOINT ----------------------------------------------------------
+
+
+def test_a_nested_block_that_raises_rolls_back_only_itself(db_url: URL) -> None:
+    with SessionDB(url_string(db_url)) as db:
+        db.create_session("s", "cli")
+        with db.transaction():
+            db.append_message("s", "user", "outer before")
+            with pytest.raises(RuntimeError, match="inner fails"), db.transaction():
+                db.append_message("s", "user", "inner")
+                db.update_token_counts("s", input_tokens=5)
+                db.create_session("inner-only", "cli")
+                raise RuntimeError("inner fails")
+            with db.transaction():  # a nested block that succeeds is kept
+                db.append_message("s", "user", "inner kept")
+            db.append_message("s", "user", "outer after")
+            assert _messages(db_url) == []  # nothing commits before the outer block ends
+        assert _messages(db_url) == ["outer before", "inner kept", "outer after"]
+        assert _sessions(db_url) == ["s"]
+        session = db.get_session("s")
+        assert session is not None
+        assert session["message_count"] == 3 and session["input_tokens"] == 0
+
+
+def test_a_database_error_in_a_nested_block_leaves_the_outer_one_usable(db_url: URL) -> None:
+    """PostgreSQL aborts the whole transaction on a failed statement; the savepoint undoes
+    just the nested block, so the outer one goes on and commits."""
+    with SessionDB(url_string(db_url)) as db:
+        db.create_session("s", "cli")
+        with db.transaction():
+            with pytest.raises(sa.exc.IntegrityError), db.transaction() as conn:
+                db.append_message("s", "user", "inner")
+                conn.execute(
+                    sa.text("INSERT INTO sessions (id, source, started_at) VALUES ('s', 'x', 1)")
+                )
+            db.append_message("s", "user", "outer")
+        assert _messages(db_url) == ["outer"]
+        session = db.get_session("s")
+        assert session is not None and session["message_count"] == 1
+
+
+def test_a_nested_async_block_that_raises_rolls_back_only_itself(db_url: URL) -> None:
+    async def scenario() -> None:
+        async with AsyncSessionDB(url_string(db_url)) as adb:
+            await adb.create_session("s", "cli")
+            async with adb.transaction():
+                await adb.append_message("s", "user", "outer")
+                with pytest.raises(KeyError):
+                    async with adb.transaction():
+                        await adb.append_message("s", "user", "inner")
+                        raise KeyError("inner fails")
+                await adb.append_message("s", "user", "outer after")
+
+    _result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert _messages(db_url) == ["outer", "outer after"]
+
+
+# -- folders the package creates are owner-only ------------------------------------------------
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_export_split_creates_owner_only_folders(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("s1", "cli")
+        db.set_session_title("s1", "Private plans")
+        db.append_message("s1", "user", "hello")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    existing.chmod(0o755)
+    out = existing / "new" / "deeper"
+    result = CliRunner(env={"HERMES_STORE_URL": None}).invoke(
+        cli,
+        ["--db", str(path), "export", "--format", "md", "--split", "-o", str(out)],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    assert _mode(out) == 0o700 and _mode(out.parent) == 0o700
+    assert _mode(existing) == 0o755  # a folder that existed keeps its mode
+    written = list(out.iterdir())
+    assert written and all(_mode(file) == 0o600 for file in written)
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_a_new_database_creates_owner_only_parent_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home" / ".hermes"
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    with SessionDB() as db:
+        db.create_session("s", "cli")
+    assert _mode(home) == 0o700 and _mode(home.parent) == 0o700
+    with SessionDB(tmp_path / "a" / "b" / "state.db") as db:
+        db.create_session("s", "cli")
+    assert _mode(tmp_path / "a") == 0o700 and _mode(tmp_path / "a" / "b") == 0o700
