@@ -32,6 +32,22 @@ BUMP_COUNTERS_BY = (
     "UPDATE sessions SET message_count = message_count + ?,"
     " tool_call_count = tool_call_count + ? WHERE id = ?"
 )
+#: The original store's incremental ``update_token_counts`` (every counter and cost column).
+ADD_TOKENS = (
+    "UPDATE sessions SET input_tokens = input_tokens + ?, output_tokens = output_tokens + ?,"
+    " cache_read_tokens = cache_read_tokens + ?, cache_write_tokens = cache_write_tokens + ?,"
+    " reasoning_tokens = reasoning_tokens + ?,"
+    " estimated_cost_usd = COALESCE(estimated_cost_usd, 0) + COALESCE(?, 0),"
+    " actual_cost_usd = CASE WHEN ? IS NULL THEN actual_cost_usd"
+    " ELSE COALESCE(actual_cost_usd, 0) + ? END,"
+    " cost_status = COALESCE(?, cost_status), cost_source = COALESCE(?, cost_source),"
+    " pricing_version = COALESCE(?, pricing_version),"
+    " billing_provider = COALESCE(billing_provider, ?),"
+    " billing_base_url = COALESCE(billing_base_url, ?),"
+    " billing_mode = COALESCE(billing_mode, ?), model = COALESCE(model, ?) WHERE id = ?"
+)
+#: Its cost, status, pricing, billing and model parameters when only tokens are added.
+NO_COSTS = (None,) * 10
 BARE_SEARCH = (
     f"SELECT m.id, m.session_id, m.role, {SNIPPET} AS snippet, m.timestamp, m.tool_name,"
     " s.source, s.model, s.started_at AS session_started FROM messages_fts"
@@ -113,6 +129,23 @@ class Floor:
             raise
         self._wrote()
         return int(cursor.lastrowid or 0)
+
+    def update_token_counts(
+        self, session_id: str, input_tokens: int = 0, output_tokens: int = 0
+    ) -> None:
+        """The original store's incremental token update: BEGIN IMMEDIATE; UPDATE; COMMIT."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(
+                ADD_TOKENS,
+                (input_tokens, output_tokens, 0, 0, 0, *NO_COSTS, session_id),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self._wrote()
 
     def append_many(self, session_id: str, messages: Sequence[dict[str, Any]]) -> None:
         """A bulk import the raw way: one transaction, ``executemany`` of the original's INSERT."""

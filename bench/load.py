@@ -1,68 +1,106 @@
 """The load benchmark: writer processes appending to one shared session and incrementing its
-counters (several threads each, every thread on its own store) while readers search and list.
+counters (several threads each, every thread on its own store) while readers search and list;
+and one writer alone, per call.
 
-``python -m bench.load --rounds 3`` runs the contenders interleaved, round after round (the
-order rotates each round, so drift on a shared machine hits all alike), on a fresh database
-per run, and prints a markdown table of medians with [min..max] over the rounds:
+``python -m bench.load --rounds 3`` runs every contender of every set interleaved, round after
+round (the order rotates each round, so drift on a shared machine hits all alike). Each run is
+a fresh process on a fresh database (made by hermes_store, so every contender writes to the
+same schema and triggers): the process prepares the file, forks the writers and readers,
+checks the totals exactly, and reports. It prints markdown tables of medians with [min..max]
+over the rounds, and of the ratios to the original store taken per round.
 
-- ``ours``: hermes_store as it is (the fair writer queue and group commit on);
-- ``ours, sync=NORMAL``: the same opened with ``synchronous="normal"`` (the opt-in);
-- ``before``: hermes_store with the queue and group commit off (``HERMES_STORE_WRITE_QUEUE=0``,
-  ``HERMES_STORE_GROUP_COMMIT=0`` in the worker processes), i.e. the code before the queue:
-  every writer meets SQLite's busy handler;
-- ``original``: the original store (``tests/support/seed_store.py``, raw ``sqlite3``).
+Contenders:
 
-Sets: ``8x4+2r`` (8 processes x 4 threads, 2 reader processes), ``16x1``, ``1x1`` (one
-writer alone: the commit ceiling the other sets share), and ``mixed``
-(8 x 4 of the contender plus 2 original-store processes x 4 threads on the same file; with
-the contender ``original`` every process is the original store: the run of the same size the
-original processes' latency is compared with). Ratios are taken per round against the
-original store in the same round (``mixed``: against ``original``). Units per commit: the
-write units of our writer processes over their commits (group commit makes it above 1).
-``--out docs/benchmarks.md`` rewrites that file's load section with the report.
-Real processes (``fork``: cheap on two cores; the queue's fork hook gives children their own
-lock descriptors); totals are checked exactly after every run.
+- ``ours``: hermes_store as it is (FULL durability);
+- ``ours, sync=NORMAL``: the same opened with ``synchronous="normal"`` (the opt-in; 8x4 only);
+- ``ours, before`` (``--before``): the queue and group commit off
+  (``HERMES_STORE_WRITE_QUEUE=0``, ``HERMES_STORE_GROUP_COMMIT=0``): every writer meets
+  SQLite's busy handler;
+- ``original``: the original store (``tests/support/seed_store.py``, raw ``sqlite3``);
+- ``floor`` (one writer alone only): a raw ``sqlite3`` connection running the original's
+  statements (``bench/floor.py``).
+
+``--ours LABEL=DIR`` (repeatable) runs hermes_store from other checkouts instead of this one:
+each run's process gets ``PYTHONPATH=DIR`` and imports that checkout's ``hermes_store`` before
+this checkout's ``bench`` and ``tests`` come into view, so two checkouts meet in the same
+interleaved rounds (``--ours main=/work/main --ours new=.``); the later ones also get ratios
+to the first.
+
+Sets (``--ops`` = operations per thread at 8x4; every set does about as many writes):
+
+- ``alone``: one writer alone, ``append_message`` and ``update_token_counts`` alternately,
+  each call timed (wall and CPU): the uncontended cost, against the original and the floor;
+- ``1x1``, ``4x1``: processes x threads, writing back to back;
+- ``16x1+2r``, ``8x4+2r``: the same with 2 reader processes searching and listing in a loop
+  (with the contender's own store class);
+- ``hog+5``: one process writing back to back and 5 occasional writers, each pausing an
+  exponential time (mean 50 ms, the same seeded gaps for every contender) before each op:
+  the occasional writers' wait (p50/p99/max) and the hog's throughput;
+- ``mixed``: 8x4 of the contender plus 2 original-store processes x 4 threads on the same
+  file (with ``original``, every process is the original store).
+
+An op is one ``append_message`` and one ``update_token_counts`` on the shared session, both
+timed as writes. Units per commit: the write units of the contender's writer processes over
+their commits (group commit makes it above 1). ``--pg URL`` adds 8x4+2r on PostgreSQL (ours
+only: the original store has no PostgreSQL). ``python -m bench.run`` puts these tables in
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.synchronize import Barrier, Event
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # ``python bench/load.py``: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import stamp
 from bench.corpus import COMMON_WORD
 from bench.timing import percentile
 from hermes_store import HermesStoreError, SessionDB
 
+ROOT = Path(__file__).resolve().parent.parent
 SHARED = "load-shared"
-ORIGINAL = "original"
-NORMAL = "ours, sync=NORMAL"
-KINDS = ("ours", NORMAL, "before", ORIGINAL)
+#: Kinds of store a process opens (``Contender.kind``).
+OURS, NORMAL, BEFORE, ORIGINAL, FLOOR = "ours", "normal", "before", "original", "floor"
+#: Mean pause of an occasional writer before each op (``hog+5``).
+OCCASIONAL_GAP_MS = 50.0
+#: Marks the child's result line on its stdout.
+RESULT_MARK = "bench.load result: "
 
 
 @dataclass(frozen=True)
 class Group:
-    """``processes`` writer processes of one kind, ``threads`` threads x ``ops`` each."""
+    """``processes`` writer processes of one kind, ``threads`` threads x ``ops`` each.
+
+    ``gap_ms``: the mean of an exponential pause before each op (0: back to back). ``hog``: the
+    group writes back to back until every other group is done (``ops`` is not a bound)."""
 
     kind: str
     processes: int
     threads: int
     ops: int
+    gap_ms: float = 0.0
+    hog: bool = False
 
     @property
     def writes(self) -> int:
-        return self.processes * self.threads * self.ops * 2
+        return 0 if self.hog else self.processes * self.threads * self.ops * 2
 
 
 @dataclass
@@ -85,6 +123,7 @@ class LoadResult:
     queue_fallbacks: int = 0
     units: int = 0  #: write units of the first group's processes (ours only)
     commits: int = 0  #: their commits (a group commit counts once)
+    hog_ops: int = 0  #: ops the hog groups did (``hog+5``)
 
     @property
     def units_per_commit(self) -> float:
@@ -97,50 +136,66 @@ class LoadResult:
     def summary(self) -> dict[str, float]:
         w = self.write_latencies
         r = self.read_latencies
-        all_writes = len(w) + len(self.other_latencies)
+        o = self.other_latencies
+        all_writes = len(w) + len(o)
+        per_s = 1 / self.seconds if self.seconds else float("nan")
         return {
             "write_p50_ms": percentile(w, 0.50) * 1000,
             "write_mean_ms": statistics.fmean(w) * 1000 if w else float("nan"),
             "write_p99_ms": percentile(w, 0.99) * 1000,
             "write_max_ms": (max(w) if w else float("nan")) * 1000,
-            "writes_per_s": all_writes / self.seconds if self.seconds else float("nan"),
+            "writes_per_s": all_writes * per_s,
             "cpu_ms_per_write": self.cpu_seconds / len(w) * 1000 if w else float("nan"),
             "read_p50_ms": percentile(r, 0.50) * 1000,
             "read_p99_ms": percentile(r, 0.99) * 1000,
             "reads": float(len(r)),
-            "reads_per_s": len(r) / self.seconds if self.seconds else float("nan"),
+            "reads_per_s": len(r) * per_s,
+            "other_p99_ms": percentile(o, 0.99) * 1000,
+            "other_max_ms": (max(o) if o else float("nan")) * 1000,
+            "hog_writes_per_s": 2 * self.hog_ops * per_s,
         }
 
 
 def _setup(kind: str) -> None:
     """Per-process switches for a contender (run in the worker, before any store is opened)."""
-    if kind == "before":
+    if kind == BEFORE:
         os.environ["HERMES_STORE_WRITE_QUEUE"] = "0"
         os.environ["HERMES_STORE_GROUP_COMMIT"] = "0"
 
 
 def _open(url: str, kind: str) -> Any:
-    """hermes_store, or the original store's own class (``tests/support/seed_store.py``)."""
+    """hermes_store, the original store's own class (``tests/support/seed_store.py``), or the
+    raw floor (``bench/floor.py``)."""
     if kind in (ORIGINAL, "seed"):
         from tests.support.seed_store import SeedSessionDB
 
         return SeedSessionDB(url)
+    if kind == FLOOR:
+        from bench.floor import Floor
+
+        return Floor(url)
     if kind == NORMAL:
         return SessionDB(url, synchronous="normal")
     return SessionDB(url)
 
 
 def _writer(
-    url: str, kind: str, worker: int, threads: int, ops: int, start: Barrier, out: Any, group: int
+    url: str, group: Group, worker: int, start: Barrier, stop: Event, out: Any, index: int
 ) -> None:
-    _setup(kind)
-    stores = [_open(url, kind) for _ in range(threads)]  # every thread on its own store
+    _setup(group.kind)
+    threads = group.threads
+    stores = [_open(url, group.kind) for _ in range(threads)]  # every thread on its own store
     latencies: list[list[float]] = [[] for _ in range(threads)]
+    done = [0] * threads
     errors: list[str] = []
 
     def work(thread: int) -> None:
         store, mine = stores[thread], latencies[thread]
-        for op in range(ops):
+        gaps = random.Random(f"{index}/{worker}/{thread}")  # the same pauses for every contender
+        op = 0
+        while not stop.is_set() if group.hog else op < group.ops:
+            if group.gap_ms:
+                time.sleep(gaps.expovariate(1000.0 / group.gap_ms))
             t0 = time.perf_counter()
             try:
                 store.append_message(SHARED, "user", f"load {worker} {thread} {op} {COMMON_WORD}")
@@ -148,9 +203,12 @@ def _writer(
                 store.update_token_counts(SHARED, input_tokens=1, output_tokens=2)
                 t2 = time.perf_counter()
             except Exception as error:  # counted, reported, and the totals check fails
-                errors.append(f"{kind} writer {worker}: {error!r}")
+                errors.append(f"{group.kind} writer {worker}: {error!r}")
                 continue
+            finally:
+                op += 1
             mine.extend((t1 - t0, t2 - t1))
+            done[thread] += 1
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     start.wait()
@@ -173,7 +231,7 @@ def _writer(
             fallbacks = stats.fallbacks
         store.close()
     flat = [x for mine in latencies for x in mine]
-    out.put(("writer", group, flat, errors, (units, commits), cpu, fallbacks))
+    out.put(("writer", index, flat, errors, (units, commits), cpu, fallbacks, sum(done)))
 
 
 def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: Any) -> None:
@@ -197,7 +255,7 @@ def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: 
             turn += 1
         latencies.append(time.perf_counter() - t0)
     store.close()
-    out.put(("reader", -1, latencies, errors, (0, 0), 0.0, 0))
+    out.put(("reader", -1, latencies, errors, (0, 0), 0.0, 0, 0))
 
 
 def prepare(url: str) -> None:
@@ -220,16 +278,20 @@ def prepare(url: str) -> None:
 
 
 def run_groups(
-    url: str, label: str, groups: Sequence[Group], *, readers: int = 0, reader_kind: str = "ours"
+    url: str, label: str, groups: Sequence[Group], *, readers: int = 0, reader_kind: str = OURS
 ) -> LoadResult:
-    """Run the writer groups (and readers) at once against ``url`` (prepared); check totals."""
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    """Run the writer groups (and readers) at once against ``url`` (prepared); check totals.
+
+    The run ends when every bounded group is done: then the hogs and readers stop."""
+    if all(g.hog for g in groups):
+        raise ValueError("a run needs a group bounded in ops beside its hogs")
+    ctx: Any = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     out = ctx.Queue()
     writers = sum(g.processes for g in groups)
     start = ctx.Barrier(writers + readers + 1)
     stop = ctx.Event()
     procs = [
-        ctx.Process(target=_writer, args=(url, g.kind, w, g.threads, g.ops, start, out, index))
+        ctx.Process(target=_writer, args=(url, g, w, start, stop, out, index))
         for index, g in enumerate(groups)
         for w in range(g.processes)
     ]
@@ -243,18 +305,18 @@ def run_groups(
     began = time.perf_counter()
     first = groups[0]
     result = LoadResult(label, first.processes, first.threads, first.ops, 0.0)
-    pending_writers = writers
+    pending_bounded = sum(g.processes for g in groups if not g.hog)
     pending = len(procs)
     while pending:
         try:
-            role, group, latencies, errors, counts, cpu, fallbacks = out.get(timeout=300)
+            role, index, latencies, errors, counts, cpu, fallbacks, done = out.get(timeout=300)
         except queue.Empty:
             result.errors.append("a worker did not report within 300 s")
             break
         pending -= 1
         result.errors.extend(errors)
         if role == "writer":
-            if group == 0:
+            if index == 0:
                 result.write_latencies.extend(latencies)
                 result.cpu_seconds += cpu
                 result.queue_fallbacks += fallbacks
@@ -262,10 +324,13 @@ def run_groups(
                 result.commits += counts[1]
             else:
                 result.other_latencies.extend(latencies)
-            pending_writers -= 1
-            if pending_writers == 0:
-                result.seconds = time.perf_counter() - began
-                stop.set()
+            if groups[index].hog:
+                result.hog_ops += done
+            else:
+                pending_bounded -= 1
+                if pending_bounded == 0:
+                    result.seconds = time.perf_counter() - began
+                    stop.set()
         else:
             result.read_latencies.extend(latencies)
     stop.set()
@@ -273,7 +338,7 @@ def run_groups(
         proc.join(timeout=60)
         if proc.exitcode != 0:
             result.errors.append(f"{proc.name} exited with {proc.exitcode}")
-    _check_totals(url, result, sum(g.writes for g in groups) // 2)
+    _check_totals(url, result, sum(g.writes for g in groups) // 2 + result.hog_ops)
     return result
 
 
@@ -285,11 +350,11 @@ def run_load(
     readers: int = 2,
     threads: int = 4,
     ops: int = 100,
-    kind: str = "ours",
+    kind: str = OURS,
 ) -> LoadResult:
-    """One run of the classic shape (``bench.run``); ``kind="seed"``: the original store."""
+    """One run of the classic shape, in this process; ``kind="seed"``: the original store."""
     kind = ORIGINAL if kind == "seed" else kind
-    label = backend if kind == "ours" else f"{backend}, seed (floor)"
+    label = backend if kind == OURS else f"{backend}, seed (floor)"
     return run_groups(
         url, label, [Group(kind, writers, threads, ops)], readers=readers, reader_kind=kind
     )
@@ -320,202 +385,799 @@ def _check_totals(url: str, result: LoadResult, expected: int) -> None:
     )
 
 
-# -- the interleaved comparison (python -m bench.load) -----------------------------------------
+# -- one writer alone, per call ----------------------------------------------------------------
+
+
+def writer_alone(url: str, kind: str, calls: int) -> dict[str, Any]:
+    """``calls`` ops by one writer on a prepared file, after a tenth as many unmeasured: each
+    ``append_message`` and ``update_token_counts`` timed (wall), CPU over each op's calls."""
+    _setup(kind)
+    store = _open(url, kind)
+    ops: dict[str, tuple[Callable[[int], object], list[float]]] = {
+        "append_message": (
+            lambda i: store.append_message(SHARED, "user", f"alone {i} {COMMON_WORD}"),
+            [],
+        ),
+        "update_token_counts": (
+            lambda i: store.update_token_counts(SHARED, input_tokens=1, output_tokens=2),
+            [],
+        ),
+    }
+    cpu = dict.fromkeys(ops, 0.0)
+    warm = max(1, calls // 10)
+    for i in range(warm):
+        for call, _ in ops.values():
+            call(i)
+    began = time.perf_counter()
+    for i in range(calls):
+        for name, (call, samples) in ops.items():
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            call(i)
+            samples.append(time.perf_counter() - t0)
+            cpu[name] += time.process_time() - c0
+    seconds = time.perf_counter() - began
+    store.close()
+    result = LoadResult(kind, 1, 1, calls, seconds)
+    _check_totals(url, result, warm + calls)
+    figures = {
+        name: {
+            "p50_us": percentile(samples, 0.5) * 1e6,
+            "p99_us": percentile(samples, 0.99) * 1e6,
+            "max_us": max(samples) * 1e6,
+            "cpu_us": cpu[name] / calls * 1e6,
+        }
+        for name, (_, samples) in ops.items()
+    }
+    figures["op pair"] = {"per_s": calls / seconds}
+    return {"ops": figures, "totals_ok": result.totals_ok, "errors": result.errors}
+
+
+# -- each run in a fresh process (``--ours DIR``: that checkout's hermes_store) ------------------
 
 
 @dataclass(frozen=True)
-class Scenario:
-    """One set: how the writers are made up for a contender, and who the ratios compare to."""
+class Contender:
+    """Who writes in a run: ``kind`` of store, hermes_store from ``checkout`` ("" = this one);
+    ``side``: the label of that checkout (ours) or "" (the original store, the floor)."""
 
-    name: str
-    contenders: tuple[str, ...]
-    baseline: str
-    groups: Callable[[str, int], list[Group]]
-    readers: int
-    ops: int
+    label: str
+    kind: str
+    checkout: str = ""
+    side: str = ""
 
-
-def scenarios(ops: int) -> list[Scenario]:
-    """``ops``: operations per thread at 8 x 4 (the other sets do as many writes in all)."""
-    return [
-        Scenario("8x4+2r", KINDS, ORIGINAL, lambda k, n: [Group(k, 8, 4, n)], 2, ops),
-        Scenario("16x1", KINDS, ORIGINAL, lambda k, n: [Group(k, 16, 1, n)], 0, 2 * ops),
-        # One writer alone: no waiting at all, so its writes/s is the file's commit ceiling.
-        Scenario("1x1", KINDS, ORIGINAL, lambda k, n: [Group(k, 1, 1, n)], 0, 32 * ops),
-        Scenario(
-            "mixed 8x4 + 2x4 original",
-            ("ours", "before", ORIGINAL),
-            ORIGINAL,
-            lambda k, n: [Group(k, 8, 4, n), Group(ORIGINAL, 2, 4, n)],
-            0,
-            ops,
-        ),
-    ]
+    def counterpart(self, first: str) -> str | None:
+        """The same kind of run on the first checkout (A/B), if this is another's."""
+        if not self.side or self.side == first:
+            return None
+        return first + self.label[len(self.side) :]
 
 
-METRICS = (
-    ("p50 ms", "write_p50_ms", "{:.1f}"),
-    ("mean ms", "write_mean_ms", "{:.1f}"),
-    ("p99 ms", "write_p99_ms", "{:.0f}"),
-    ("max ms", "write_max_ms", "{:.0f}"),
-    ("writes/s", "writes_per_s", "{:.0f}"),
-    ("CPU ms/write", "cpu_ms_per_write", "{:.2f}"),
-    ("reads/s", "reads_per_s", "{:.0f}"),
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One run, in the fresh process ``run_isolated`` starts: prepare, run, check, report."""
+    import hermes_store
+
+    url = spec["url"]
+    prepare(url)
+    started = time.perf_counter()
+    imported = str(Path(hermes_store.__file__).resolve().parent)
+    if spec["what"] == "alone":
+        found = writer_alone(url, spec["kind"], spec["calls"])
+        found.update(seconds=time.perf_counter() - started, hermes_store=imported)
+        return found
+    groups = [Group(**g) for g in spec["groups"]]
+    result = run_groups(
+        url, spec["label"], groups, readers=spec["readers"], reader_kind=spec["reader_kind"]
+    )
+    return {
+        "summary": result.summary(),
+        "writes": result.writes,
+        "errors": result.errors,
+        "totals_ok": result.totals_ok,
+        "fallbacks": result.queue_fallbacks,
+        "units_per_commit": result.units_per_commit if result.commits else None,
+        "seconds": time.perf_counter() - started,
+        "hermes_store": imported,
+    }
+
+
+_BOOT = (
+    "import json, sys\n"
+    "root, checkout, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])\n"
+    "if checkout:\n"
+    "    sys.path.insert(0, checkout)\n"
+    "    import hermes_store  # that checkout's, before this one comes into view\n"
+    "sys.path.insert(0, root)\n"
+    "from bench import load\n"
+    "print(load.RESULT_MARK + json.dumps(load.child(spec)), flush=True)\n"
 )
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    if not values:
+def run_isolated(contender: Contender, spec: dict[str, Any], cwd: Path) -> dict[str, Any]:
+    """Run ``spec`` in a fresh interpreter importing the contender's hermes_store; its result,
+    or ``{"failed": ...}`` with the end of its stderr."""
+    checkout = str(Path(contender.checkout).resolve()) if contender.checkout else ""
+    env = {**os.environ, "PYTHONPATH": checkout or str(ROOT)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _BOOT, str(ROOT), checkout, json.dumps(spec)],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": "no result within 900 s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            found: dict[str, Any] = json.loads(line[len(RESULT_MARK) :])
+            expected = Path(checkout or ROOT) / "hermes_store"
+            if Path(found["hermes_store"]) != expected.resolve():
+                return {"failed": f"ran hermes_store from {found['hermes_store']}, not {expected}"}
+            return found
+    tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+    return {"failed": f"exit {done.returncode}: {tail}"}
+
+
+def _fresh_file(work: Path, name: str) -> str:
+    for leftover in work.glob(f"{name}*"):
+        leftover.unlink()
+    return str(work / name)
+
+
+def _drop_file(work: Path, name: str) -> None:
+    for leftover in work.glob(f"{name}*"):
+        leftover.unlink()
+
+
+# -- the interleaved comparison ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One set: how a contender's writers are made up, and what else runs beside them."""
+
+    name: str
+    groups: Callable[[str, int], list[Group]]
+    readers: int = 0
+    normal: bool = False  #: also ours with ``synchronous="normal"``
+    pg: bool = False  #: on PostgreSQL (ours only)
+
+
+def shapes(ops: int) -> list[Shape]:
+    """``ops``: operations per thread at 8 x 4 (the other sets do about as many writes)."""
+    return [
+        # One writer alone: no waiting at all, so its writes/s is the file's commit ceiling.
+        Shape("1x1", lambda k, n: [Group(k, 1, 1, 32 * n)]),
+        Shape("4x1", lambda k, n: [Group(k, 4, 1, 8 * n)]),
+        Shape("16x1+2r", lambda k, n: [Group(k, 16, 1, 2 * n)], readers=2),
+        Shape("8x4+2r", lambda k, n: [Group(k, 8, 4, n)], readers=2, normal=True),
+        Shape(
+            "hog+5",
+            lambda k, n: [
+                Group(k, 5, 1, max(2, n), gap_ms=OCCASIONAL_GAP_MS),
+                Group(k, 1, 1, 0, hog=True),
+            ],
+        ),
+        Shape("mixed", lambda k, n: [Group(k, 8, 4, n), Group(ORIGINAL, 2, 4, n)]),
+        Shape("8x4+2r pg", lambda k, n: [Group(k, 8, 4, n)], readers=2, pg=True),
+    ]
+
+
+SETS = ("alone", *(s.name.split()[0] for s in shapes(1) if not s.pg))
+
+
+@dataclass
+class Record:
+    """One run as the parent sees it."""
+
+    summary: dict[str, float]
+    writes: int = 0
+    errors: list[str] = field(default_factory=list)
+    totals_ok: bool = False
+    fallbacks: int = 0
+    units_per_commit: float | None = None
+
+    @classmethod
+    def of(cls, found: dict[str, Any]) -> Record:
+        if "failed" in found:
+            return cls({}, errors=[found["failed"]])
+        return cls(
+            found["summary"],
+            found["writes"],
+            found["errors"],
+            found["totals_ok"],
+            found["fallbacks"],
+            found["units_per_commit"],
+        )
+
+
+@dataclass
+class Comparison:
+    """Markdown for the report, and the targets checked against it."""
+
+    markdown: str
+    checks: list[tuple[str, str, bool]] = field(default_factory=list)
+    failures: int = 0  #: runs with errors, wrong totals or no result
+
+
+def parse_ours(values: Sequence[str]) -> list[tuple[str, str]]:
+    """``--ours`` values (``DIR`` or ``LABEL=DIR``) as (label, checkout); this checkout alone
+    (labelled ``ours``) when there are none."""
+    found: list[tuple[str, str]] = []
+    for value in values:
+        label, _, path = value.rpartition("=") if "=" in value else ("", "", value)
+        label = label or (Path(path).resolve().name if len(values) > 1 else OURS)
+        if any(label == seen for seen, _ in found):
+            label = f"{label} ({len(found) + 1})"
+        found.append((label, path))
+    return found or [(OURS, "")]
+
+
+def _contenders(
+    shape: Shape, checkouts: Sequence[tuple[str, str]], before: bool
+) -> list[Contender]:
+    chosen: list[Contender] = []
+    for label, path in checkouts:
+        chosen.append(Contender(label, OURS, path, label))
+        if shape.normal:
+            chosen.append(Contender(f"{label}, sync=NORMAL", NORMAL, path, label))
+        if before and not shape.pg:
+            chosen.append(Contender(f"{label}, before", BEFORE, path, label))
+    if not shape.pg:
+        chosen.append(Contender(ORIGINAL, ORIGINAL, checkouts[0][1]))
+    return chosen
+
+
+def _spread(values: Sequence[float | None], fmt: str) -> str:
+    found = [v for v in values if v is not None and v == v]
+    if not found:
         return "-"
     return (
-        f"{fmt.format(statistics.median(values))} "
-        f"[{fmt.format(min(values))}..{fmt.format(max(values))}]"
+        f"{fmt.format(statistics.median(found))} "
+        f"[{fmt.format(min(found))}..{fmt.format(max(found))}]"
     )
 
 
-def compare(rounds: int, ops: int, work: Path, only: set[str] | None = None) -> str:
-    """Run every scenario's contenders interleaved for ``rounds`` rounds; a markdown report."""
-    runs: dict[tuple[str, str], list[LoadResult]] = {}
-    ratio: dict[tuple[str, str, str], list[float]] = {}
+def _median(values: Sequence[float]) -> float:
+    found = [v for v in values if v == v]
+    return statistics.median(found) if found else float("nan")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+#: (column, summary key, format) of the load table.
+METRICS = (
+    ("writes/s", "writes_per_s", "{:.0f}"),
+    ("p50 ms", "write_p50_ms", "{:.1f}"),
+    ("p99 ms", "write_p99_ms", "{:.0f}"),
+    ("max ms", "write_max_ms", "{:.0f}"),
+    ("CPU ms/write", "cpu_ms_per_write", "{:.2f}"),
+    ("reads/s", "reads_per_s", "{:.0f}"),
+)
+RATIOS = (
+    ("writes/s", "writes_per_s"),
+    ("p50", "write_p50_ms"),
+    ("p99", "write_p99_ms"),
+    ("max", "write_max_ms"),
+    ("CPU/write", "cpu_ms_per_write"),
+)
+HOG_METRICS = (
+    ("occasional p50 ms", "write_p50_ms", "{:.1f}"),
+    ("occasional p99 ms", "write_p99_ms", "{:.1f}"),
+    ("occasional max ms", "write_max_ms", "{:.0f}"),
+    ("hog writes/s", "hog_writes_per_s", "{:.0f}"),
+)
+HOG_RATIOS = (
+    ("p99", "write_p99_ms"),
+    ("max", "write_max_ms"),
+    ("hog writes/s", "hog_writes_per_s"),
+)
+#: Throughput targets per set: ours / the original store, median of the per-round ratios.
+THROUGHPUT_TARGETS = {"1x1": 0.95, "4x1": 1.0, "16x1+2r": 1.0, "8x4+2r": 1.3, "hog+5": 0.9}
+#: Every set: no write of ours waits longer than this.
+MAX_MS = 250.0
+#: hog+5: the occasional writers' p99 and max.
+OCCASIONAL_P99_MS, OCCASIONAL_MAX_MS = 20.0, 100.0
+#: One writer alone: ours per call / the original store's, / the floor's; CPU / the original's.
+ALONE_TARGETS = {"original": 1.05, "floor": 1.15, "cpu": 1.05}
+
+
+def compare(
+    rounds: int,
+    ops: int,
+    work: Path,
+    only: set[str] | None = None,
+    *,
+    checkouts: Sequence[tuple[str, str]] = ((OURS, ""),),
+    before: bool = False,
+    pg: str | None = None,
+) -> Comparison:
+    """Run every set's contenders interleaved for ``rounds`` rounds, each run in a fresh
+    process on a fresh database; the markdown tables and the targets checked."""
+    plan = [
+        s
+        for s in shapes(ops)
+        if (only is None or s.name.split()[0] in only) and (pg is not None or not s.pg)
+    ]
+    runs: dict[tuple[str, str], list[Record]] = {}
+    ratios: dict[tuple[str, str, str, str], list[float]] = {}  # (set, label, base, key)
     loads: list[float] = []
-    plan = [s for s in scenarios(ops) if only is None or s.name.split()[0] in only]
     started = time.perf_counter()
     for round_ in range(rounds):
-        for scenario in plan:
-            order = list(scenario.contenders)
-            order = order[round_ % len(order) :] + order[: round_ % len(order)]
-            this_round: dict[str, dict[str, float]] = {}
-            for kind in order:
-                path = work / f"load-{round_}-{scenario.name.split()[0]}-{KINDS.index(kind)}.db"
-                prepare(str(path))
-                groups = scenario.groups(kind, scenario.ops)
-                reader_kind = kind if kind != NORMAL else "ours"
-                loads.append(os.getloadavg()[0])
-                result = run_groups(
-                    str(path), kind, groups, readers=scenario.readers, reader_kind=reader_kind
+        for shape in plan:
+            chosen = _contenders(shape, checkouts, before)
+            shift = round_ % len(chosen)
+            this_round: dict[str, Record] = {}
+            for contender in chosen[shift:] + chosen[:shift]:
+                name = f"load-{os.getpid()}-{len(loads)}.db"
+                url, drop = _target(work, name, pg if shape.pg else None)
+                groups = shape.groups(contender.kind, ops)
+                spec = {
+                    "what": "load",
+                    "url": url,
+                    "label": contender.label,
+                    "groups": [asdict(g) for g in groups],
+                    "readers": shape.readers,
+                    "reader_kind": ORIGINAL if contender.kind == ORIGINAL else OURS,
+                }
+                loads.append(stamp.load_average())
+                try:
+                    record = Record.of(run_isolated(contender, spec, work))
+                finally:
+                    drop()
+                runs.setdefault((shape.name, contender.label), []).append(record)
+                this_round[contender.label] = record
+                s = record.summary
+                _log(
+                    f"round {round_ + 1} {shape.name:>9} {contender.label:>22}: "
+                    f"{s.get('writes_per_s', float('nan')):.0f} w/s, p50 "
+                    f"{s.get('write_p50_ms', float('nan')):.1f} p99 "
+                    f"{s.get('write_p99_ms', float('nan')):.0f} max "
+                    f"{s.get('write_max_ms', float('nan')):.0f} ms, errors {len(record.errors)}"
+                    f", totals {'ok' if record.totals_ok else 'WRONG'} {record.errors[:1]}"
                 )
-                runs.setdefault((scenario.name, kind), []).append(result)
-                this_round[kind] = result.summary()
-                s = this_round[kind]
-                print(
-                    f"round {round_ + 1} {scenario.name:>10} {kind:>18}: "
-                    f"p50 {s['write_p50_ms']:.1f} p99 {s['write_p99_ms']:.0f} "
-                    f"max {s['write_max_ms']:.0f} ms, {s['writes_per_s']:.0f} w/s, "
-                    f"errors {len(result.errors)}, totals {'ok' if result.totals_ok else 'WRONG'}"
-                    f", queue fallbacks {result.queue_fallbacks}"
-                    f", units/commit {result.units_per_commit:.2f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                for file in work.glob(f"{path.name}*"):
-                    file.unlink()
-            base = this_round[scenario.baseline]
-            for kind, s in this_round.items():
-                for _, key, _ in METRICS:
-                    if base[key]:
-                        ratio.setdefault((scenario.name, kind, key), []).append(s[key] / base[key])
-            if scenario.name.startswith("mixed"):  # the 2 original processes, beside each kind
-                base_max = max(runs[(scenario.name, ORIGINAL)][-1].other_latencies, default=0)
-                for kind in scenario.contenders:
-                    mine = max(runs[(scenario.name, kind)][-1].other_latencies, default=0)
-                    if base_max:
-                        ratio.setdefault((scenario.name, kind, "original_max"), []).append(
-                            mine / base_max
-                        )
+            _round_ratios(shape, chosen, checkouts, this_round, ratios)
     seconds = time.perf_counter() - started
-    load_avg = _spread(loads, "{:.1f}")
+    comparison = Comparison(
+        _render(plan, checkouts, before, runs, ratios, rounds, ops, seconds, loads)
+    )
+    comparison.checks = _load_checks(plan, checkouts, runs, ratios)
+    comparison.failures = sum(
+        1 for records in runs.values() for r in records if r.errors or not r.totals_ok
+    )
+    return comparison
+
+
+def _target(work: Path, name: str, pg: str | None) -> tuple[str, Callable[[], None]]:
+    """A fresh database for one run: a file in ``work``, or a scratch PostgreSQL database."""
+    if pg is None:
+        return _fresh_file(work, name), lambda: _drop_file(work, name)
+    from bench.build import drop_pg_database, fresh_pg_database
+
+    database = name.replace("-", "_").replace(".db", "")
+    url = fresh_pg_database(pg, database).render_as_string(hide_password=False)
+    return url, lambda: drop_pg_database(pg, database)
+
+
+def _round_ratios(
+    shape: Shape,
+    chosen: Sequence[Contender],
+    checkouts: Sequence[tuple[str, str]],
+    this_round: dict[str, Record],
+    ratios: dict[tuple[str, str, str, str], list[float]],
+) -> None:
+    """This round's ratios: to the original store, and (A/B) to the first checkout's alike."""
+    keys = [key for _, key in RATIOS] + ["hog_writes_per_s", "other_max_ms"]
+    for contender in chosen:
+        mine = this_round[contender.label].summary
+        counterpart = contender.counterpart(checkouts[0][0])
+        for base_label in (ORIGINAL, *([counterpart] if counterpart else [])):
+            base = this_round.get(base_label)
+            if base is None or base_label == contender.label:
+                continue
+            for key in keys:
+                if mine.get(key) and base.summary.get(key):
+                    ratios.setdefault((shape.name, contender.label, base_label, key), []).append(
+                        mine[key] / base.summary[key]
+                    )
+
+
+def _render(
+    plan: Sequence[Shape],
+    checkouts: Sequence[tuple[str, str]],
+    before: bool,
+    runs: dict[tuple[str, str], list[Record]],
+    ratios: dict[tuple[str, str, str, str], list[float]],
+    rounds: int,
+    ops: int,
+    seconds: float,
+    loads: list[float],
+) -> str:
+    first = checkouts[0][0]
     lines = [
-        f"Load: {rounds} interleaved rounds, {seconds:.0f} s, {os.cpu_count()} CPUs, "
-        f"1-minute load average at the start of each run {load_avg} (shared machine: numbers "
-        f"are noisy). Each op = append_message + update_token_counts on one shared session, "
-        f"both timed; each writer thread has its own store; readers (8x4+2r) search and list "
-        f"in a loop with the contender's own store class. median [min..max] over rounds; "
-        f"ratio = contender / baseline in the same round (the original store; durability "
-        f"FULL except the NORMAL opt-in).",
-        "",
-        "| set | contender | writes | "
-        + " | ".join(name for name, _, _ in METRICS)
-        + " | ratio p99 | ratio max | ratio writes/s | units/commit | errors | totals exact"
-        " | queue fallbacks |",
-        "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---:|---:|---:|---|---:|",
+        f"{rounds} interleaved rounds (the order rotating), {seconds:.0f} s; `--ops {ops}` "
+        f"(operations per thread at 8x4; every set does about as many writes); 1-minute load "
+        f"average at the start of each run {_spread(loads, '{:.1f}')}. Each run is a fresh "
+        "process on a fresh database; each op = `append_message` + `update_token_counts` on "
+        "one shared session, both timed as writes; each writer thread has its own store; the "
+        "readers (`+2r`) search and list in a loop with the contender's own store class. "
+        "Median [min..max] over rounds; CPU per write counts the contender's writer processes "
+        "(their helper threads included). Durability FULL except the NORMAL opt-in.",
     ]
-    for scenario in plan:
-        for kind in scenario.contenders:
-            results = runs[(scenario.name, kind)]
-            cells = [_spread([r.summary()[key] for r in results], fmt) for _, key, fmt in METRICS]
-            ratios = [
-                "-" if kind == scenario.baseline
-                else _spread(ratio[(scenario.name, kind, key)], "{:.2f}x")
-                for key in ("write_p99_ms", "write_max_ms", "writes_per_s")
-            ]  # fmt: skip
-            per_commit = (
-                _spread([r.units_per_commit for r in results], "{:.2f}")
-                if results[0].commits
-                else "-"
-            )
-            lines.append(
-                f"| {scenario.name} | {kind} | {results[0].writes} | "
-                + " | ".join([*cells, *ratios, per_commit])
-                + f" | {sum(len(r.errors) for r in results)} "
-                f"| {'yes' if all(r.totals_ok for r in results) else 'NO'} "
-                f"| {sum(r.queue_fallbacks for r in results)} |"
-            )
-    mixed = [(name, kind) for name, kind in runs if name.startswith("mixed")]
-    if mixed:
+    if len(checkouts) > 1 or checkouts[0][1]:
         lines += [
             "",
-            "In the mixed set the table's latencies are those of the contender's 8x4 writers "
-            "(writes/s counts all). The 2 original-store processes beside them (with "
-            "`original`, every process is the original store: the run of the same size):",
-            "",
-            "| set | beside | original p99 ms | original max ms | ratio max vs all-original |",
-            "|---|---|---:|---:|---:|",
-        ]
-        for name, kind in mixed:
-            rs = runs[(name, kind)]
-            p99 = _spread([percentile(r.other_latencies, 0.99) * 1000 for r in rs], "{:.0f}")
-            top = _spread([max(r.other_latencies, default=0) * 1000 for r in rs], "{:.0f}")
-            versus = (
-                "-" if kind == ORIGINAL else _spread(ratio[(name, kind, "original_max")], "{:.2f}x")
+            "Checkouts: "
+            + ", ".join(
+                f"`{label}` = `{path or ROOT}` at `{stamp.commit(path or ROOT)}`"
+                for label, path in checkouts
             )
-            lines.append(f"| {name} | {kind} | {p99} | {top} | {versus} |")
+            + ".",
+        ]
+    steady = [s for s in plan if s.name != "hog+5"]
+    if steady:
+        lines += [
+            "",
+            "| set | contender | writes | "
+            + " | ".join(name for name, _, _ in METRICS)
+            + " | units/commit | errors | totals exact | queue fallbacks |",
+            "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---|---:|",
+        ]
+        for shape in steady:
+            for contender in _contenders(shape, checkouts, before):
+                records = runs[(shape.name, contender.label)]
+                cells = [
+                    _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in METRICS
+                ]
+                per_commit = _spread([r.units_per_commit for r in records], "{:.2f}")
+                writes = max((r.writes for r in records), default=0)
+                lines.append(
+                    f"| {shape.name} | {contender.label} | {writes} | "
+                    + " | ".join([*cells, per_commit])
+                    + f" | {sum(len(r.errors) for r in records)} "
+                    f"| {'yes' if all(r.totals_ok for r in records) else 'NO'} "
+                    f"| {sum(r.fallbacks for r in records)} |"
+                )
+        lines += ["", *_ratio_table(steady, checkouts, before, ratios, ORIGINAL, RATIOS)]
+        if len(checkouts) > 1:
+            lines += ["", *_ratio_table(steady, checkouts[1:], before, ratios, first, RATIOS)]
+    hog = [s for s in plan if s.name == "hog+5"]
+    if hog:
+        lines += [
+            "",
+            f"**hog+5**: one process writes back to back while 5 occasional writers (one "
+            f"thread each) pause an exponential time (mean {OCCASIONAL_GAP_MS:.0f} ms, the same "
+            f"seeded pauses for every contender) before each of their {max(2, ops)} ops; the run "
+            "ends when they are done. Their wait per write, and the hog's throughput over the "
+            "run:",
+            "",
+            "| contender | "
+            + " | ".join(name for name, _, _ in HOG_METRICS)
+            + " | "
+            + " | ".join(f"ratio {name}" for name, _ in HOG_RATIOS)
+            + " | errors | totals exact |",
+            "|---|" + "---:|" * (len(HOG_METRICS) + len(HOG_RATIOS) + 1) + "---|",
+        ]
+        for contender in _contenders(hog[0], checkouts, before):
+            records = runs[("hog+5", contender.label)]
+            cells = [
+                _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in HOG_METRICS
+            ]
+            versus = [
+                _spread(ratios.get(("hog+5", contender.label, ORIGINAL, key), []), "{:.2f}x")
+                if contender.label != ORIGINAL
+                else "-"
+                for _, key in HOG_RATIOS
+            ]
+            lines.append(
+                f"| {contender.label} | "
+                + " | ".join([*cells, *versus])
+                + f" | {sum(len(r.errors) for r in records)} "
+                f"| {'yes' if all(r.totals_ok for r in records) else 'NO'} |"
+            )
+    if any(s.name == "mixed" for s in plan):
+        lines += [
+            "",
+            "**mixed**: the table's latencies are those of the contender's 8x4 writers "
+            "(writes/s counts all). The 2 original-store processes x 4 threads beside them "
+            "(with `original`, every process is the original store: the run of the same size):",
+            "",
+            "| beside | original p99 ms | original max ms | ratio max vs all-original |",
+            "|---|---:|---:|---:|",
+        ]
+        for contender in _contenders(next(s for s in plan if s.name == "mixed"), checkouts, before):
+            records = runs[("mixed", contender.label)]
+            p99 = _spread([r.summary.get("other_p99_ms") for r in records], "{:.0f}")
+            top = _spread([r.summary.get("other_max_ms") for r in records], "{:.0f}")
+            against = (
+                "-"
+                if contender.label == ORIGINAL
+                else _spread(
+                    ratios.get(("mixed", contender.label, ORIGINAL, "other_max_ms"), []),
+                    "{:.2f}x",
+                )
+            )
+            lines.append(f"| {contender.label} | {p99} | {top} | {against} |")
     return "\n".join(lines)
 
 
-SECTION = "## Load: interleaved rounds (`python -m bench.load`)"
+def _ratio_table(
+    plan: Sequence[Shape],
+    checkouts: Sequence[tuple[str, str]],
+    before: bool,
+    ratios: dict[tuple[str, str, str, str], list[float]],
+    base: str,
+    columns: Sequence[tuple[str, str]],
+) -> list[str]:
+    lines = [
+        f"Ratios to `{base}` in the same round (median [min..max] over rounds; writes/s above "
+        "1 and the rest below 1 are better):",
+        "",
+        "| set | contender | " + " | ".join(name for name, _ in columns) + " |",
+        "|---|---|" + "---:|" * len(columns),
+    ]
+    for shape in plan:
+        for contender in _contenders(shape, checkouts, before):
+            if contender.label in (ORIGINAL, base):
+                continue
+            found = [ratios.get((shape.name, contender.label, base, key), []) for _, key in columns]
+            if not any(found):
+                continue
+            lines.append(
+                f"| {shape.name} | {contender.label} | "
+                + " | ".join(_spread(values, "{:.2f}x") for values in found)
+                + " |"
+            )
+    return lines
 
 
-def write_section(doc: Path, report: str, command: str) -> None:
-    """Replace the load section of ``doc`` (from a ``## Load`` heading to the next ``## ``)
-    with ``report``; append the section when the file has none."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\nThis run: `{command}`.\n\n{report}\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith("## Load")), None)
-    if start is None:
-        doc.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    doc.write_text("".join(lines[:start]) + section + "\n" + "".join(lines[end:]))
+def _load_checks(
+    plan: Sequence[Shape],
+    checkouts: Sequence[tuple[str, str]],
+    runs: dict[tuple[str, str], list[Record]],
+    ratios: dict[tuple[str, str, str, str], list[float]],
+) -> list[tuple[str, str, bool]]:
+    """The write path's targets under load, for each checkout's ``ours`` (FULL durability)."""
+    checks: list[tuple[str, str, bool]] = []
+    names = {s.name for s in plan}
+    for label, _ in checkouts:
+        who = f" ({label})" if len(checkouts) > 1 else ""
+        for name, target in THROUGHPUT_TARGETS.items():
+            if name not in names:
+                continue
+            key = "hog_writes_per_s" if name == "hog+5" else "writes_per_s"
+            ratio = _median(ratios.get((name, label, ORIGINAL, key), []))
+            what = "hog throughput" if name == "hog+5" else "throughput"
+            checks.append(
+                (
+                    f"{name}: {what} >= {target:.2f}x the original store{who}",
+                    f"{ratio:.2f}x",
+                    ratio >= target,
+                )
+            )
+        if "hog+5" in names:
+            records = runs[("hog+5", label)]
+            p99 = _median([r.summary.get("write_p99_ms", float("nan")) for r in records])
+            top = _median([r.summary.get("write_max_ms", float("nan")) for r in records])
+            checks.append(
+                (
+                    f"hog+5: occasional writers' p99 <= {OCCASIONAL_P99_MS:.0f} ms{who}",
+                    f"{p99:.1f} ms",
+                    p99 <= OCCASIONAL_P99_MS,
+                )
+            )
+            checks.append(
+                (
+                    f"hog+5: occasional writers' max <= {OCCASIONAL_MAX_MS:.0f} ms{who}",
+                    f"{top:.0f} ms",
+                    top <= OCCASIONAL_MAX_MS,
+                )
+            )
+        tails = {
+            s.name: _median(
+                [r.summary.get("write_max_ms", float("nan")) for r in runs[(s.name, label)]]
+            )
+            for s in plan
+            if not s.pg
+        }
+        if tails:
+            worst = max(tails, key=lambda n: tails[n] if tails[n] == tails[n] else float("inf"))
+            checks.append(
+                (
+                    f"every set: max <= {MAX_MS:.0f} ms{who}",
+                    f"worst {tails[worst]:.0f} ms ({worst})",
+                    all(v <= MAX_MS for v in tails.values()),
+                )
+            )
+        failed = sum(1 for s in plan for r in runs[(s.name, label)] if r.errors or not r.totals_ok)
+        checks.append(
+            (f"every run: no errors, exact totals{who}", f"{failed} runs failed", not failed)
+        )
+    return checks
+
+
+ALONE_OPS = ("append_message", "update_token_counts")
+
+
+def alone(
+    rounds: int, calls: int, work: Path, *, checkouts: Sequence[tuple[str, str]] = ((OURS, ""),)
+) -> Comparison:
+    """One writer alone, per call: each checkout's hermes_store, the original store and the
+    raw floor, each round in fresh processes on fresh files, interleaved."""
+    chosen = [Contender(label, OURS, path, label) for label, path in checkouts]
+    chosen += [
+        Contender(ORIGINAL, ORIGINAL, checkouts[0][1]),
+        Contender(FLOOR, FLOOR, checkouts[0][1]),
+    ]
+    found: dict[str, list[dict[str, Any]]] = {c.label: [] for c in chosen}
+    ratios: dict[tuple[str, str, str, str], list[float]] = {}
+    failures: list[str] = []
+    loads: list[float] = []
+    started = time.perf_counter()
+    for round_ in range(rounds):
+        shift = round_ % len(chosen)
+        this_round: dict[str, dict[str, Any]] = {}
+        for contender in chosen[shift:] + chosen[:shift]:
+            name = f"alone-{os.getpid()}-{round_}.db"
+            spec = {
+                "what": "alone",
+                "url": _fresh_file(work, name),
+                "kind": contender.kind,
+                "calls": calls,
+            }
+            loads.append(stamp.load_average())
+            result = run_isolated(contender, spec, work)
+            _drop_file(work, name)
+            if "failed" in result or result["errors"] or not result["totals_ok"]:
+                failures.append(f"{contender.label}: {result.get('failed') or result['errors']}")
+                _log(f"alone round {round_ + 1} {contender.label}: FAILED {failures[-1]}")
+                continue
+            found[contender.label].append(result["ops"])
+            this_round[contender.label] = result["ops"]
+            ops = result["ops"]
+            _log(
+                f"alone round {round_ + 1} {contender.label:>10}: append p50 "
+                f"{ops['append_message']['p50_us']:.0f} us, update p50 "
+                f"{ops['update_token_counts']['p50_us']:.0f} us, CPU "
+                f"{ops['append_message']['cpu_us']:.0f}/{ops['update_token_counts']['cpu_us']:.0f}"
+                " us"
+            )
+        for contender in chosen:
+            mine = this_round.get(contender.label)
+            bases = {ORIGINAL: (FLOOR,), FLOOR: ()}.get(
+                contender.kind, (ORIGINAL, FLOOR, checkouts[0][0])
+            )
+            for base in bases:
+                theirs = this_round.get(base)
+                if mine is None or theirs is None or base == contender.label:
+                    continue
+                for op in ALONE_OPS:
+                    for key in ("p50_us", "cpu_us"):
+                        ratios.setdefault((op, contender.label, base, key), []).append(
+                            mine[op][key] / theirs[op][key]
+                        )
+    seconds = time.perf_counter() - started
+    lines = [
+        f"{rounds} interleaved rounds (the order rotating), {seconds:.0f} s; each round every "
+        f"contender in a fresh process on a fresh file: {calls // 10} unmeasured ops, then "
+        f"{calls} ops of `append_message` then `update_token_counts` on one session, every "
+        "call timed; CPU = the process's CPU time over each call. 1-minute load average at "
+        f"the start of each run {_spread(loads, '{:.1f}')}. `floor` = raw `sqlite3` running "
+        "the original store's statements (no retry loop, no Python lock). Median [min..max] "
+        "over rounds.",
+        "",
+        "| call | contender | p50 µs | p99 µs | max µs | CPU µs/call | p50 / original "
+        "| p50 / floor | CPU / original | CPU / floor |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for op in ALONE_OPS:
+        for contender in chosen:
+            rows = [r[op] for r in found[contender.label]]
+            cells = [
+                _spread([r[key] for r in rows], "{:.0f}")
+                for key in ("p50_us", "p99_us", "max_us", "cpu_us")
+            ]
+            versus = [
+                _spread(ratios.get((op, contender.label, base, key), []), "{:.2f}x")
+                for key in ("p50_us", "cpu_us")
+                for base in (ORIGINAL, FLOOR)
+            ]  # "-" for a contender against itself (and the original against nothing else)
+            lines.append(f"| `{op}` | {contender.label} | " + " | ".join([*cells, *versus]) + " |")
+    per_s = [
+        f"{c.label} {_spread([r['op pair']['per_s'] for r in found[c.label]], '{:.0f}')}"
+        for c in chosen
+    ]
+    lines += ["", "Ops (one append + one update) per second: " + "; ".join(per_s) + "."]
+    if len(checkouts) > 1:
+        first = checkouts[0][0]
+        pairs = [
+            f"`{op}` {label}: p50 "
+            f"{_spread(ratios.get((op, label, first, 'p50_us'), []), '{:.2f}x')}, CPU "
+            f"{_spread(ratios.get((op, label, first, 'cpu_us'), []), '{:.2f}x')}"
+            for op in ALONE_OPS
+            for label, _ in checkouts[1:]
+        ]
+        lines += ["", f"Against `{first}` in the same round: " + "; ".join(pairs) + "."]
+    if failures:
+        lines += ["", f"**{len(failures)} runs failed**: " + "; ".join(failures[:5])]
+    comparison = Comparison("\n".join(lines), failures=len(failures))
+    for label, _ in checkouts:
+        who = f" ({label})" if len(checkouts) > 1 else ""
+        for op in ALONE_OPS:
+            for base, key, limit, what in (
+                (ORIGINAL, "p50_us", ALONE_TARGETS["original"], "per call"),
+                (FLOOR, "p50_us", ALONE_TARGETS["floor"], "per call"),
+                (ORIGINAL, "cpu_us", ALONE_TARGETS["cpu"], "CPU per call"),
+            ):
+                ratio = _median(ratios.get((op, label, base, key), []))
+                comparison.checks.append(
+                    (
+                        f"one writer alone: `{op}` {what} <= {limit:.2f}x the "
+                        f"{'original store' if base == ORIGINAL else 'raw floor'}{who}",
+                        f"{ratio:.2f}x",
+                        ratio <= limit,
+                    )
+                )
+    return comparison
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ops", type=int, default=12, help="operations per thread at 8x4")
-    parser.add_argument("--sets", default="", help="comma list of 8x4+2r,16x1,1x1,mixed (all)")
+    parser.add_argument("--ops", type=int, default=50, help="operations per thread at 8x4")
+    parser.add_argument("--calls", type=int, default=1000, help="ops per run of `alone`")
+    parser.add_argument("--sets", default="", help=f"comma list of {', '.join(SETS)} (all)")
+    parser.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        metavar="[LABEL=]DIR",
+        help="hermes_store from this checkout (repeat to A/B checkouts; default: this one)",
+    )
+    parser.add_argument("--before", action="store_true", help="also queue and group commit off")
+    parser.add_argument("--pg", metavar="URL", help="also 8x4+2r on this PostgreSQL server")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, few ops")
     parser.add_argument("--workdir", default="")
-    parser.add_argument("--out", default="", help="rewrite this file's load section (a .md)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.ops, args.calls = 1, 3, 50
     work = Path(args.workdir or tempfile.mkdtemp(prefix="hermes-load-"))
     work.mkdir(parents=True, exist_ok=True)
     only = {s.strip() for s in args.sets.split(",") if s.strip()} or None
-    report = compare(args.rounds, args.ops, work, only)
-    print(report)
-    if args.out:
-        command = "python -m bench.load " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_section(Path(args.out), report, command.strip())
-    return 0
+    unknown = (only or set()) - set(SETS)
+    if unknown:
+        parser.error(f"unknown sets {sorted(unknown)}; choose from {', '.join(SETS)}")
+    checkouts = parse_ours(args.ours)
+    measured = stamp.commit(checkouts[0][1] or ROOT)
+    parts: list[Comparison] = []
+    print(stamp.line(measured), flush=True)
+    if only is None or "alone" in only:
+        parts.append(alone(args.rounds, args.calls, work, checkouts=checkouts))
+        print(f"\n## One writer alone, per call\n\n{parts[-1].markdown}\n", flush=True)
+    if only is None or only - {"alone"}:
+        sets = None if only is None else only - {"alone"}
+        parts.append(
+            compare(
+                args.rounds,
+                args.ops,
+                work,
+                sets,
+                checkouts=checkouts,
+                before=args.before,
+                pg=args.pg,
+            )
+        )
+        print(f"\n## Load\n\n{parts[-1].markdown}\n", flush=True)
+    checks = [check for part in parts for check in part.checks]
+    if checks:
+        print("## Targets\n\n| target | this run | met |\n|---|---|---|")
+        for target, value, met in checks:
+            print(f"| {target} | {value} | {'yes' if met else 'no'} |")
+    return 1 if any(part.failures for part in parts) else 0
 
 
 if __name__ == "__main__":

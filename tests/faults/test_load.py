@@ -1,15 +1,21 @@
 """Load: 8 writer processes appending and incrementing shared counters while 2 processes search
 and list, on SQLite and PostgreSQL. Exact totals, zero errors, and (SQLite) ``integrity_check``
 and the FTS5 ``integrity-check`` clean afterwards. Bounded in operations, not in time.
+
+Also the load benchmark itself (``bench/load.py``): every set runs end to end in its smoke size,
+each run in a fresh process importing the checkout it was given.
 """
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
+from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import URL
 
+from bench import load
 from hermes_store import SessionDB
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.search.pipeline import check_index
@@ -86,3 +92,61 @@ def test_writers_and_readers_at_once(db_url: URL) -> None:
             assert raw.execute("PRAGMA foreign_key_check").fetchall() == []
         finally:
             raw.close()
+
+
+def test_benchmark_sets_run_with_exact_totals(tmp_path: Path) -> None:
+    """The smoke size of the sets of ``python -m bench.load`` that the write path's targets
+    name: each run reports, without errors and with exact totals, and every table and target
+    row is there."""
+    alone = load.alone(1, 5, tmp_path)
+    assert alone.failures == 0, alone.markdown
+    for op in load.ALONE_OPS:
+        for who in ("ours", "original", "floor"):
+            assert f"| `{op}` | {who} |" in alone.markdown
+    assert [target for target, _, _ in alone.checks] == [
+        f"one writer alone: `{op}` {what} <= {limit} the {base}"
+        for op in load.ALONE_OPS
+        for what, limit, base in (
+            ("per call", "1.05x", "original store"),
+            ("per call", "1.15x", "raw floor"),
+            ("CPU per call", "1.05x", "original store"),
+        )
+    ]
+
+    sets = load.compare(1, 2, tmp_path, {"4x1", "16x1+2r", "8x4+2r", "hog+5"})
+    assert sets.failures == 0, sets.markdown
+    rows = sets.markdown.splitlines()
+    for name in ("4x1", "16x1+2r", "8x4+2r"):
+        for who in ("ours", "original"):
+            row = next(r for r in rows if r.startswith(f"| {name} | {who} |"))  # the first table
+            assert row.endswith("| 0 | yes | 0 |")  # errors, totals exact, queue fallbacks
+    assert any(r.startswith("| 8x4+2r | ours, sync=NORMAL |") for r in rows)
+    hog = [r for r in rows if r.startswith(("| ours |", "| original |")) and r.endswith("yes |")]
+    assert len(hog) == 2  # the hog+5 table: occasional writers' wait and the hog's throughput
+    checks = {target: met for target, _, met in sets.checks}
+    assert checks["every run: no errors, exact totals"]
+    assert "hog+5: hog throughput >= 0.90x the original store" in checks
+    assert not list(tmp_path.glob("load-*.db*"))  # every run's database removed
+
+
+def test_benchmark_runs_the_checkout_it_is_given(tmp_path: Path) -> None:
+    """``--ours LABEL=DIR``: each run imports hermes_store from DIR (a copy of this checkout
+    here), beside the first checkout in the same rounds, with ratios to it."""
+    root = Path(load.__file__).resolve().parent.parent
+    other = tmp_path / "other"
+    for folder in ("hermes_store", "migrations"):
+        shutil.copytree(root / folder, other / folder)
+    work = tmp_path / "work"
+    work.mkdir()
+    checkouts = [("a", ""), ("b", str(other))]
+    found = load.run_isolated(
+        load.Contender("b", load.OURS, str(other), "b"),
+        {"what": "alone", "url": str(work / "one.db"), "kind": load.OURS, "calls": 3},
+        work,
+    )
+    assert found["hermes_store"] == str((other / "hermes_store").resolve())
+    assert found["totals_ok"]
+    sets = load.compare(1, 2, work, {"1x1"}, checkouts=checkouts)
+    assert sets.failures == 0, sets.markdown
+    assert "Ratios to `a` in the same round" in sets.markdown
+    assert any(r.startswith("| 1x1 | b |") for r in sets.markdown.splitlines())
