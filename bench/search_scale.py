@@ -200,7 +200,7 @@ def big_message(work: Path, pg: str | None) -> list[str]:
         targets.append(("PostgreSQL", fresh_pg_database(pg, name).render_as_string(False)))
     try:
         for label, target in targets:
-            store = SessionDB(target)
+            store = SessionDB(target, max_message_bytes=2 * len(text))  # above the default cap
             try:
                 store.create_session("s", "cli")
                 store.append_message("s", "tool", text)
