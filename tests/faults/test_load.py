@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,45 @@ def test_benchmark_runs_the_checkout_it_is_given(tmp_path: Path) -> None:
     assert sets.failures == 0, sets.markdown
     assert "Ratios to `a` in the same round" in sets.markdown
     assert any(r.startswith("| 1x1 | b |") for r in sets.markdown.splitlines())
+
+
+def test_report_is_written_whole_and_stamped(tmp_path: Path) -> None:
+    """``python -m bench.run``: every section it ran carries the commit, date, cores and load
+    average; every section it did not run is listed as not run, with the reason."""
+    from bench import run, stamp
+
+    out = tmp_path / "benchmarks.md"
+    assert (
+        run.main(["--quick", "--sections", "alone,cli_startup,pg_writes", "--out", str(out)]) == 0
+    )
+    text = out.read_text()
+    commit = stamp.commit(Path(run.ROOT), ["docs/benchmarks.md"])
+    assert text.count(f"_Measured: commit `{commit}`, ") == 2  # alone, cli_startup
+    assert "## One writer alone, per call (SQLite)" in text and "## CLI start-up" in text
+    assert "| pg_writes | not run: needs `--pg` |" in text
+    assert "| load | not run: not chosen |" in text
+    assert "## Load" not in text
+
+
+def test_stamp_names_the_commit_and_a_tree_that_differs(tmp_path: Path) -> None:
+    from bench import stamp
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True
+        )
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "report.md").write_text("old\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "--short", "HEAD")
+    assert stamp.commit(tmp_path) == head
+    (tmp_path / "report.md").write_text("rewritten by the run\n")
+    assert stamp.commit(tmp_path) == f"{head}+dirty"
+    assert stamp.commit(tmp_path, ["report.md"]) == head  # the report being written is no change
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert stamp.commit(tmp_path, ["report.md"]) == f"{head}+dirty"
+    assert stamp.commit(tmp_path / "nowhere") == "unknown"
