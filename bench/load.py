@@ -520,15 +520,15 @@ def run_isolated(contender: Contender, spec: dict[str, Any], cwd: Path) -> dict[
     return {"failed": f"exit {done.returncode}: {tail}"}
 
 
-def _fresh_file(work: Path, name: str) -> str:
-    for leftover in work.glob(f"{name}*"):
-        leftover.unlink()
-    return str(work / name)
-
-
 def _drop_file(work: Path, name: str) -> None:
+    """Remove the database ``name`` in ``work`` with its WAL, shared memory and lock files."""
     for leftover in work.glob(f"{name}*"):
         leftover.unlink()
+
+
+def _fresh_file(work: Path, name: str) -> str:
+    _drop_file(work, name)
+    return str(work / name)
 
 
 # -- the interleaved comparison ------------------------------------------------------------------
