@@ -201,7 +201,8 @@ def test_synchronous_failovers_keep_every_acknowledged_write_exactly_once(pair: 
     finally:
         fleet.stop()
     outcomes = fleet.ledger.outcomes
-    print(json.dumps({"back_after_s": back_after, "outcomes": len(outcomes)}))
+    kinds = collections.Counter(o[0] for o in outcomes)
+    print("\n" + json.dumps({"back_after_s": back_after, "outcomes": kinds}))
     assert max(back_after) < BACK_WITHIN_S, back_after
 
     # Nothing failed beyond the one write each writer had in flight at each failover.
@@ -256,7 +257,7 @@ def test_asynchronous_failover_loses_what_the_standby_had_not_received(pair: Pai
     contents, _ = _stored(pair.primary.url, fleet.sessions())
     appends = [o for o in outcomes if o[0] == "ok" and o[2] == "append"]
     lost = [o[3] for o in appends if cut < o[4] < killed]
-    print(json.dumps({"lost_acknowledged_appends": len(lost)}))
+    print("\n" + json.dumps({"lost_acknowledged_appends": len(lost)}))
     # What the standby had received is there once; what only the dead primary had is gone,
     # although it was acknowledged; after the promotion every write lands again.
     assert [o[3] for o in appends if o[4] < received and contents[o[3]] != 1] == []
@@ -276,6 +277,8 @@ def test_a_store_on_a_read_only_server_never_migrates_and_says_why_writes_fail(
     with caplog.at_level(logging.INFO, logger="hermes_store"), SessionDB(standby) as db:
         assert "read-only standby" in caplog.text
         assert db.get_messages("standby-read")[0]["content"] == "written on the primary"
+        assert [hit["session_id"] for hit in db.search_messages("primary")] == ["standby-read"]
+        assert db.export_session("standby-read") is not None
         with pytest.raises(ReadOnlyDatabaseError, match="the server is a read-only standby"):
             db.append_message("standby-read", "user", "refused")
         with pytest.raises(ReadOnlyDatabaseError, match="the server is a read-only standby"):
