@@ -29,11 +29,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
+from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from hermes_store import ReadOnlyDatabaseError, RetryPolicy, SchemaBehindError, SessionDB
 from hermes_store.cli import cli as cli_main
 from hermes_store.schema import migrate
+from tests.conftest import url_string
 from tests.support.failover_workers import THREADS, session_of
 from tests.support.pg_pair import DEADLINE_S, Pair, binaries
 
@@ -309,3 +311,12 @@ def test_a_store_on_a_read_only_server_never_migrates_and_says_why_writes_fail(
         assert db.list_sessions_rich() == []
         with pytest.raises(ReadOnlyDatabaseError, match="default_transaction_read_only"):
             db.create_session("refused", "cli")
+
+
+def test_doctor_on_a_server_without_standbys_says_a_failover_has_nothing_to_promote(
+    pg_url: URL,
+) -> None:
+    replication = _doctor(url_string(pg_url))["replication"]
+    assert replication["status"] == "info", replication
+    assert "no standby connected" in replication["detail"]
+    assert "synchronous_commit = on" in replication["detail"]
