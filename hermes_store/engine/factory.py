@@ -26,13 +26,18 @@ from urllib.parse import parse_qsl, quote_plus, urlencode, urlsplit, urlunsplit
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from hermes_store.engine import files
 from hermes_store.engine import placement as placement_mod
 from hermes_store.engine.placement import Placement
-from hermes_store.errors import EngineSettingsError, InvalidInputError, UnsupportedEngineError
+from hermes_store.errors import (
+    EngineSettingsError,
+    InvalidInputError,
+    ReadOnlyDatabaseError,
+    UnsupportedEngineError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +348,7 @@ def create_engine(
         install_safe_ping(engine)
         install_liveness_check(engine)
         install_pooler_guard(engine)
+        install_read_only_names(engine)
         if "creator" not in engine_kwargs:
             register_origin(engine, url, engine_kwargs.get("connect_args", {}))
     placement_mod.install(engine, where)
@@ -427,6 +433,7 @@ def _make_twin(engine: Engine) -> Engine:
         install_safe_ping(base)
         install_liveness_check(base)
         install_pooler_guard(base)
+        install_read_only_names(base)
     options = {
         key: value
         for key, value in engine.get_execution_options().items()
@@ -627,6 +634,50 @@ def _guard_pooler(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
             "connections (add prepare_threshold=none to the URL to skip this check)",
             *front,
         )
+
+
+#: SQLSTATE of a write refused because the transaction is read-only.
+READ_ONLY_SQLSTATE = "25006"
+
+
+def read_only_reason(driver: Any) -> str | None:
+    """Why the server behind a psycopg connection refuses every write, from what it reported at
+    startup and since (no round trip): a hot standby (``in_hot_standby``), or
+    ``default_transaction_read_only`` set for the database, the role or the server. None when
+    it takes writes (a transaction may still be read-only by choice: a read unit)."""
+    info = driver.info
+    if info.parameter_status("in_hot_standby") == "on":
+        return (
+            "the server is a read-only standby (it replays its primary's changes and refuses "
+            "writes): write through the primary; a URL that lists every host with "
+            "target_session_attrs=read-write finds it, before and after a failover"
+        )
+    if info.parameter_status("default_transaction_read_only") == "on":
+        return (
+            "the server refuses writes: default_transaction_read_only is on for this database, "
+            "role or server"
+        )
+    return None
+
+
+def install_read_only_names(engine: Engine) -> None:
+    """A write that a read-only server refuses raises :class:`ReadOnlyDatabaseError` saying
+    why (a standby, ``default_transaction_read_only``) instead of the server's "cannot execute
+    SELECT in a read-only transaction", which names neither the cause nor the cure. A read
+    unit's own READ ONLY transaction is left to the usual mapping. Idempotent."""
+    if not event.contains(engine, "handle_error", _name_read_only_refusal):
+        event.listen(engine, "handle_error", _name_read_only_refusal)
+
+
+def _name_read_only_refusal(context: ExceptionContext) -> None:
+    if getattr(context.original_exception, "sqlstate", None) != READ_ONLY_SQLSTATE:
+        return
+    conn = context.connection
+    if conn is None or conn.closed or conn.invalidated:
+        return
+    reason = read_only_reason(conn.connection.driver_connection)
+    if reason is not None:
+        raise ReadOnlyDatabaseError(reason)
 
 
 def install_utf8(engine: Engine) -> None:

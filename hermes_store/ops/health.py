@@ -272,6 +272,81 @@ def pooler_checks(url: URL) -> list[Check]:
     ]
 
 
+#: ``synchronous_commit`` levels at which a commit waits for a synchronous standby.
+_WAITS_FOR_STANDBY = {"on": "flushed", "remote_apply": "applied", "remote_write": "written"}
+
+
+def replication_check(conn: Connection) -> Check:
+    """The replication mode, and whether a write acknowledged here can be lost on failover:
+    a standby is named; on a primary, ``synchronous_standby_names``, ``synchronous_commit``
+    (as this user's sessions get it) and the standbys in ``pg_stat_replication`` say whether
+    a commit waits until a standby has it (their state is visible to superusers and members
+    of ``pg_monitor``; others see only that they exist)."""
+    name = "replication"
+    in_recovery = conn.exec_driver_sql("SELECT pg_is_in_recovery()").scalar()
+    if in_recovery:
+        sender = conn.exec_driver_sql(
+            "SELECT status, sender_host, sender_port FROM pg_stat_wal_receiver"
+        ).first()
+        source = (
+            f"receiving from {sender.sender_host}:{sender.sender_port} ({sender.status})"
+            if sender is not None and sender.sender_host is not None
+            else "not receiving from any primary now"
+        )
+        return Check(
+            name,
+            "info",
+            f"this server is a read-only standby, {source}: the store reads here and refuses "
+            "to write or migrate; write through the primary",
+        )
+    names = str(conn.exec_driver_sql("SHOW synchronous_standby_names").scalar() or "")
+    commit = str(conn.exec_driver_sql("SHOW synchronous_commit").scalar())
+    standbys = conn.exec_driver_sql(
+        "SELECT application_name, state, sync_state FROM pg_stat_replication "
+        "ORDER BY application_name"
+    ).all()
+    listed = ", ".join(
+        f"{row.application_name or '?'} ({row.state or 'state hidden'}, "
+        f"{row.sync_state or 'mode hidden'})"
+        for row in standbys
+    )
+    seen = f"{len(standbys)} standby(s): {listed}" if standbys else "no standby connected"
+    settings = f"synchronous_standby_names = '{names}', synchronous_commit = {commit}"
+    if not names.strip() or commit not in _WAITS_FOR_STANDBY:
+        if not standbys:
+            return Check(name, "info", f"{seen}; {settings}: a failover has nothing to promote")
+        return Check(
+            name,
+            "warn",
+            f"asynchronous replication ({settings}; {seen}): a write acknowledged here can be "
+            "lost on failover, if the standby had not received it yet; set "
+            "synchronous_standby_names (e.g. 'ANY 1 (*)') with synchronous_commit = on to "
+            "have every acknowledged write on a standby",
+        )
+    waiting = [row for row in standbys if row.sync_state in ("sync", "quorum")]
+    if standbys and not waiting and all(row.sync_state for row in standbys):
+        return Check(
+            name,
+            "warn",
+            f"synchronous replication is asked for ({settings}) but no connected standby is "
+            f"synchronous ({seen}): commits wait until one is",
+        )
+    if not standbys:
+        return Check(
+            name,
+            "warn",
+            f"synchronous replication is asked for ({settings}) but no standby is connected: "
+            "every commit waits until one is",
+        )
+    return Check(
+        name,
+        "ok",
+        f"synchronous replication ({settings}; {seen}): a commit is acknowledged once a "
+        f"standby has {_WAITS_FOR_STANDBY[commit]} it, so a failover to it loses no "
+        "acknowledged write",
+    )
+
+
 def _index_check(conn: Connection) -> Check:
     """The full-text index is complete and in step with ``messages`` (see search.check_index)."""
     name = "full-text index"
@@ -401,6 +476,7 @@ def run_doctor(url: URL) -> list[Check]:
                 checks += _sqlite_checks(conn, path)
             else:
                 checks += _postgresql_checks(conn)
+                checks.append(replication_check(conn))
             checks.append(_index_check(conn))
             checks += _row_checks(conn)
     finally:

@@ -41,6 +41,7 @@ from hermes_store.engine.factory import (
     create_private_file,
     display_url,
     make_private_dirs,
+    read_only_reason,
     refuse_sqlite_aliases,
     same_connection,
     sqlite_file,
@@ -694,6 +695,8 @@ def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) ->
             assert isinstance(target, Engine), "ensure_head takes an Engine for servers"
             with mapped_errors(), target.connect() as conn:
                 state = read_state(conn)
+                if opened_read_only(conn, state, _describe_url(url)):
+                    return
             check_adoptable(state, _describe_url(url))
         if state is not None and state.revision == head:
             # At head: repair only when something is wrong, so a sound database takes no lock.
@@ -702,6 +705,38 @@ def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) ->
                 repair(target, retry=retry)
             return
         upgrade(target, "head", retry=retry)
+
+
+def opened_read_only(conn: Connection, state: DatabaseState, where: str) -> bool:
+    """On a server that refuses writes (a standby, ``default_transaction_read_only``): never
+    migrate or repair, which could only fail there. At head the store opens read-only, saying
+    so, and True is returned; behind head it is refused with :class:`SchemaBehindError`
+    (migrations run on the primary, and its standbys follow). False on a writable server."""
+    reason = read_only_reason(conn.connection.driver_connection)
+    if reason is None:
+        return False
+    check_adoptable(state, where)
+    head = head_revision()
+    if state.revision != head or state.is_legacy:
+        found = state.revision or (
+            f"the original store's schema_version {state.schema_version}"
+            if state.is_legacy
+            else "no schema"
+        )
+        raise SchemaBehindError(
+            f"{where} is at {found}, behind {head}, and it cannot be migrated here: {reason}. "
+            "Run `hermes-store db upgrade` against the primary; its standbys follow"
+        )
+    damage = find_damage(state, conn.dialect.name, where)
+    if damage:
+        log.warning(
+            "%s needs repairs that a read-only server cannot make (%s): run "
+            "`hermes-store db upgrade` against the primary",
+            where,
+            "; ".join(damage),
+        )
+    log.info("%s: opened read-only, writes will be refused: %s", where, reason)
+    return True
 
 
 def check_head(target: Engine | sa.URL) -> None:
