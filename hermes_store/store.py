@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import and_, delete, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -44,9 +44,6 @@ from hermes_store.errors import (
     UnknownSessionError,
     extras_named,
 )
-from hermes_store.models import Counter
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
 from hermes_store.ops import retention
 from hermes_store.repo import listing, pgstream
 from hermes_store.rows import (
@@ -59,6 +56,9 @@ from hermes_store.rows import (
 )
 from hermes_store.schema.migrate import check_head, ensure_head
 from hermes_store.search import pipeline as search
+from hermes_store.tables import Counter
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 from hermes_store.uow import pggroup, shared
 from hermes_store.uow.unit import RetryPolicy, StoreStats, UnitOfWork
 
@@ -222,8 +222,15 @@ class SessionDB:
                 self.uow, _ = self._make_uow(target, options, migrate=migrate)
                 self.engine = self.uow.engine
         self.is_sqlite = self.engine.dialect.name == "sqlite"
-        dialect_insert = sqlite.insert if self.is_sqlite else postgresql.insert
-        self._insert_session = dialect_insert(S).on_conflict_do_nothing(index_elements=["id"])
+        self._insert_session: sa.Insert
+        if self.is_sqlite:
+            self._insert_session = sqlite.insert(S).on_conflict_do_nothing(index_elements=["id"])
+        else:  # PostgreSQL's dialect module loads only for a server (it costs an open ~30 ms)
+            from sqlalchemy.dialects import postgresql
+
+            self._insert_session = postgresql.insert(S).on_conflict_do_nothing(
+                index_elements=["id"]
+            )
         self._closed = False
 
     @staticmethod
@@ -1200,6 +1207,8 @@ def _message_id(cursor: Any) -> int:
 def _pg_create_child() -> Select[Any]:
     """``create_session`` with a parent on PostgreSQL as one statement: insert when the parent
     exists (an existing id is left as it is); the row says whether the parent was found."""
+    from sqlalchemy.dialects import postgresql
+
     names = [c.name for c in S.columns if c.name in _CREATE_COLUMNS]
 
     def parent() -> sa.Exists:

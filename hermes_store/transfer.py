@@ -28,11 +28,11 @@ from hermes_store import redact
 from hermes_store.engine import files
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.errors import HermesStoreError, InvalidInputError
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
 from hermes_store.repo import pgstream
 from hermes_store.rows import ExportRecord
 from hermes_store.store import SessionDB
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 
 RowDict = dict[str, Any]
 

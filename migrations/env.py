@@ -21,11 +21,11 @@ from sqlalchemy.engine import Connection
 from hermes_store.engine import placement
 from hermes_store.engine.factory import sqlite_file, to_url, url_from_environment
 from hermes_store.errors import HermesStoreError
-from hermes_store.models import Base
 from hermes_store.schema import ddl, migrate
+from hermes_store.tables import metadata
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 if (
     config.config_file_name is not None
     and "connection" not in config.attributes

@@ -25,9 +25,9 @@ from hermes_store.errors import (
     mapped_errors,
     open_errors,
 )
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
 from hermes_store.schema import ddl, fulltext, migrate
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 
 
 def one_line(error: object) -> str:

@@ -23,9 +23,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import CompoundSelect, Select
 
 from hermes_store.errors import InvalidInputError
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
 from hermes_store.ops import maintenance
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 
 if TYPE_CHECKING:
     from hermes_store.store import SessionDB

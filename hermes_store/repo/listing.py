@@ -14,8 +14,8 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnElement
 
 from hermes_store.engine import fastpath
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 from hermes_store.titles import escape_like
 
 MAX_COMPRESSION_HOPS = 100

@@ -20,9 +20,9 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from hermes_store.errors import mapped_errors
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
 from hermes_store.rows import ExportRecord
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 
 if TYPE_CHECKING:
     from hermes_store.store import SessionDB

@@ -196,6 +196,15 @@ SQLITE_CJK_REBUILD = (
 )
 #: The ids the index holds: FTS5 keeps one row per indexed document in its ``_docsize`` table.
 CJK_DOCSIZE = f"{CJK_TABLE}_docsize"
+#: The first SQLite release with FTS5's trigram tokenizer.
+TRIGRAM_SQLITE = (3, 34, 0)
+
+
+def trigram_supported(sqlite_version: str) -> bool:
+    """Whether a SQLite of this version (``sqlite_version()``) has the trigram tokenizer."""
+    parts = tuple(int(p) for p in sqlite_version.split(".")[:3] if p.isdigit())
+    return parts >= TRIGRAM_SQLITE
+
 
 #: Objects the migrations own that are not in the ORM metadata (autogenerate must ignore them).
 UNMODELLED_TABLES = frozenset({FTS_TABLE, CJK_TABLE, "alembic_version", "sqlite_sequence"})

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from hermes_store.engine import placement
-from hermes_store.schema import ddl
+from hermes_store.schema import ddl, revisions
 
 log = logging.getLogger(__name__)
 
@@ -475,21 +475,16 @@ def fts5_integrity(conn: Connection, table: str) -> bool:
 
 def cjk_index_expected(conn: Connection) -> bool:
     """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
-    from hermes_store.schema import revisions  # Alembic's script reader: only when asked
-    from hermes_store.schema import steps as schema_ops
-
     version_table = placement.of(conn).version_table
     if not _has_table(conn, version_table):
         return False
     revision = conn.execute(sa.text(f"SELECT version_num FROM {version_table}")).scalar()
     if revision is None:
         return False
-    try:
-        chain = {s.revision for s in revisions.scripts().iterate_revisions(revision, "base")}
-    except Exception:  # an unknown revision: not ours to extend
+    if CJK_REVISION not in revisions.up_to(revision):  # before h7, or unknown: not ours
         return False
     version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
-    return CJK_REVISION in chain and schema_ops.trigram_supported(version)
+    return ddl.trigram_supported(version)
 
 
 def _has_table(conn: Connection, name: str) -> bool:

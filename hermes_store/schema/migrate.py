@@ -5,6 +5,10 @@ Such a file is *adopted*: its tables are checked against that version (a file ma
 columns of later versions: the revisions skip what exists), it is stamped with the matching
 revision and upgraded, all in one write transaction. Anything that is not a database, or whose
 shape or version this package does not know, is refused before a single byte is written.
+
+Opening a database at head (:func:`ensure_head`, :func:`check_head`) reads its version table and
+compares it with the head revision id, a constant (:mod:`hermes_store.schema.revisions`): Alembic
+loads only inside the functions that migrate, so a process that opens and reads never pays for it.
 """
 
 from __future__ import annotations
@@ -23,11 +27,9 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
@@ -64,6 +66,10 @@ from hermes_store.schema import ddl, fulltext, revisions
 from hermes_store.uow import writequeue
 from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S, RetryPolicy
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+
 log = logging.getLogger(__name__)
 
 #: Key of the transaction-level advisory lock that serialises migrations on PostgreSQL.
@@ -71,7 +77,12 @@ PG_MIGRATION_LOCK = 0x4865726D6573  # "Hermes"
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
-    """An Alembic Config that needs no alembic.ini (works from an installed wheel)."""
+    """An Alembic Config that needs no alembic.ini (works from an installed wheel).
+
+    Alembic loads here, on the way to a migration: a database at head is opened without it.
+    """
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", revisions.script_location())
     config.attributes["placement"] = placement.current()
@@ -83,6 +94,8 @@ def alembic_config(connection: Connection | None = None) -> Config:
 
 def _migration_context(conn: Connection) -> MigrationContext:
     """Alembic's context on ``conn``, with the placement's version table."""
+    from alembic.runtime.migration import MigrationContext
+
     where = placement.of(conn)
     opts = {"version_table": where.version_table, "version_table_schema": where.schema}
     return MigrationContext.configure(conn, opts=opts)
@@ -90,16 +103,15 @@ def _migration_context(conn: Connection) -> MigrationContext:
 
 def revision_for_version(version: int) -> str:
     """The Alembic revision of the original store's schema version (``v3_session_title`` for 3)."""
-    for script in revisions.scripts().walk_revisions():
-        if script.revision.startswith(f"v{version}_"):
-            return script.revision
-    raise UnrecognizedSchemaError(f"no revision corresponds to schema_version {version}")
+    revision = revisions.for_version(version)
+    if revision is None:
+        raise UnrecognizedSchemaError(f"no revision corresponds to schema_version {version}")
+    return revision
 
 
 def head_revision() -> str:
-    head = revisions.scripts().get_current_head()
-    assert head is not None
-    return head
+    """The head revision's id (a constant: no Alembic, no script read)."""
+    return revisions.HEAD
 
 
 # -- looking at a database without changing it -------------------------------------------------
@@ -174,7 +186,6 @@ def read_state(conn: Connection) -> DatabaseState:
 
 def check_adoptable(state: DatabaseState, where: str) -> None:
     """Raise a clear error unless the database is empty, ours, or a known legacy version."""
-    known = {s.revision for s in revisions.scripts().walk_revisions()}
     version_type = type(state.schema_version)
     if state.schema_version is not None and version_type is not int:
         raise UnrecognizedSchemaError(
@@ -187,7 +198,7 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
             f"versions up to {ddl.HEAD_VERSION}. Upgrade hermes_store to open it."
         )
     if state.revision is not None:
-        if state.revision not in known:
+        if state.revision not in revisions.REVISIONS:
             raise SchemaTooNewError(
                 f"{where} is at Alembic revision {state.revision!r}, unknown to this "
                 "hermes_store (written by a newer release?)"
@@ -572,6 +583,8 @@ def upgrade(
     target: Target, revision: str = "head", *, retry: RetryPolicy | None = None
 ) -> str | None:
     """Bring ``target`` (a path, URL or Engine) to ``revision``, adopting a legacy file first."""
+    from alembic import command
+
     with migration_connection(target, retry=retry) as conn:
         command.upgrade(alembic_config(conn), revision)
         reached = _current_revision(conn)
@@ -617,6 +630,8 @@ def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = N
     it (Alembic's offline mode, ``--sql``), for a DBA to review or run. The backend comes from
     the URL; ``start`` defaults to the database's own revision when it can be read, else base.
     """
+    from alembic import command
+
     url = target.url if isinstance(target, Engine) else to_url(target)
     placement.current().check_dialect(url.get_backend_name())
     buffer = io.StringIO()
@@ -630,12 +645,17 @@ def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = N
 
 def downgrade(target: Target, revision: str) -> str | None:
     """Step ``target`` down to ``revision`` (``base`` removes every table)."""
+    from alembic import command
+
     with migration_connection(target) as conn:
         command.downgrade(alembic_config(conn), revision)
         return _current_revision(conn)
 
 
 def stamp(target: Target, revision: str) -> None:
+    """Record ``revision`` as ``target``'s without running anything."""
+    from alembic import command
+
     with migration_connection(target) as conn:
         command.stamp(alembic_config(conn), revision)
 
@@ -773,6 +793,8 @@ def check_head(target: Engine | sa.URL) -> None:
 def _create_sqlite_at_head(path: Path) -> None:
     """Build a new file beside ``path`` and link it into place, so a path either does not
     exist or holds a complete database at head, whatever other processes do meanwhile."""
+    from alembic import command
+
     make_private_dirs(path.parent)
     remove_stale_temps(path)
     temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.new")

@@ -16,6 +16,9 @@ import sqlalchemy as sa
 from alembic import context, op
 from alembic.util import CommandError
 
+# The revisions ask this module whether the server has trigrams (a fact kept in ddl).
+from hermes_store.schema.ddl import trigram_supported as trigram_supported
+
 log = logging.getLogger(__name__)
 
 
@@ -65,16 +68,6 @@ def drop_columns(table: str, *names: str, autoincrement: bool = False) -> None:
         for name in names:
             batch.drop_column(name)
     saved.restore(bind)
-
-
-#: The first SQLite release with FTS5's trigram tokenizer.
-TRIGRAM_SQLITE = (3, 34, 0)
-
-
-def trigram_supported(sqlite_version: str) -> bool:
-    """Whether a SQLite of this version (``sqlite_version()``) has the trigram tokenizer."""
-    parts = tuple(int(p) for p in sqlite_version.split(".")[:3] if p.isdigit())
-    return parts >= TRIGRAM_SQLITE
 
 
 def create_optional(description: str, *statements: str) -> bool:

@@ -29,9 +29,9 @@ from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 
 from hermes_store.engine import fastpath
 from hermes_store.errors import InvalidInputError
-from hermes_store.models import messages_table as M
-from hermes_store.models import sessions_table as S
 from hermes_store.schema import ddl, fulltext
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 
 _INT64_MAX = 2**63 - 1
 

@@ -37,12 +37,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool, PoolProxiedConnection, QueuePool
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.util import queue as sa_queue
@@ -75,6 +74,9 @@ from hermes_store.errors import (
     translate,
 )
 from hermes_store.uow import groupcommit, pggroup, writequeue
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 log = logging.getLogger(__name__)
 
@@ -788,7 +790,10 @@ class UnitOfWork:
 
     @contextmanager
     def session(self, *, write: bool = True) -> Iterator[Session]:
-        """An ORM session on one connection; flushed and committed when the block succeeds."""
+        """An ORM session on one connection; flushed and committed when the block succeeds.
+        The ORM loads here, for the applications that ask: the store runs Core only."""
+        from sqlalchemy.orm import Session
+
         with self.connect(write=write) as conn, Session(bind=conn, expire_on_commit=False) as s:
             yield s
             s.flush()
