@@ -744,6 +744,7 @@ class AsyncSessionDB:
     get_session = _coroutine_of(SessionDB.get_session)
     resolve_session_id = _coroutine_of(SessionDB.resolve_session_id)
     unique_id_prefixes = _coroutine_of(SessionDB.unique_id_prefixes)
+    get_child_sessions = _coroutine_of(SessionDB.get_child_sessions)
     count_sessions = _coroutine_of(SessionDB.count_sessions)
     delete_session = _coroutine_of(SessionDB.delete_session)
     prune_sessions = _coroutine_of(SessionDB.prune_sessions)
