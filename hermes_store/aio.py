@@ -1,7 +1,9 @@
 """``AsyncSessionDB``: the store for asyncio applications; no call blocks the event loop.
 
 Every coroutine runs the real :class:`~hermes_store.store.SessionDB` method (one source of
-truth for every statement), off the loop:
+truth for every statement), off the loop. The coroutines are derived from SessionDB's methods
+(one declaration line each, see ``_Twin``): their parameters, defaults and docstrings are the
+methods' own, so a parameter added to SessionDB is never missing here.
 
 - PostgreSQL: natively async. The engine is SQLAlchemy's asyncio engine over psycopg's async
   API, and the sync method runs inside ``greenlet_spawn``: each driver round trip awaits on the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import itertools
 import logging
 import queue
@@ -33,17 +36,15 @@ import threading
 from collections.abc import (
     AsyncIterator,
     Callable,
-    Iterable,
+    Coroutine,
     Iterator,
-    Mapping,
-    Sequence,
 )
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -56,23 +57,12 @@ from hermes_store.errors import (
     TransactionMisuseError,
     extras_named,
 )
-from hermes_store.rows import (
-    ConversationTurn,
-    ExportRecord,
-    MessageRow,
-    SearchHit,
-    SessionListRow,
-    SessionRow,
-)
 from hermes_store.store import SessionDB
-from hermes_store.uow.unit import StoreStats, Unit
+from hermes_store.uow.unit import Unit
 
 if TYPE_CHECKING:
-    import os
-
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from hermes_store.ops.backup import BackupReport
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +290,158 @@ def _watch_loops() -> None:
             tx.sever()
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+Y = TypeVar("Y")
+
+
+class _Name:
+    """A name in generated source: a default shown by name in the twin's header."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _passed(param: inspect.Parameter) -> str:
+    """How a twin hands ``param`` on: as it was given (positional or by keyword)."""
+    if param.kind is param.VAR_POSITIONAL:
+        return f"*{param.name}"
+    if param.kind is param.KEYWORD_ONLY:
+        return f"{param.name}={param.name}"
+    if param.kind is param.VAR_KEYWORD:
+        return f"**{param.name}"
+    return param.name
+
+
+class _Twin:
+    """The declaration, in ``AsyncSessionDB``'s body, of the async twin of a ``SessionDB``
+    method: one line per method, everything else derived from the method itself.
+
+    When the class is created (``__set_name__``) the declaration puts in its place a real
+    ``async def`` compiled from the method's own signature, as :mod:`dataclasses` compiles an
+    ``__init__``: the same parameters, kinds, defaults and docstring, so a wrong call fails
+    when it is made (as a hand-written coroutine's would), ``inspect`` sees a coroutine (or
+    async generator) function with SessionDB's signature, and calling it costs what a
+    hand-written forwarder costs. Type checkers see the subclasses' ``__get__`` instead: the
+    sync method's parameters (a ``ParamSpec``) returning an awaitable or an async iterator.
+    """
+
+    #: The twin's body: ``{self}`` is its first parameter, ``{args}`` the method's arguments
+    #: after the store (each with a leading comma), ``{batch}`` the stream's page parameter.
+    template: tuple[str, ...]
+
+    def __init__(self, method: Callable[..., Any], batch: str | None = None) -> None:
+        self.method = method
+        self.signature = inspect.signature(method)
+        self.batch = batch
+        if batch is not None and batch not in self.signature.parameters:
+            raise TypeError(f"SessionDB.{method.__name__} has no parameter {batch!r}")
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        if name != self.method.__name__:
+            raise TypeError(
+                f"{owner.__name__}.{name} is declared from SessionDB.{self.method.__name__}"
+            )
+        setattr(owner, name, self.build(owner))
+
+    def build(self, owner: type[Any]) -> Callable[..., Any]:
+        """The twin: an ``async def`` with the method's signature that forwards every argument
+        as it was given (positional stays positional, keyword stays keyword)."""
+        name = self.method.__name__
+        first, *rest = self.signature.parameters.values()
+        namespace: dict[str, Any] = {"_method": self.method, "_integer": validate.integer}
+        shown = [first.replace(annotation=first.empty)]
+        args = ""
+        for param in rest:
+            if param.name.startswith("_"):
+                raise TypeError(f"SessionDB.{name}: {param.name!r} would shadow the twin's names")
+            default: Any = param.empty
+            if param.default is not param.empty:
+                namespace[f"_default_{param.name}"] = param.default
+                default = _Name(f"_default_{param.name}")
+            shown.append(param.replace(annotation=param.empty, default=default))
+            args += ", " + _passed(param)
+        header = self.signature.replace(parameters=shown, return_annotation=first.empty)
+        body = "\n    ".join(self.template).format(self=first.name, args=args, batch=self.batch)
+        exec(f"async def {name}{header}:\n    {body}\n", namespace)
+        twin: Callable[..., Any] = namespace[name]
+        twin.__module__ = owner.__module__
+        twin.__qualname__ = f"{owner.__qualname__}.{name}"
+        twin.__doc__ = self.method.__doc__
+        annotations = dict(self.method.__annotations__)
+        returned = annotations.get("return")
+        if self.batch is not None and isinstance(returned, str) and returned.startswith("Iter"):
+            annotations["return"] = f"Async{returned}"  # Iterator[X] -> AsyncIterator[X]
+        twin.__annotations__ = annotations
+        return twin
+
+    def bound(self, obj: Any, owner: type[Any]) -> Any:
+        """Outside a class body (no ``__set_name__``): the twin, built on demand."""
+        return self.build(owner).__get__(obj, owner)
+
+
+class _Coroutine(_Twin, Generic[P, R]):
+    template = ("return await {self}._call(_method{args})",)
+
+    def __init__(self, method: Callable[Concatenate[SessionDB, P], R]) -> None:
+        super().__init__(method)
+
+    @overload
+    def __get__(
+        self, obj: None, owner: type[Any]
+    ) -> Callable[Concatenate[AsyncSessionDB, P], Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __get__(
+        self, obj: AsyncSessionDB, owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    def __get__(self, obj: AsyncSessionDB | None, owner: type[Any]) -> Any:
+        return self.bound(obj, owner)
+
+
+class _Stream(_Twin, Generic[P, Y]):
+    #: As the sync generator validates its page size, but before the first hop: a page of
+    #: 0 would never end the stream.
+    template = (
+        "_integer({batch!r}, {batch}, minimum=1)",
+        "async for _item in {self}._stream(lambda _db: _method(_db{args}), {batch}):",
+        "    yield _item",
+    )
+
+    def __init__(
+        self, method: Callable[Concatenate[SessionDB, P], Iterator[Y]], batch: str
+    ) -> None:
+        super().__init__(method, batch)
+
+    @overload
+    def __get__(
+        self, obj: None, owner: type[Any]
+    ) -> Callable[Concatenate[AsyncSessionDB, P], AsyncIterator[Y]]: ...
+
+    @overload
+    def __get__(self, obj: AsyncSessionDB, owner: type[Any]) -> Callable[P, AsyncIterator[Y]]: ...
+
+    def __get__(self, obj: AsyncSessionDB | None, owner: type[Any]) -> Any:
+        return self.bound(obj, owner)
+
+
+def _coroutine_of(method: Callable[Concatenate[SessionDB, P], R]) -> _Coroutine[P, R]:
+    """``SessionDB.method`` as a coroutine of ``AsyncSessionDB`` (run off the loop)."""
+    return _Coroutine(method)
+
+
+def _stream_of(
+    method: Callable[Concatenate[SessionDB, P], Iterator[Y]], *, batch: str
+) -> _Stream[P, Y]:
+    """A ``SessionDB`` generator as an async iterator: ``batch`` names the parameter that
+    says how many items each hop off the loop brings."""
+    return _Stream(method, batch)
+
+
 class AsyncSessionDB:
     """:class:`~hermes_store.SessionDB` for asyncio: the same constructor arguments and every
     public method as a coroutine with the same signature and return value.
@@ -395,9 +537,9 @@ class AsyncSessionDB:
         from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
         from hermes_store.engine.factory import (
-            _psycopg_options,
             install_liveness_check,
             install_pooler_guard,
+            psycopg_options,
             register_origin,
         )
 
@@ -411,7 +553,7 @@ class AsyncSessionDB:
                 f"AsyncSessionDB serves SQLite or PostgreSQL, not {display_url(url)}"
             )
         url = url.set(drivername="postgresql+psycopg_async")
-        url, kwargs = _psycopg_options(url, {})
+        url, kwargs = psycopg_options(url, {})
         # As the sync store's engine: a modest pool, no ping per call (the liveness check
         # pings only connections idle for a while), the twin made from the same arguments.
         kwargs.update(pool_size=5, max_overflow=10)
@@ -588,264 +730,51 @@ class AsyncSessionDB:
             if close is not None:
                 await self._must(self._submit(close))
 
-    async def iter_messages(
-        self, session_id: str, *, page_size: int = 1000
-    ) -> AsyncIterator[MessageRow]:
-        """Every message of a session, a page of ``page_size`` per hop off the loop."""
-        validate.integer("page_size", page_size, minimum=1)
-        stream = self._stream(
-            lambda db: db.iter_messages(session_id, page_size=page_size), page_size
-        )
-        async for message in stream:
-            yield message
+    # -- every other public SessionDB method, derived from its signature --------------------
+    # One line per method; the parameters, defaults and docstring are SessionDB's own (see
+    # ``_Twin``), so a parameter is never forgotten, and a method forgotten here fails the
+    # signature-parity test.
 
-    async def iter_export(
-        self, source: str | None = None, *, page_size: int = 200
-    ) -> AsyncIterator[ExportRecord]:
-        """:meth:`export_all` as a stream: a page of sessions (with their messages) per hop."""
-        validate.integer("page_size", page_size, minimum=1)
-        stream = self._stream(lambda db: db.iter_export(source, page_size=page_size), page_size)
-        async for record in stream:
-            yield record
-
-    async def stats(self) -> StoreStats:
-        """:meth:`SessionDB.stats` (the file's shared writer's counters)."""
-        return await self._call(SessionDB.stats)
-
-    # -- every other public SessionDB method, as a coroutine ---------------------------------
-
-    async def create_session(
-        self,
-        session_id: str,
-        source: str,
-        model: str | None = None,
-        model_config: dict[str, Any] | None = None,
-        system_prompt: str | None = None,
-        user_id: str | None = None,
-        parent_session_id: str | None = None,
-    ) -> str:
-        return await self._call(
-            SessionDB.create_session,
-            session_id,
-            source,
-            model,
-            model_config,
-            system_prompt,
-            user_id,
-            parent_session_id,
-        )
-
-    async def ensure_session(
-        self, session_id: str, source: str = "unknown", model: str | None = None
-    ) -> None:
-        return await self._call(SessionDB.ensure_session, session_id, source, model)
-
-    async def end_session(self, session_id: str, end_reason: str) -> None:
-        return await self._call(SessionDB.end_session, session_id, end_reason)
-
-    async def reopen_session(self, session_id: str) -> None:
-        return await self._call(SessionDB.reopen_session, session_id)
-
-    async def update_system_prompt(self, session_id: str, system_prompt: str | None) -> None:
-        return await self._call(SessionDB.update_system_prompt, session_id, system_prompt)
-
-    async def get_session(self, session_id: str) -> SessionRow | None:
-        return await self._call(SessionDB.get_session, session_id)
-
-    async def resolve_session_id(self, session_id_or_prefix: str) -> str | None:
-        return await self._call(SessionDB.resolve_session_id, session_id_or_prefix)
-
-    async def unique_id_prefixes(
-        self, session_ids: Sequence[str], minimum: int = 8
-    ) -> dict[str, str]:
-        return await self._call(SessionDB.unique_id_prefixes, session_ids, minimum)
-
-    async def count_sessions(
-        self,
-        sources: Sequence[str] | None = None,
-        exclude_sources: Sequence[str] | None = None,
-        include_children: bool = False,
-    ) -> int:
-        return await self._call(
-            SessionDB.count_sessions, sources, exclude_sources, include_children
-        )
-
-    async def delete_session(self, session_id: str) -> bool:
-        return await self._call(SessionDB.delete_session, session_id)
-
-    async def prune_sessions(self, older_than_days: float = 90, source: str | None = None) -> int:
-        return await self._call(SessionDB.prune_sessions, older_than_days, source)
-
-    async def get_compression_tip(self, session_id: str) -> str | None:
-        return await self._call(SessionDB.get_compression_tip, session_id)
-
-    async def set_session_title(self, session_id: str, title: str | None) -> bool:
-        return await self._call(SessionDB.set_session_title, session_id, title)
-
-    async def get_session_title(self, session_id: str) -> str | None:
-        return await self._call(SessionDB.get_session_title, session_id)
-
-    async def get_session_by_title(self, title: str) -> SessionRow | None:
-        return await self._call(SessionDB.get_session_by_title, title)
-
-    async def resolve_session_by_title(self, title: str) -> str | None:
-        return await self._call(SessionDB.resolve_session_by_title, title)
-
-    async def get_next_title_in_lineage(self, base_title: str) -> str:
-        return await self._call(SessionDB.get_next_title_in_lineage, base_title)
-
-    async def update_token_counts(
-        self,
-        session_id: str,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-        model: str | None = None,
-        cache_read_tokens: int = 0,
-        cache_write_tokens: int = 0,
-        reasoning_tokens: int = 0,
-        estimated_cost_usd: float | None = None,
-        actual_cost_usd: float | None = None,
-        cost_status: str | None = None,
-        cost_source: str | None = None,
-        pricing_version: str | None = None,
-        billing_provider: str | None = None,
-        billing_base_url: str | None = None,
-        billing_mode: str | None = None,
-        absolute: bool = False,
-    ) -> None:
-        return await self._call(
-            SessionDB.update_token_counts,
-            session_id,
-            input_tokens,
-            output_tokens,
-            model,
-            cache_read_tokens,
-            cache_write_tokens,
-            reasoning_tokens,
-            estimated_cost_usd,
-            actual_cost_usd,
-            cost_status,
-            cost_source,
-            pricing_version,
-            billing_provider,
-            billing_base_url,
-            billing_mode,
-            absolute,
-        )
-
-    async def append_message(
-        self,
-        session_id: str,
-        role: str,
-        content: str | None = None,
-        tool_name: str | None = None,
-        tool_calls: Any = None,
-        tool_call_id: str | None = None,
-        token_count: int | None = None,
-        finish_reason: str | None = None,
-        reasoning: str | None = None,
-        reasoning_details: Any = None,
-        codex_reasoning_items: Any = None,
-    ) -> int:
-        return await self._call(
-            SessionDB.append_message,
-            session_id,
-            role,
-            content,
-            tool_name,
-            tool_calls,
-            tool_call_id,
-            token_count,
-            finish_reason,
-            reasoning,
-            reasoning_details,
-            codex_reasoning_items,
-        )
-
-    async def append_messages(
-        self, session_id: str, messages: Iterable[Mapping[str, Any]]
-    ) -> list[int]:
-        return await self._call(SessionDB.append_messages, session_id, messages)
-
-    async def get_messages(
-        self, session_id: str, *, limit: int | None = None, after_id: int | None = None
-    ) -> list[MessageRow]:
-        return await self._call(SessionDB.get_messages, session_id, limit=limit, after_id=after_id)
-
-    async def get_messages_as_conversation(self, session_id: str) -> list[ConversationTurn]:
-        return await self._call(SessionDB.get_messages_as_conversation, session_id)
-
-    async def clear_messages(self, session_id: str) -> None:
-        return await self._call(SessionDB.clear_messages, session_id)
-
-    async def message_count(self, session_id: str | None = None) -> int:
-        return await self._call(SessionDB.message_count, session_id)
-
-    async def session_count(self, source: str | None = None) -> int:
-        return await self._call(SessionDB.session_count, source)
-
-    async def search_sessions(
-        self, source: str | None = None, limit: int = 20, offset: int = 0
-    ) -> list[SessionRow]:
-        return await self._call(SessionDB.search_sessions, source, limit, offset)
-
-    async def list_sessions_rich(
-        self,
-        source: str | None = None,
-        exclude_sources: Sequence[str] | None = None,
-        limit: int = 20,
-        offset: int = 0,
-        include_children: bool = False,
-        project_compression_tips: bool = True,
-    ) -> list[SessionListRow]:
-        return await self._call(
-            SessionDB.list_sessions_rich,
-            source,
-            exclude_sources,
-            limit,
-            offset,
-            include_children,
-            project_compression_tips,
-        )
-
-    async def search_messages(
-        self,
-        query: str,
-        source_filter: Sequence[str] | None = None,
-        exclude_sources: Sequence[str] | None = None,
-        role_filter: Sequence[str] | None = None,
-        limit: int = 20,
-        offset: int = 0,
-        sort: str = "rank",
-    ) -> list[SearchHit]:
-        return await self._call(
-            SessionDB.search_messages,
-            query,
-            source_filter,
-            exclude_sources,
-            role_filter,
-            limit,
-            offset,
-            sort,
-        )
-
-    async def rebuild_search_index(self) -> None:
-        return await self._call(SessionDB.rebuild_search_index)
-
-    async def optimize_search_index(self) -> None:
-        return await self._call(SessionDB.optimize_search_index)
-
-    async def check_search_index(self) -> bool:
-        return await self._call(SessionDB.check_search_index)
-
-    async def backup(self, destination: str | os.PathLike[str], **options: Any) -> BackupReport:
-        return await self._call(SessionDB.backup, destination, **options)
-
-    async def export_session(self, session_id: str) -> ExportRecord | None:
-        return await self._call(SessionDB.export_session, session_id)
-
-    async def export_all(self, source: str | None = None) -> list[ExportRecord]:
-        return await self._call(SessionDB.export_all, source)
+    stats = _coroutine_of(SessionDB.stats)
+    create_session = _coroutine_of(SessionDB.create_session)
+    ensure_session = _coroutine_of(SessionDB.ensure_session)
+    end_session = _coroutine_of(SessionDB.end_session)
+    reopen_session = _coroutine_of(SessionDB.reopen_session)
+    update_system_prompt = _coroutine_of(SessionDB.update_system_prompt)
+    get_session = _coroutine_of(SessionDB.get_session)
+    resolve_session_id = _coroutine_of(SessionDB.resolve_session_id)
+    unique_id_prefixes = _coroutine_of(SessionDB.unique_id_prefixes)
+    get_child_sessions = _coroutine_of(SessionDB.get_child_sessions)
+    count_sessions = _coroutine_of(SessionDB.count_sessions)
+    delete_session = _coroutine_of(SessionDB.delete_session)
+    prune_sessions = _coroutine_of(SessionDB.prune_sessions)
+    get_compression_tip = _coroutine_of(SessionDB.get_compression_tip)
+    set_session_title = _coroutine_of(SessionDB.set_session_title)
+    get_session_title = _coroutine_of(SessionDB.get_session_title)
+    get_session_by_title = _coroutine_of(SessionDB.get_session_by_title)
+    resolve_session_by_title = _coroutine_of(SessionDB.resolve_session_by_title)
+    get_next_title_in_lineage = _coroutine_of(SessionDB.get_next_title_in_lineage)
+    update_token_counts = _coroutine_of(SessionDB.update_token_counts)
+    append_message = _coroutine_of(SessionDB.append_message)
+    append_messages = _coroutine_of(SessionDB.append_messages)
+    get_messages = _coroutine_of(SessionDB.get_messages)
+    iter_messages = _stream_of(SessionDB.iter_messages, batch="page_size")
+    get_messages_as_conversation = _coroutine_of(SessionDB.get_messages_as_conversation)
+    clear_messages = _coroutine_of(SessionDB.clear_messages)
+    message_count = _coroutine_of(SessionDB.message_count)
+    session_count = _coroutine_of(SessionDB.session_count)
+    search_sessions = _coroutine_of(SessionDB.search_sessions)
+    list_sessions_rich = _coroutine_of(SessionDB.list_sessions_rich)
+    search_messages = _coroutine_of(SessionDB.search_messages)
+    rebuild_search_index = _coroutine_of(SessionDB.rebuild_search_index)
+    optimize_search_index = _coroutine_of(SessionDB.optimize_search_index)
+    check_search_index = _coroutine_of(SessionDB.check_search_index)
+    # mypy refuses a method whose **options could also take a keyword named "self"; the
+    # twin's type it derives is still the method's own.
+    backup = _coroutine_of(SessionDB.backup)  # type: ignore[arg-type]
+    export_session = _coroutine_of(SessionDB.export_session)
+    export_all = _coroutine_of(SessionDB.export_all)
+    iter_export = _stream_of(SessionDB.iter_export, batch="page_size")
 
 
 def _take(iterator: Iterator[T], count: int) -> list[T]:

@@ -450,6 +450,13 @@ class SessionDB:
         with self._read() as conn:
             return listing.unique_id_prefixes(conn, ids, minimum)
 
+    def get_child_sessions(self, session_id: str) -> list[dict[str, Any]]:
+        """The sessions whose parent is ``session_id`` (subagents, continuations), oldest
+        first: their id, title, source and started_at."""
+        validate.text("session_id", session_id)
+        with self._read() as conn:
+            return listing.children_of(conn, session_id)
+
     def delete_session(self, session_id: str) -> bool:
         """Delete a session and its messages; its children are orphaned, never deleted."""
         validate.text("session_id", session_id)

@@ -409,3 +409,66 @@ def import_sessions(
     flush()
     total.parents_missing = len(pending)
     return total
+
+
+@dataclass
+class ExportReport:
+    """What :func:`write_records` wrote."""
+
+    sessions: int = 0
+    messages: int = 0
+
+
+def write_records(
+    records: Iterable[ExportRecord],
+    output: str,
+    database: URL,
+    *,
+    fmt: str = "jsonl",
+    split: bool = False,
+    redacted: bool = False,
+    on_record: Callable[[], None] | None = None,
+) -> ExportReport:
+    """Write exported records (:func:`export_records`) to ``output``, as :func:`export_writer`
+    writes a file (``-``: stdout).
+
+    ``fmt`` is ``"jsonl"`` (one session per line, for import) or ``"md"`` (Markdown, for
+    reading); ``split`` writes one Markdown file per session into the folder ``output`` (made
+    owner-only: the file names carry titles). ``redacted`` masks API keys, tokens, passwords
+    and private keys first. ``on_record()`` is called as each record is taken (progress).
+    """
+    from hermes_store import markdown
+    from hermes_store.engine.factory import make_private_dirs
+
+    if fmt not in ("jsonl", "md"):
+        raise InvalidInputError(f"fmt must be 'jsonl' or 'md', not {fmt!r}")
+    if split and (fmt != "md" or output == "-"):
+        raise InvalidInputError("split writes Markdown files (fmt='md') into a folder")
+    report = ExportReport()
+    chosen: Iterator[RowDict] = (dict(record) for record in records)
+    if redacted:
+        chosen = map(redact.redact_record, chosen)
+
+    def counted(items: Iterable[RowDict]) -> Iterator[RowDict]:
+        for record in items:
+            report.sessions += 1
+            report.messages += len(record["messages"])
+            if on_record is not None:
+                on_record()
+            yield record
+
+    if split:
+        folder = Path(output)
+        make_private_dirs(folder)  # 0700 whatever the umask
+        for record in counted(chosen):
+            with export_writer(str(folder / markdown.file_name(record)), database) as handle:
+                handle.write(markdown.render_session(record))
+    elif fmt == "md":
+        with export_writer(output, database) as handle:
+            for chunk in markdown.render_document(counted(chosen), redacted=redacted):
+                handle.write(chunk)
+    else:
+        with export_writer(output, database) as handle:
+            for _ in write_export(handle, counted(chosen)):
+                pass
+    return report

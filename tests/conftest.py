@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store import SessionDB
 from hermes_store.engine.factory import to_url
 from hermes_store.schema import migrate
+from tests.support import disks
 
 PG_ENV = "HERMES_STORE_TEST_PG_URL"
 #: PgBouncer in transaction pooling mode in front of the same server (host, port and options
@@ -223,6 +224,14 @@ class FakeClock:
         """Move the clock forward; returns the new time."""
         self.now += seconds
         return self.now
+
+
+@pytest.fixture
+def tiny_disk() -> Iterator[Path]:
+    """A real 4 MB tmpfs, mounted for this test and unmounted afterwards (skipped where it
+    cannot be: not root, no mount)."""
+    with disks.tiny_tmpfs() as folder:
+        yield folder
 
 
 @pytest.fixture

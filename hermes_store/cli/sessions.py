@@ -241,8 +241,6 @@ def sessions_show(
       hermes-store sessions show 7f3c9a2e --system-prompt
       hermes-store sessions show 7f3c9a2e --format tsv | cut -f2,5
     """
-    from hermes_store.repo import listing
-
     chosen = chosen_format(fmt, as_json, piped="table")
     store = app.store(read_only=True)
     session_id = resolve_session(store, ref)
@@ -272,8 +270,7 @@ def sessions_show(
     session = store.get_session(session_id)
     if session is None:
         raise Problem(f"session {session_id} was deleted meanwhile")
-    with store.uow.connect(write=False) as conn:
-        children = listing.children_of(conn, session_id)
+    children = store.get_child_sessions(session_id)
     parent_id = session.get("parent_session_id")
     parent = store.get_session(parent_id) if parent_id else None
     echo(click.style(session.get("title") or session["id"], bold=True))
@@ -424,8 +421,7 @@ def sessions_prune(
 
     store = app.store()
     policy = retention.Policy(days, sources, keep_titled=keep_titled, keep_lineage=keep_lineage)
-    with store.uow.connect(write=False) as conn:
-        candidates = retention.preview(conn, policy)
+    candidates = retention.would_delete(store.uow, policy)
     if dry_run:
         chosen = chosen_format(fmt, as_json)
         if chosen == "table":

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict
-from typing import cast
 
 import click
 
@@ -17,7 +15,6 @@ from hermes_store.cli.app import (
     sources_option,
 )
 from hermes_store.cli.output import (
-    RowDict,
     chosen_format,
     echo,
     format_option,
@@ -76,11 +73,7 @@ def export(
       hermes-store export --format md --redact -o conversations.md
       hermes-store export --format md --split -o conversations/
     """
-    from pathlib import Path
-
-    from hermes_store import markdown, transfer
-    from hermes_store import redact as redaction
-    from hermes_store.engine.factory import make_private_dirs
+    from hermes_store import transfer
 
     if session_ref and sources:
         raise click.UsageError("--session and --source cannot be combined")
@@ -95,38 +88,16 @@ def export(
         else f"Nothing was exported: {output} was left as it was; the database was not changed."
     )
     session_id = resolve_session(store, session_ref) if session_ref else None
-    exported, total = transfer.export_records(store, session_id=session_id, sources=sources)
-    records: Iterator[RowDict] = (cast(RowDict, record) for record in exported)
-    if redact:
-        records = map(redaction.redact_record, records)
-    count = messages = 0
-
-    def counted(items: Iterable[RowDict]) -> Iterator[RowDict]:
-        nonlocal count, messages
-        for record in items:
-            count += 1
-            messages += len(record["messages"])
-            bar.advance()
-            yield record
-
+    records, total = transfer.export_records(store, session_id=session_id, sources=sources)
     with progress(total, "exporting") as bar:
-        if split:
-            folder = Path(output)
-            make_private_dirs(folder)  # 0700 whatever the umask: file names carry titles
-            for record in counted(records):
-                target = folder / markdown.file_name(record)
-                with transfer.export_writer(str(target), app.url) as handle:
-                    handle.write(markdown.render_session(record))
-        elif fmt == "md":
-            with transfer.export_writer(output, app.url) as handle:
-                for chunk in markdown.render_document(counted(records), redacted=redact):
-                    handle.write(chunk)
-        else:
-            with transfer.export_writer(output, app.url) as handle:
-                for _ in transfer.write_export(handle, counted(records)):
-                    pass
+        report = transfer.write_records(
+            records, output, app.url, fmt=fmt, split=split, redacted=redact, on_record=bar.advance
+        )
     note = " (redacted)" if redact else ""
-    echo(f"Exported {count} session(s), {messages} message(s) to {output}{note}.", err=True)
+    echo(
+        f"Exported {report.sessions} session(s), {report.messages} message(s) to {output}{note}.",
+        err=True,
+    )
 
 
 @click.command("import", short_help="Restore a JSON Lines export.")

@@ -68,7 +68,7 @@ IDLE_PING_AFTER_S = 30.0
 CONNECT_TIMEOUT_S = 10
 #: psycopg's default: a statement is prepared server-side from its 5th execution on.
 PSYCOPG_PREPARE_THRESHOLD = 5
-#: The startup option asking the server for a plan per execution (see ``_psycopg_options``).
+#: The startup option asking the server for a plan per execution (see ``psycopg_options``).
 CUSTOM_PLANS_OPTION = "-c plan_cache_mode=force_custom_plan"
 #: The client encoding of every store connection, whatever the database, the role or
 #: ``PGCLIENTENCODING`` say: in SJIS, BIG5, GBK, ... a ``¥`` or a backslash does not survive
@@ -337,7 +337,7 @@ def create_engine(
             wal_size_limit=wal_size_limit,
         )
         return engine
-    url, engine_kwargs = _psycopg_options(url, engine_kwargs)
+    url, engine_kwargs = psycopg_options(url, engine_kwargs)
     # A fleet of gateways shares the server: keep a modest pool. No ping before every use
     # (a round trip per call): the liveness check pings only connections idle for a while.
     if "poolclass" not in engine_kwargs:
@@ -544,7 +544,7 @@ def install_safe_ping(engine: Engine) -> None:
     dialect.do_ping = do_ping  # type: ignore[method-assign]
 
 
-def _psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
+def psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
     """Connect arguments for psycopg from the URL.
 
     ``?prepare_threshold=none`` turns off psycopg's automatic server-side prepared statements,

@@ -213,3 +213,14 @@ def run(
         maintenance.merge_index(db, secure_delete=secure_delete)
         report.index_merged = True
     return report
+
+
+if TYPE_CHECKING:
+    from hermes_store.uow.unit import UnitOfWork
+
+
+def would_delete(uow: UnitOfWork, policy: Policy, now: float | None = None) -> list[dict[str, Any]]:
+    """What a :func:`run` of ``policy`` starting now would delete, read in one read unit of
+    ``uow``: :func:`preview`'s rows, for a dry run or the question before a prune."""
+    with uow.connect(write=False) as conn:
+        return preview(conn, policy, now)

@@ -26,9 +26,7 @@ from hermes_store import SessionDB, analytics
 from hermes_store.cli import cli
 from hermes_store.schema import migrate
 from tests.conftest import url_string
-
-#: ``python -c RUN_CLI ARGS`` runs ``hermes-store ARGS`` in a fresh interpreter.
-RUN_CLI = "import sys\nfrom hermes_store.cli import main\nsys.argv[0] = 'hermes-store'\nmain()"
+from tests.support.cli_process import RUN_CLI
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ from hermes_store.store import _message_id, _pg_append
 from hermes_store.uow.pggroup import Grouped, rowcount
 from tests.conftest import PGBOUNCER_ENV, through_pgbouncer, url_string
 from tests.support.latency_proxy import LatencyProxy
-from tests.uow.test_pg_groups import queued_behind_a_locked_write
+from tests.support.pg_row_locks import queued_behind_a_locked_write
 
 #: Database-level settings of each scratch database.
 DATABASES: dict[str, dict[str, str]] = {

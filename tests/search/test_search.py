@@ -8,24 +8,22 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import event
 
 from hermes_store import SessionDB
-from hermes_store.engine.factory import autocommit_engine
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.schema import ddl
 from hermes_store.search import pipeline as search
 from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.support.query_plans import captured_selects, explain
 from tests.support.search_corpus import CORPUS
+from tests.support.search_rows import T0, add, ids
 
 
 @pytest.fixture(params=FLAVORS)
@@ -45,22 +43,6 @@ RESULT_KEYS = {
     "id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
     "session_started", "context",
 }  # fmt: skip
-T0 = 1_700_000_000.0
-
-
-def add(
-    store: SessionDB, session_id: str, *messages: tuple[str, str | None], t: float
-) -> list[int]:
-    """Append (role, content) messages one second apart from ``t``; returns their ids."""
-    rows = [
-        {"role": role, "content": content, "timestamp": t + i}
-        for i, (role, content) in enumerate(messages)
-    ]
-    return store.append_messages(session_id, rows)
-
-
-def ids(results: list[dict[str, Any]]) -> list[int]:
-    return [row["id"] for row in results]
 
 
 # -- the sanitizer and the CJK test --------------------------------------------------------------
@@ -559,39 +541,6 @@ def test_large_database_search_and_listing(store: SessionDB) -> None:
 
 
 # -- plans and index maintenance --------------------------------------------------------------
-
-
-@contextmanager
-def captured_selects(store: SessionDB) -> Iterator[list[tuple[str, Any]]]:
-    """Every SELECT the store sends while the block runs (statement, parameters)."""
-    seen: list[tuple[str, Any]] = []
-
-    def capture(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
-        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
-            seen.append((statement, params))
-
-    # PostgreSQL runs reads outside a unit on the engine's autocommit twin; the async store
-    # names its own engines.
-    engines = getattr(store, "statement_engines", None) or (
-        [store.engine] if store.is_sqlite else [store.engine, autocommit_engine(store.engine)]
-    )
-    for engine in engines:
-        event.listen(engine, "before_cursor_execute", capture)
-    try:
-        yield seen
-    finally:
-        for engine in engines:
-            event.remove(engine, "before_cursor_execute", capture)
-
-
-def explain(store: SessionDB, statement: str, params: Any) -> str:
-    """The plan as text; on PostgreSQL with seq scans off, so tiny tables show usable indexes."""
-    with store.engine.begin() as conn:
-        if store.is_sqlite:
-            rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params)
-            return "\n".join(str(row[-1]) for row in rows)
-        conn.exec_driver_sql("SET LOCAL enable_seqscan = off")
-        return "\n".join(row[0] for row in conn.exec_driver_sql(f"EXPLAIN {statement}", params))
 
 
 def test_search_plans_use_the_indexes(store: SessionDB) -> None:

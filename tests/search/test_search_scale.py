@@ -18,7 +18,8 @@ from hermes_store.errors import InvalidInputError
 from hermes_store.schema import ddl
 from hermes_store.search import pipeline as search
 from tests.conftest import SEARCH_BACKENDS
-from tests.search.test_search import T0, add, captured_selects, explain, ids
+from tests.support.query_plans import captured_selects, explain
+from tests.support.search_rows import T0, add, ids
 from tests.support.seed_store import SeedSessionDB
 
 

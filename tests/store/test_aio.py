@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import random
 import sqlite3
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,112 @@ def test_every_public_method_is_a_coroutine_with_the_same_signature() -> None:
             assert inspect.isasyncgenfunction(mine), name
         else:
             assert inspect.iscoroutinefunction(mine), name
+
+
+def _twins() -> list[str]:
+    """The coroutines and streams derived from SessionDB's methods."""
+    own = {"close", "from_url", "sanitize_title", "transaction"}
+    return [
+        name
+        for name, member in inspect.getmembers(SessionDB)
+        if not name.startswith("_") and callable(member) and name not in own
+    ]
+
+
+@pytest.mark.parametrize("name", _twins())
+def test_each_twin_is_the_method_with_its_documentation(name: str) -> None:
+    twin, method = getattr(AsyncSessionDB, name), getattr(SessionDB, name)
+    assert twin.__qualname__ == f"AsyncSessionDB.{name}"
+    assert twin.__doc__ == method.__doc__
+    assert inspect.signature(twin).parameters == inspect.signature(method).parameters
+
+
+def test_a_wrong_call_fails_when_it_is_made(tmp_path: Path) -> None:
+    """As with a hand-written coroutine: before anything is awaited, nothing opened."""
+    path = tmp_path / "state.db"
+    db = AsyncSessionDB(path)
+    with pytest.raises(TypeError, match="role"):
+        db.append_message("s")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="positional"):
+        db.get_messages("s", 10)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="modle"):
+        db.create_session("s", "cli", modle="m")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="pag_size"):
+        db.iter_messages("s", pag_size=10)  # type: ignore[call-arg]
+    assert not path.exists()
+
+
+def test_arguments_arrive_as_given(tmp_path: Path) -> None:
+    """Positional, keyword, keyword-only and ``**options`` reach the sync method unchanged."""
+
+    async def scenario() -> tuple[list[str | None], list[str | None], int, bool]:
+        async with AsyncSessionDB(tmp_path / "state.db") as db:
+            await db.create_session("s", "cli", system_prompt="p", model="m")
+            first = await db.append_message("s", "user", "one")
+            await db.append_message("s", role="assistant", content="two", token_count=3)
+            later = [m["content"] for m in await db.get_messages("s", after_id=first)]
+            streamed = [m["content"] async for m in db.iter_messages("s", page_size=1)]
+            report = await db.backup(tmp_path / "copy.db", verify=True)
+            session = await db.get_session("s")
+            assert session is not None
+            return later, streamed, session["message_count"], report.verified
+
+    later, streamed, count, verified = run(scenario())
+    assert later == ["two"] and streamed == ["one", "two"] and count == 2 and verified
+
+
+def test_a_declaration_names_its_own_method() -> None:
+    from hermes_store import aio
+
+    with pytest.raises((TypeError, RuntimeError)) as caught:
+
+        class Misnamed:
+            get_sesion = aio._coroutine_of(SessionDB.get_session)
+
+    error = caught.value if isinstance(caught.value, TypeError) else caught.value.__cause__
+    assert "Misnamed.get_sesion is declared from SessionDB.get_session" in str(error)
+
+
+#: An application using the async API; the marked lines are the only errors mypy may report.
+ASYNC_APP = """\
+from __future__ import annotations
+
+from hermes_store import AsyncSessionDB
+from hermes_store.rows import MessageRow
+
+
+async def main() -> None:
+    async with AsyncSessionDB("state.db") as db:
+        await db.create_session("s", "cli", model="m")
+        message_id: int = await db.append_message("s", "user", content="hi", token_count=2)
+        rows: list[MessageRow] = await db.get_messages("s", limit=10, after_id=message_id)
+        async for row in db.iter_messages("s", page_size=100):
+            rows.append(row)
+        await db.append_message("s", "user", contnt="typo")  # error: contnt
+        title: int = await db.get_session_title("s")  # error: incompatible
+        await db.iter_export(page_size=5)  # error: not awaitable
+"""
+
+
+@pytest.mark.slow
+def test_type_checkers_see_the_methods_signatures(tmp_path: Path) -> None:
+    pytest.importorskip("mypy", reason="mypy is part of the test extra")
+    app = tmp_path / "async_app.py"
+    app.write_text(ASYNC_APP)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(app)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "MYPY_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    expected = [
+        number for number, line in enumerate(ASYNC_APP.splitlines(), 1) if "# error:" in line
+    ]
+    assert sorted({int(line.split(":")[1]) for line in errors}) == expected, done.stdout
+    assert any('"contnt"' in line for line in errors), done.stdout
 
 
 def test_constructing_does_no_io_and_bad_options_fail_first(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from hermes_store import (
 )
 from hermes_store.cli import cli
 from hermes_store.schema.migrate import remove_stale_temps
+from tests.support import disks
 
 # -- 1. NOT IN lists on the SQLite fast path ---------------------------------------------------
 
@@ -94,46 +95,6 @@ def test_cli_sessions_list_with_three_excluded_sources(tmp_path: Path) -> None:
 # -- 3. a full disk when a fresh process opens an existing database ----------------------------
 
 
-@pytest.fixture
-def tiny_disk() -> Iterator[Path]:
-    """A real 4 MB tmpfs, mounted for this test and unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("mount/umount are not installed")
-    folder = Path(tempfile.mkdtemp(prefix="hermes-tiny-disk-"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        folder.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-        folder.rmdir()
-
-
-def _fill(folder: Path) -> Path:
-    """Write a file until the file system has no block left."""
-    filler = folder / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for chunk in (1 << 16, 512, 1):
-            try:
-                while True:
-                    os.write(fd, b"\0" * chunk)
-            except OSError:
-                continue
-    finally:
-        os.close(fd)
-    return filler
-
-
 _OPEN_AND_USE = """
 import json, sys
 from hermes_store import HermesStoreError, SessionDB
@@ -178,7 +139,7 @@ def test_full_disk_when_opening_is_storage_full_not_a_broken_file(tiny_disk: Pat
         store.create_session("s", "cli")
         store.append_message("s", "user", "written before the disk filled up")
     assert not Path(f"{path}-shm").exists()  # closed cleanly: the next opener must make it
-    filler = _fill(tiny_disk)
+    filler = disks.fill(tiny_disk)
 
     for attempt in ("first opener", "opener that finds the sidecar files"):
         report = _fresh_process(path)

@@ -11,7 +11,7 @@ from hermes_store.engine import fastpath
 from hermes_store.models import ChatSession
 from hermes_store.repo import listing
 from tests.conftest import FLAVORS, SEARCH_BACKENDS, FakeClock
-from tests.search.test_search import captured_selects, explain
+from tests.support.query_plans import captured_selects, explain
 
 
 @pytest.fixture(params=FLAVORS)

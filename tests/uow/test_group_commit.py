@@ -28,8 +28,7 @@ from hermes_store import (
 )
 from hermes_store.uow import writequeue
 from hermes_store.uow.groupcommit import MAX_GROUP
-from tests.store.test_hardening import _fill, tiny_disk  # noqa: F401 (a fixture)
-from tests.support import legacy
+from tests.support import disks, legacy
 
 GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
 
@@ -401,7 +400,7 @@ def test_the_heartbeat_counts_as_the_line_moving(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_full_disk_loses_the_group_and_each_unit_gets_its_own_outcome(
-    tiny_disk: Path,  # noqa: F811 (the fixture imported above)
+    tiny_disk: Path,
 ) -> None:
     """On a real, nearly full tmpfs one unit is too big for the space left: SQLite cannot
     write the group's transaction (SQLITE_FULL), so none of it is acknowledged; every unit
@@ -412,7 +411,7 @@ def test_a_full_disk_loses_the_group_and_each_unit_gets_its_own_outcome(
         store.append_message("s", "user", "warm up")  # the WAL and -shm exist
         reserve = tiny_disk / "reserve"
         reserve.write_bytes(b"\0" * (768 * 1024))
-        _fill(tiny_disk)
+        disks.fill(tiny_disk)
         reserve.unlink()  # about 768 KB left
         small = 5
         calls: list[Callable[[], Any]] = [

@@ -35,9 +35,7 @@ from sqlalchemy.engine import URL, Connection
 from hermes_store import HermesStoreError, SessionDB
 from hermes_store import store as store_module
 from hermes_store.uow.unit import driver_cursor
-from tests.uow.test_pg_groups import admin, queued_behind_a_locked_write
-
-__all__ = ["admin"]  # a fixture of the PostgreSQL case
+from tests.support.pg_row_locks import queued_behind_a_locked_write
 
 INTERRUPTS = 120
 THREADS = 2

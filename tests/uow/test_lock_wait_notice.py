@@ -15,7 +15,7 @@ import pytest
 
 from hermes_store import SessionDB
 from hermes_store.engine.files import write_lock_holders
-from tests.cli.test_cli_habits import RUN_CLI
+from tests.support.cli_process import RUN_CLI
 
 HOLD = """
 import sqlite3, sys

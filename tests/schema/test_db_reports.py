@@ -1,0 +1,124 @@
+"""What the ``db`` commands report, as library calls: where a database stands
+(``state_of``, ``revision_of``, ``current``), an upgrade that says where it started
+(``run_upgrade``), and the comparison with the models that changes nothing (``check_drift``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
+
+from hermes_store.errors import SchemaTooNewError
+from hermes_store.schema import migrate
+from tests.conftest import url_string
+from tests.support import legacy
+
+HEAD = migrate.head_revision()
+
+
+def _execute(url: URL, sql: str) -> None:
+    engine = sa.create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(sql)
+    engine.dispose()
+
+
+def test_nothing_there_yet(empty_url: URL) -> None:
+    state = migrate.state_of(empty_url)
+    assert state is None or state.is_empty  # SQLite: no file; PostgreSQL: an empty database
+    assert migrate.revision_of(state) is None and migrate.current(empty_url) is None
+    report = migrate.check_drift(empty_url)
+    assert (report.exists, report.compared, report.drifted) == (False, False, False)
+    assert report.head == HEAD
+
+
+def test_a_fresh_upgrade_reports_from_nothing_to_head(empty_url: URL) -> None:
+    report = migrate.run_upgrade(empty_url)
+    assert report == migrate.UpgradeReport(before=None, after=HEAD, adopted_version=None)
+    state = migrate.state_of(empty_url)
+    assert state is not None and state.revision == HEAD
+    assert migrate.revision_of(state) == migrate.current(url_string(empty_url)) == HEAD
+
+
+def test_an_upgrade_from_a_revision_reports_it(empty_url: URL) -> None:
+    migrate.upgrade(empty_url, "v5_billing_columns")
+    report = migrate.run_upgrade(empty_url)
+    assert (report.before, report.after, report.adopted_version) == (
+        "v5_billing_columns",
+        HEAD,
+        None,
+    )
+    assert migrate.run_upgrade(empty_url).before == HEAD  # again: nothing to do
+
+
+def test_an_adoption_reports_the_original_stores_version(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    state = migrate.state_of(path)
+    assert state is not None and state.is_legacy and state.schema_version == 3
+    assert migrate.revision_of(state) == migrate.current(path) == "v3_session_title"
+    report = migrate.run_upgrade(path)
+    assert report == migrate.UpgradeReport(before="v3_session_title", after=HEAD, adopted_version=3)
+    assert migrate.current(path) == HEAD
+
+
+def test_a_newer_releases_file_is_refused_or_described(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    migrate.upgrade(path)
+    _execute(
+        URL.create("sqlite", database=str(path)), "UPDATE alembic_version SET version_num='v99'"
+    )
+    with pytest.raises(SchemaTooNewError):
+        migrate.state_of(path)
+    with pytest.raises(SchemaTooNewError):
+        migrate.run_upgrade(path)  # refused by the first read: nothing written
+    described = migrate.state_of(path, adoptable=False)
+    assert described is not None and described.revision == "v99"
+
+
+def test_a_database_at_head_matches_the_models_until_it_drifts(db_url: URL) -> None:
+    report = migrate.check_drift(db_url)
+    assert report == migrate.DriftReport(exists=True, revision=HEAD, head=HEAD, compared=True)
+    assert not report.drifted
+    _execute(db_url, "ALTER TABLE sessions ADD COLUMN mood TEXT")
+    drifted = migrate.check_drift(url_string(db_url))
+    assert drifted.compared and drifted.drifted
+    assert drifted.differences is not None and "mood" in drifted.differences
+
+
+def test_a_database_behind_head_is_not_compared(empty_url: URL) -> None:
+    migrate.upgrade(empty_url, "v5_billing_columns")
+    report = migrate.check_drift(empty_url)
+    assert (report.exists, report.revision, report.compared, report.drifted) == (
+        True,
+        "v5_billing_columns",
+        False,
+        False,
+    )
+
+
+def test_a_legacy_file_at_the_last_version_is_compared_without_being_changed(
+    tmp_path: Path,
+) -> None:
+    """Adopted and brought to head inside a transaction that is rolled back."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 6)
+    before = legacy.dump_rows(path)
+    report = migrate.check_drift(path)
+    assert report.compared and not report.drifted
+    assert report.revision == migrate.revision_for_version(6)
+    state = migrate.state_of(path)
+    assert state is not None and state.is_legacy  # still not adopted
+    assert legacy.dump_rows(path) == before
+
+
+def test_an_older_legacy_file_is_not_compared(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    report = migrate.check_drift(path)
+    assert report.exists and not report.compared and report.revision == "v3_session_title"
+    state = migrate.state_of(path)
+    assert state is not None and state.is_legacy
