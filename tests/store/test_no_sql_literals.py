@@ -73,7 +73,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("schema/fulltext.py", "cjk_index_expected"): "the version table: a validated identifier",
     ("schema/fulltext.py", "_check_cjk_index"): "table names: ddl constants; the pattern is bound",
     ("search/pipeline.py", "<module>"): "FTS5 and tsvector column expressions over ddl constants",
-    ("store.py", "_checked_add"): "the 64-bit bounds: integer constants",
+    ("repo/statements.py", "checked_add"): "the 64-bit bounds: integer constants",
     (
         "schema/migrate.py",
         "read_state",
