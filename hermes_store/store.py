@@ -2,9 +2,10 @@
 
 Same method names, keywords, defaults, return shapes and ``ValueError`` messages as the
 contract; every write is one unit (``BEGIN IMMEDIATE`` + jittered retry), every read a deferred
-transaction. A method checks its arguments, then hands the writes that differ per backend to
-its backend's :class:`~hermes_store.repo.statements.Statements`, looked up once when the store
-opens. Hot paths use Core statements (SQLAlchemy caches their compiled form); the ORM models in
+transaction. A method checks its arguments, then hands the work to its backend's objects, each
+looked up once when the store opens: the writes that differ per backend to
+:mod:`hermes_store.repo` (``Statements``), search to :mod:`hermes_store.search` (``Searcher``).
+Hot paths use Core statements (SQLAlchemy caches their compiled form); the ORM models in
 :mod:`hermes_store.models` remain the query surface for applications.
 """
 
@@ -23,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine, Row
 
-from hermes_store import titles, validate
+from hermes_store import search, titles, validate
 from hermes_store.engine import placement
 from hermes_store.engine.factory import (
     READER_BUSY_TIMEOUT_S,
@@ -56,7 +57,6 @@ from hermes_store.rows import (
     SessionRow,
 )
 from hermes_store.schema.migrate import check_head, ensure_head
-from hermes_store.search import pipeline as search
 from hermes_store.uow import shared
 from hermes_store.uow.unit import RetryPolicy, StoreStats, UnitOfWork
 
@@ -203,8 +203,9 @@ class SessionDB:
                 self.engine = self.uow.engine
         dialect = self.engine.dialect
         self.is_sqlite = dialect.name == "sqlite"
-        # The backend is chosen here, once: no write asks for the dialect again.
+        # The backend is chosen here, once: no method asks for the dialect again.
         self._statements = dialects.for_dialect(dialect)
+        self._searcher = search.for_dialect(dialect.name)
         self._nul_ok = self._statements.holds_nul
         self._closed = False
 
@@ -807,7 +808,7 @@ class SessionDB:
         return self.uow.read(
             lambda conn: cast(
                 list[SearchHit],
-                search.search_messages(
+                self._searcher.search_messages(
                     conn,
                     query,
                     source_filter=source_filter,
@@ -834,11 +835,11 @@ class SessionDB:
 
     def rebuild_search_index(self) -> None:
         """Rebuild the full-text index from ``messages`` (recreating missing FTS objects)."""
-        self.uow.run(search.rebuild_index)
+        self.uow.run(self._searcher.rebuild_index)
 
     def optimize_search_index(self) -> None:
         """Merge the full-text index into its most compact form (FTS5 'optimize')."""
-        self.uow.run(search.optimize_index)
+        self.uow.run(self._searcher.optimize_index)
 
     def check_search_index(self) -> bool:
         """True when the full-text index is complete and in step with ``messages``.
@@ -850,7 +851,7 @@ class SessionDB:
         def unit(conn: Connection) -> bool:
             savepoint = conn.begin_nested()  # so a joined transaction() keeps its own work
             try:
-                return search.check_index(conn)
+                return self._searcher.check_index(conn)
             finally:
                 savepoint.rollback()
 
