@@ -32,7 +32,7 @@ from bench.floor import SeedSessionDB
 from bench.timing import interleaved
 from hermes_store import SessionDB
 from hermes_store.schema import ddl
-from hermes_store.search import pipeline as search
+from hermes_store.search import hits
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- search-scale:begin -->", "<!-- search-scale:end -->"
@@ -127,7 +127,7 @@ def rank_agreement(path: Path) -> list[str]:
     full_scores = [score for _, score in full]
     return [
         f"- Ranking `{COMMON_WORD}` ({matches:,} matches): ours scores the newest "
-        f"{search.RANK_WINDOW:,} matches by BM25 (FTS5's own scores, global statistics). "
+        f"{hits.RANK_WINDOW:,} matches by BM25 (FTS5's own scores, global statistics). "
         f"Top 20 shared with BM25 over every match: {overlap}/20 ids; BM25 of our 1st / 20th "
         f"result {ours_scores[0]:.3f} / {ours_scores[-1]:.3f} against {full_scores[0]:.3f} / "
         f"{full_scores[-1]:.3f} for the full ranking (lower is better), which took "

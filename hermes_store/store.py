@@ -2,14 +2,16 @@
 
 Same method names, keywords, defaults, return shapes and ``ValueError`` messages as the
 contract; every write is one unit (``BEGIN IMMEDIATE`` + jittered retry), every read a deferred
-transaction. Hot paths use Core statements (SQLAlchemy caches their compiled form); the ORM
-models in :mod:`hermes_store.models` remain the query surface for applications.
+transaction. A method checks its arguments, then hands the work to its backend's objects, each
+looked up once when the store opens: the writes that differ per backend to
+:mod:`hermes_store.repo` (``Statements``), search to :mod:`hermes_store.search` (``Searcher``).
+Hot paths use Core statements (SQLAlchemy caches their compiled form); the ORM models in
+:mod:`hermes_store.models` remain the query surface for applications.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -19,14 +21,11 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy import and_, delete, func, or_, select, update
-from sqlalchemy.dialects import sqlite
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine, Row
-from sqlalchemy.sql import Select
-from sqlalchemy.sql.compiler import SQLCompiler
 
-from hermes_store import titles, validate
-from hermes_store.engine import fastpath, placement
+from hermes_store import search, titles, validate
+from hermes_store.engine import placement
 from hermes_store.engine.factory import (
     READER_BUSY_TIMEOUT_S,
     WRITER_BUSY_TIMEOUT_S,
@@ -38,14 +37,15 @@ from hermes_store.engine.factory import (
     sqlite_file,
     to_url,
 )
-from hermes_store.errors import (
-    InvalidInputError,
-    TitleInUseError,
-    UnknownSessionError,
-    extras_named,
-)
+from hermes_store.errors import InvalidInputError, extras_named
 from hermes_store.ops import retention
-from hermes_store.repo import listing, pgstream
+from hermes_store.repo import dialects, listing, statements
+from hermes_store.repo.messages import (
+    decode_tool_calls,
+    from_json,
+    messages_params,
+    messages_statement,
+)
 from hermes_store.rows import (
     ConversationTurn,
     ExportRecord,
@@ -55,11 +55,9 @@ from hermes_store.rows import (
     SessionRow,
 )
 from hermes_store.schema.migrate import check_head, ensure_head
-from hermes_store.search import pipeline as search
-from hermes_store.tables import Counter
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
-from hermes_store.uow import pggroup, shared
+from hermes_store.uow import shared
 from hermes_store.uow.unit import RetryPolicy, StoreStats, UnitOfWork
 
 if TYPE_CHECKING:
@@ -79,16 +77,6 @@ def _bring_to_head(target: Engine | sa.URL, mode: str, retry: RetryPolicy) -> No
         ensure_head(target, retry=retry)
     elif mode == "check":
         check_head(target)
-
-
-_COUNTERS = (
-    "input_tokens",
-    "output_tokens",
-    "cache_read_tokens",
-    "cache_write_tokens",
-    "reasoning_tokens",
-)
-_MESSAGE_ORDER = (M.c.timestamp, M.c.id)
 
 
 def _check_text(name: str, value: object, *, required: bool = False, nul_ok: bool = True) -> None:
@@ -124,14 +112,6 @@ def _to_json(name: str, value: Any) -> str | None:
         return json.dumps(value)
     except (TypeError, ValueError, RecursionError) as error:
         raise InvalidInputError(f"{name} cannot be stored as JSON: {error}") from error
-
-
-def _from_json(value: str | None, fallback: Any, what: str, message_id: object) -> Any:
-    try:
-        return json.loads(value) if value else fallback
-    except (TypeError, ValueError):
-        log.warning("message %s: %s is not valid JSON; using %r", message_id, what, fallback)
-        return fallback
 
 
 def _row_dict(row: Row[Any]) -> RowDict:
@@ -221,16 +201,12 @@ class SessionDB:
             else:
                 self.uow, _ = self._make_uow(target, options, migrate=migrate)
                 self.engine = self.uow.engine
-        self.is_sqlite = self.engine.dialect.name == "sqlite"
-        self._insert_session: sa.Insert
-        if self.is_sqlite:
-            self._insert_session = sqlite.insert(S).on_conflict_do_nothing(index_elements=["id"])
-        else:  # PostgreSQL's dialect module loads only for a server (it costs an open ~30 ms)
-            from sqlalchemy.dialects import postgresql
-
-            self._insert_session = postgresql.insert(S).on_conflict_do_nothing(
-                index_elements=["id"]
-            )
+        dialect = self.engine.dialect
+        self.is_sqlite = dialect.name == "sqlite"
+        # The backend is chosen here, once: no method asks for the dialect again.
+        self._statements = dialects.for_dialect(dialect)
+        self._searcher = search.for_dialect(dialect.name)
+        self._nul_ok = self._statements.holds_nul
         self._closed = False
 
     @staticmethod
@@ -312,14 +288,10 @@ class SessionDB:
         self.close()
 
     def _text(self, name: str, value: object, *, required: bool = False) -> None:
-        _check_text(name, value, required=required, nul_ok=self.is_sqlite)
+        _check_text(name, value, required=required, nul_ok=self._nul_ok)
 
     def _read(self) -> AbstractContextManager[Connection]:
         return self.uow.connect(write=False)
-
-    def _one_statement(self) -> bool:
-        """PostgreSQL outside a ``transaction()`` block: writes go as one autocommit statement."""
-        return not self.is_sqlite and self.uow.current() is None
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -356,30 +328,7 @@ class SessionDB:
             "parent_session_id": parent_session_id,
             "started_at": self.clock(),
         }
-
-        def unit(conn: Connection) -> None:
-            if parent_session_id is not None and not self._exists(conn, parent_session_id):
-                raise UnknownSessionError(f"parent session {parent_session_id!r} does not exist")
-            conn.execute(self._insert_session, values)
-
-        if not self._one_statement():
-            self.uow.run(unit)
-            return session_id
-        if parent_session_id is None:
-            self.uow.run_statement(
-                lambda conn: conn.execute(self._insert_session, values), idempotent=True
-            )
-            return session_id
-        try:
-            found = self.uow.run_statement(
-                lambda conn: conn.execute(_pg_create_child(), values).scalar(), idempotent=True
-            )
-        except sa.exc.IntegrityError as error:  # the parent was deleted meanwhile
-            if _sqlstate(error) != _FOREIGN_KEY_VIOLATION:
-                raise
-            found = False
-        if not found:
-            raise UnknownSessionError(f"parent session {parent_session_id!r} does not exist")
+        self._statements.create_session(self.uow, values)
         return session_id
 
     def ensure_session(
@@ -391,9 +340,7 @@ class SessionDB:
         self._text("source", source, required=True)
         self._text("model", model)
         values = {"id": session_id, "source": source, "model": model, "started_at": self.clock()}
-        self.uow.run_statement(
-            lambda conn: conn.execute(self._insert_session, values), idempotent=True
-        )
+        self._statements.ensure_session(self.uow, values)
 
     def end_session(self, session_id: str, end_reason: str) -> None:
         """Mark the session ended; the first end wins until it is reopened."""
@@ -428,7 +375,7 @@ class SessionDB:
         """The exact id, else the one session whose id starts with the prefix (else None)."""
         validate.text("session_id_or_prefix", session_id_or_prefix)
         with self._read() as conn:
-            if self._exists(conn, session_id_or_prefix):
+            if statements.exists(conn, session_id_or_prefix):
                 return session_id_or_prefix
             pattern = titles.escape_like(session_id_or_prefix) + "%"
             ids = conn.scalars(
@@ -488,10 +435,6 @@ class SessionDB:
         with self._read() as conn:
             return listing.compression_tip(conn, session_id)
 
-    @staticmethod
-    def _exists(conn: Connection, session_id: str) -> bool:
-        return conn.execute(select(S.c.id).where(S.c.id == session_id)).first() is not None
-
     # -- titles -----------------------------------------------------------------------------
 
     @staticmethod
@@ -505,41 +448,7 @@ class SessionDB:
         validate.text("title", title, optional=True)
         clean = titles.sanitize_title(title)
         self._text("title", clean)
-
-        def unit(conn: Connection) -> bool:
-            if not self._exists(conn, session_id):
-                return False
-            if clean is not None:
-                holder = conn.scalar(
-                    select(S.c.id).where(S.c.title == clean, S.c.id != session_id).limit(1)
-                )
-                if holder is not None:
-                    raise TitleInUseError(f"Title '{clean}' is already in use by session {holder}")
-            try:
-                with conn.begin_nested():
-                    conn.execute(update(S).where(S.c.id == session_id).values(title=clean))
-            except sa.exc.IntegrityError as error:  # a concurrent writer took it (PostgreSQL)
-                raise TitleInUseError(f"Title '{clean}' is already in use") from error
-            return True
-
-        if not self._one_statement():
-            return self.uow.run(unit)
-        # One UPDATE: the unique index refuses a title held elsewhere (then, and only then,
-        # a second statement names the holder).
-        statement = update(S).where(S.c.id == session_id).values(title=clean)
-        try:
-            changed = self.uow.run_statement(
-                lambda conn: conn.execute(statement).rowcount, idempotent=True
-            )
-        except sa.exc.IntegrityError as error:
-            if _sqlstate(error) != _UNIQUE_VIOLATION:
-                raise
-            holder = self.uow.read_scalar(
-                select(S.c.id).where(S.c.title == clean, S.c.id != session_id).limit(1)
-            )
-            held = f" by session {holder}" if holder is not None else ""
-            raise TitleInUseError(f"Title '{clean}' is already in use{held}") from error
-        return bool(changed)
+        return self._statements.set_title(self.uow, session_id, clean)
 
     def get_session_title(self, session_id: str) -> str | None:
         validate.text("session_id", session_id)
@@ -610,7 +519,7 @@ class SessionDB:
         validate.text("session_id", session_id)
         counts = dict(
             zip(
-                _COUNTERS,
+                statements.COUNTERS,
                 (
                     input_tokens,
                     output_tokens,
@@ -634,24 +543,13 @@ class SessionDB:
             "billing_mode": billing_mode,
             "model": model,
         }
-        for name, text_value in (overwrite | fill).items():
+        texts = overwrite | fill
+        for name, text_value in texts.items():
             self._text(name, text_value)
-
-        params: dict[str, Any] = {
-            f"p_{name}": value for name, value in (counts | overwrite | fill).items()
-        }
-        params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
-        mode = "tokens_absolute" if absolute else "tokens"
-        if self.is_sqlite:
-            self.uow.run(lambda conn: _execute(conn, mode, params), driver_only=True)
-        else:  # one UPDATE; adding twice is not setting twice: only absolute is retried
-            self.uow.run_statement(
-                lambda conn: _execute(conn, mode, params),
-                idempotent=absolute,
-                grouped=pggroup.Grouped(
-                    _token_statement(absolute, checked=False), params, session_id, pggroup.rowcount
-                ),
-            )
+        params = statements.token_params(
+            session_id, counts, texts, estimated_cost_usd, actual_cost_usd
+        )
+        self._statements.update_token_counts(self.uow, session_id, params, bool(absolute))
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -683,34 +581,9 @@ class SessionDB:
             reasoning_details,
             codex_reasoning_items,
         )
-        bump = {
-            "sid": session_id,
-            "messages": 1,
-            "tool_calls": _tool_call_increment(role, tool_calls),
-        }
-
-        def unit(conn: Connection) -> int:
-            if _execute(conn, "bump", bump) != 1:
-                raise UnknownSessionError(f"session {session_id!r} does not exist")
-            if conn.dialect.name == "sqlite":  # the statement compiled once, on the driver
-                sql, keys = _sqlite_sql("insert")
-                cursor = fastpath.driver_execute(conn, sql, tuple(values[key] for key in keys))
-                return int(cursor.lastrowid)
-            return int(conn.execute(_INSERT_MESSAGE, values).scalar_one())
-
-        if not self._one_statement():
-            return self.uow.run(unit, driver_only=True)
-        params = {**values, "bump_messages": 1, "bump_tool_calls": bump["tool_calls"]}
-        try:
-            return self.uow.run_statement(
-                lambda conn: int(conn.execute(_pg_append(), params).scalar_one()),
-                idempotent=False,
-                grouped=pggroup.Grouped(_pg_append(), params, session_id, _message_id),
-            )
-        except sa.exc.IntegrityError as error:
-            if _sqlstate(error) != _FOREIGN_KEY_VIOLATION:
-                raise
-            raise UnknownSessionError(f"session {session_id!r} does not exist") from error
+        return self._statements.append_message(
+            self.uow, values, _tool_call_increment(role, tool_calls)
+        )
 
     def append_messages(self, session_id: str, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Append many messages in one transaction (imports); all or nothing. Returns the ids.
@@ -731,23 +604,7 @@ class SessionDB:
             tool_call_total += _tool_call_increment(message["role"], message.get("tool_calls"))
         if not rows:
             return []
-
-        bump = {"sid": session_id, "messages": len(rows), "tool_calls": tool_call_total}
-
-        def unit(conn: Connection) -> list[int]:
-            if _execute(conn, "bump", bump) != 1:
-                raise UnknownSessionError(f"session {session_id!r} does not exist")
-            if conn.dialect.name == "sqlite":  # one executemany of the compiled INSERT
-                sql, keys = _sqlite_sql("insert")
-                insert_rows = [tuple(row[key] for key in keys) for row in rows]
-                cursor = fastpath.driver_execute(conn, sql, insert_rows, many=True)
-                last = int(cursor.execute("SELECT last_insert_rowid()").fetchone()[0])
-                # One transaction holding the write lock: AUTOINCREMENT ids are consecutive.
-                return list(range(last - len(insert_rows) + 1, last + 1))
-            statement = M.insert().returning(M.c.id, sort_by_parameter_order=True)
-            return list(conn.scalars(statement, rows))
-
-        return self.uow.run(unit, driver_only=True)
+        return self._statements.append_messages(self.uow, session_id, rows, tool_call_total)
 
     def _message_values(
         self,
@@ -809,9 +666,9 @@ class SessionDB:
         validate.text("session_id", session_id)
         validate.integer("limit", limit, optional=True, minimum=0)
         validate.integer("after_id", after_id, optional=True)
-        statement = _messages_statement(after_id is not None, limit is not None)
-        params = {"sid": session_id, "after": after_id, "lim": limit}
-        return cast(list[MessageRow], _decode_tool_calls(self.uow.read_rows(statement, params)))
+        statement = messages_statement(after_id is not None, limit is not None)
+        params = messages_params(session_id, limit=limit, after_id=after_id)
+        return cast(list[MessageRow], decode_tool_calls(self.uow.read_rows(statement, params)))
 
     def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[MessageRow]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
@@ -839,7 +696,7 @@ class SessionDB:
                     message["reasoning"] = row["reasoning"]
                 for key in ("reasoning_details", "codex_reasoning_items"):
                     if row[key]:
-                        message[key] = _from_json(row[key], None, key, row["id"])
+                        message[key] = from_json(row[key], None, key, row["id"])
             conversation.append(message)
         return cast(list[ConversationTurn], conversation)
 
@@ -924,7 +781,7 @@ class SessionDB:
         return self.uow.read(
             lambda conn: cast(
                 list[SessionListRow],
-                listing.list_sessions_rich(
+                self._statements.list_sessions_rich(
                     conn,
                     source=source,
                     exclude_sources=exclude_sources,
@@ -958,7 +815,7 @@ class SessionDB:
         return self.uow.read(
             lambda conn: cast(
                 list[SearchHit],
-                search.search_messages(
+                self._searcher.search_messages(
                     conn,
                     query,
                     source_filter=source_filter,
@@ -985,11 +842,11 @@ class SessionDB:
 
     def rebuild_search_index(self) -> None:
         """Rebuild the full-text index from ``messages`` (recreating missing FTS objects)."""
-        self.uow.run(search.rebuild_index)
+        self.uow.run(self._searcher.rebuild_index)
 
     def optimize_search_index(self) -> None:
         """Merge the full-text index into its most compact form (FTS5 'optimize')."""
-        self.uow.run(search.optimize_index)
+        self.uow.run(self._searcher.optimize_index)
 
     def check_search_index(self) -> bool:
         """True when the full-text index is complete and in step with ``messages``.
@@ -1001,7 +858,7 @@ class SessionDB:
         def unit(conn: Connection) -> bool:
             savepoint = conn.begin_nested()  # so a joined transaction() keeps its own work
             try:
-                return search.check_index(conn)
+                return self._searcher.check_index(conn)
             finally:
                 savepoint.rollback()
 
@@ -1039,29 +896,7 @@ class SessionDB:
         """
         validate.text("source", source, optional=True)
         validate.integer("page_size", page_size, minimum=1)
-        if self.uow.current() is None and pgstream.supported(self.engine.dialect):
-            yield from pgstream.iter_export(self, source)  # one snapshot, server-side cursors
-            return
-        order = (S.c.started_at.desc(), S.c.id.desc())
-        last: tuple[float, str] | None = None
-        while True:
-            statement = select(S).order_by(*order).limit(page_size)
-            if source is not None:
-                statement = statement.where(S.c.source == source)
-            if last is not None:
-                statement = statement.where(
-                    or_(S.c.started_at < last[0], and_(S.c.started_at == last[0], S.c.id < last[1]))
-                )
-            # One read unit per page: a round trip per session, not a transaction per session.
-            with self.uow.reading() as conn:
-                page = [_row_dict(row) for row in conn.execute(statement)]
-                for session in page:
-                    yield cast(
-                        ExportRecord, {**session, "messages": _fetch_messages(conn, session["id"])}
-                    )
-            if len(page) < page_size:
-                return
-            last = (page[-1]["started_at"], page[-1]["id"])
+        yield from self._statements.iter_export(self.uow, source, page_size)
 
 
 _MESSAGE_ARGUMENTS = frozenset(
@@ -1081,208 +916,10 @@ _MESSAGE_ARGUMENTS = frozenset(
 )
 
 
-_INSERT_MESSAGE = M.insert().returning(M.c.id)
-_BUMP_COUNTERS = (
-    update(S)
-    .where(S.c.id == sa.bindparam("sid"))
-    .values(
-        message_count=S.c.message_count + sa.bindparam("messages", type_=Counter),
-        tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=Counter),
-    )
-)
-
-
-@functools.cache
-def _sqlite_sql(name: str) -> tuple[str, tuple[str, ...]]:
-    """SQL text and positional parameter names of a hot-path Core statement, compiled for
-    SQLite once per process (the driver-level units run it on the cursor)."""
-    statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
-        "bump": (_BUMP_COUNTERS, None),
-        "insert": (M.insert(), [c.name for c in M.columns if c.name != "id"]),
-        "tokens": (_token_statement(False), None),
-        "tokens_absolute": (_token_statement(True), None),
-    }
-    statement, column_keys = statements[name]
-    compiled = statement.compile(dialect=sqlite.dialect(), column_keys=column_keys)
-    assert isinstance(compiled, SQLCompiler)
-    return compiled.string, tuple(compiled.positiontup or ())
-
-
-def _execute(conn: Connection, name: str, params: Mapping[str, Any]) -> int:
-    """Run one of the hot path's prebuilt statements on the unit's connection (SQLite: compiled
-    once, on the driver's cursor); the number of rows it changed."""
-    if conn.dialect.name == "sqlite":
-        sql, keys = _sqlite_sql(name)
-        cursor = fastpath.driver_execute(conn, sql, tuple(params[key] for key in keys))
-        return int(cursor.rowcount)
-    statement = {
-        "bump": _BUMP_COUNTERS,
-        "tokens": _token_statement(False, checked=False),
-        "tokens_absolute": _token_statement(True, checked=False),
-    }[name]
-    return int(conn.execute(statement, dict(params)).rowcount)
-
-
-@functools.cache
-def _token_statement(absolute: bool, checked: bool = True) -> sa.Update:
-    """The one atomic UPDATE of ``update_token_counts`` for a mode, every value bound: None
-    leaves ``actual_cost_usd`` and the overwrite-only fields as they are (``COALESCE``) and the
-    fill-once fields keep their first value. Built once: constructing it per call cost 25x the
-    SQL, and the write lock is held while it compiles. ``checked=False`` (PostgreSQL) adds
-    plainly: its BIGINT addition fails with ``bigint out of range`` by itself, and the
-    statement the server parses is a third as long."""
-    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline: binds only the call's values
-    est = sa.cast(sa.bindparam("p_est", type_=sa.Float), sa.Float)
-    act = sa.cast(sa.bindparam("p_act", type_=sa.Float), sa.Float)
-    values: dict[str, Any] = {}
-    for name in _COUNTERS:
-        given = sa.bindparam(f"p_{name}", type_=Counter)
-        current = func.coalesce(S.c[name], zero)
-        if absolute:
-            values[name] = given
-        else:
-            values[name] = _checked_add(current, given) if checked else current + given
-    if absolute:
-        values["estimated_cost_usd"] = func.coalesce(est, zero)
-        values["actual_cost_usd"] = func.coalesce(act, S.c.actual_cost_usd)
-    else:
-        values["estimated_cost_usd"] = func.coalesce(S.c.estimated_cost_usd, zero) + func.coalesce(
-            est, zero
-        )
-        values["actual_cost_usd"] = sa.case(
-            (act.is_(None), S.c.actual_cost_usd),
-            else_=func.coalesce(S.c.actual_cost_usd, zero) + act,
-        )
-    for name in ("cost_status", "cost_source", "pricing_version"):  # overwritten by non-None
-        values[name] = func.coalesce(sa.bindparam(f"p_{name}", type_=sa.Text), S.c[name])
-    for name in ("billing_provider", "billing_base_url", "billing_mode", "model"):  # first wins
-        values[name] = func.coalesce(S.c[name], sa.bindparam(f"p_{name}", type_=sa.Text))
-    return update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
-
-
-def _checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -> Any:
-    """``current + given``, or an SQL error when it would leave 64 bits: SQLite would silently
-    turn the counter into a REAL. ``abs()`` of the smallest 64-bit integer is the error
-    (``integer overflow`` on SQLite, ``bigint out of range`` on PostgreSQL), which the error
-    mapping reports as InvalidInputError; the check is part of the atomic UPDATE."""
-    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline constants: no extra binds
-    high: sa.ColumnElement[Any] = sa.literal_column(str(validate.INT64_MAX))
-    # Written as MIN + 1 - 1: SQLite reads the literal 9223372036854775808 as a REAL.
-    low: sa.ColumnElement[Any] = sa.literal_column(f"({validate.INT64_MIN + 1} - 1)")
-    fail = func.abs(low + zero * current)  # row-dependent: PostgreSQL cannot fold it early
-    return sa.case(
-        (and_(given > zero, current > high - given), fail),
-        (and_(given < zero, current < low - given), fail),
-        else_=current + given,
-    )
-
-
-_FOREIGN_KEY_VIOLATION = "23503"
-_UNIQUE_VIOLATION = "23505"
-
-
-def _sqlstate(error: sa.exc.DBAPIError) -> str | None:
-    return getattr(error.orig, "sqlstate", None)
-
-
-@functools.cache
-def _pg_append() -> Select[Any]:
-    """``append_message`` on PostgreSQL as one statement: insert the message, bump the
-    session's counters. The INSERT is what the query reads, so it runs first; the UPDATE (a
-    side CTE) runs last, so the session row is locked for the shortest time, and the lock
-    ends with the statement's own commit. A missing session fails the foreign key."""
-    columns = {c.name: sa.bindparam(c.name, type_=c.type) for c in M.columns if c.name != "id"}
-    inserted = M.insert().values(columns).returning(M.c.id).cte("inserted")
-    bumped = (
-        update(S)
-        .where(S.c.id == sa.bindparam("session_id"))
-        .values(
-            message_count=S.c.message_count + sa.bindparam("bump_messages", type_=Counter),
-            tool_call_count=S.c.tool_call_count + sa.bindparam("bump_tool_calls", type_=Counter),
-        )
-        .cte("bumped")
-    )
-    return select(inserted.c.id).add_cte(bumped)
-
-
-def _message_id(cursor: Any) -> int:
-    """The id ``_pg_append`` returns, read from the driver's cursor (a grouped append)."""
-    return int(pggroup.scalar(cursor))
-
-
-@functools.cache
-def _pg_create_child() -> Select[Any]:
-    """``create_session`` with a parent on PostgreSQL as one statement: insert when the parent
-    exists (an existing id is left as it is); the row says whether the parent was found."""
-    from sqlalchemy.dialects import postgresql
-
-    names = [c.name for c in S.columns if c.name in _CREATE_COLUMNS]
-
-    def parent() -> sa.Exists:
-        return sa.exists().where(S.c.id == sa.bindparam("parent_session_id"))
-
-    row = select(*(sa.bindparam(name, type_=S.c[name].type) for name in names)).where(parent())
-    inserted = (
-        postgresql.insert(S)
-        .from_select(names, row)
-        .on_conflict_do_nothing(index_elements=["id"])
-        .cte("inserted")
-    )
-    return select(parent().label("found")).add_cte(inserted)
-
-
-_CREATE_COLUMNS = frozenset(
-    {
-        "id",
-        "source",
-        "user_id",
-        "model",
-        "model_config",
-        "system_prompt",
-        "parent_session_id",
-        "started_at",
-    }
-)
 _SESSION_BY_ID = select(S).where(S.c.id == sa.bindparam("sid"))
 _TITLE_BY_ID = select(S.c.title).where(S.c.id == sa.bindparam("sid"))
 _COUNT_ALL_MESSAGES = select(func.count().label("n")).select_from(M)
 _COUNT_MESSAGES = _COUNT_ALL_MESSAGES.where(M.c.session_id == sa.bindparam("sid"))
-
-
-def _fetch_messages(
-    conn: Connection, session_id: str, *, limit: int | None = None, after_id: int | None = None
-) -> list[RowDict]:
-    """One session's messages on ``conn``, ``tool_calls`` decoded (bad JSON gives ``[]``)."""
-    statement = _messages_statement(after_id is not None, limit is not None)
-    params = {"sid": session_id, "after": after_id, "lim": limit}
-    return _decode_tool_calls(fastpath.rows(conn, statement, params))
-
-
-def _decode_tool_calls(rows: list[RowDict]) -> list[RowDict]:
-    """``tool_calls`` decoded in place (bad JSON gives ``[]``)."""
-    for message in rows:
-        if message.get("tool_calls"):
-            message["tool_calls"] = _from_json(
-                message["tool_calls"], [], "tool_calls", message["id"]
-            )
-    return rows
-
-
-@functools.cache
-def _messages_statement(after: bool, limited: bool) -> Select[Any]:
-    """One session's messages by ``(timestamp, id)``; optionally after the message ``:after``
-    (keyset) and at most ``:lim`` of them. Built once per shape (the hot read of export)."""
-    statement = select(M).where(M.c.session_id == sa.bindparam("sid")).order_by(*_MESSAGE_ORDER)
-    if after:
-        after_id = sa.bindparam("after", type_=sa.BigInteger)
-        anchor = select(M.c.timestamp).where(M.c.id == after_id).scalar_subquery()
-        statement = statement.where(
-            M.c.timestamp >= anchor,  # redundant, but it lets the index seek instead of scan
-            or_(M.c.timestamp > anchor, and_(M.c.timestamp == anchor, M.c.id > after_id)),
-        )
-    if limited:
-        statement = statement.limit(sa.bindparam("lim", type_=sa.BigInteger))
-    return statement
 
 
 def _tool_call_increment(role: str, tool_calls: Any) -> int:

@@ -20,7 +20,7 @@ nothing is written. The rules:
   memory in proportion to it.
 
 A counter that would overflow 64 bits in the database is refused by the statement itself
-(see ``store._checked_add``): the check must be atomic with the increment.
+(see ``repo.statements.checked_add``): the check must be atomic with the increment.
 """
 
 from __future__ import annotations

@@ -135,19 +135,23 @@ def list_sessions_rich(
 
     The page (ids only, off idx_sessions_started) is cut first, so the correlated subqueries run
     for its rows alone however deep the offset. Compression roots then show their tip, whose
-    rows come in one more query.
+    rows come in one more query (after one query per hop of all the page's chains; PostgreSQL
+    follows them inside one statement instead: :func:`projected_page`).
     """
     excluded = list(exclude_sources or ())
-    params = {"source": source, "excluded": excluded, "lim": max(0, limit), "off": max(0, offset)}
-    project = project_compression_tips and not include_children
-    if project and conn.dialect.name == "postgresql":
-        return _pg_projected_page(conn, params, bool(source), bool(excluded))
+    params = _page_params(source, excluded, limit, offset)
     statement = _page_statement(include_children, bool(source), bool(excluded))
     found = fastpath.rows(conn, statement, params, expanding=["excluded"] if excluded else [])
     rows = [_rich_dict(row) for row in found]
     if project_compression_tips and not include_children:
         _project_tips(conn, rows)
     return rows
+
+
+def _page_params(
+    source: str | None, excluded: list[str], limit: int, offset: int
+) -> dict[str, Any]:
+    return {"source": source, "excluded": excluded, "lim": max(0, limit), "off": max(0, offset)}
 
 
 def count_sessions(
@@ -200,14 +204,22 @@ def _page_statement(include_children: bool, by_source: bool, excluding: bool) ->
     )
 
 
-def _pg_projected_page(
-    conn: Connection, params: dict[str, Any], by_source: bool, excluding: bool
+def projected_page(
+    conn: Connection,
+    *,
+    source: str | None,
+    exclude_sources: Sequence[str] | None,
+    limit: int,
+    offset: int,
 ) -> list[dict[str, Any]]:
-    """The top-level page with compression roots showing their tips, in ONE statement
-    (PostgreSQL): each row comes with ``_root`` and, for a root whose chain leads on, its tip's
-    rich row follows it (``_is_tip``)."""
-    statement = _pg_projected_statement(by_source, excluding)
-    expanding = ["excluded"] if excluding else []
+    """:func:`list_sessions_rich` of the top-level sessions with compression roots showing their
+    tips, in ONE statement (PostgreSQL: a recursive CTE follows the chains): each row comes with
+    ``_root`` and, for a root whose chain leads on, its tip's rich row follows it
+    (``_is_tip``)."""
+    excluded = list(exclude_sources or ())
+    params = _page_params(source, excluded, limit, offset)
+    statement = _pg_projected_statement(bool(source), bool(excluded))
+    expanding = ["excluded"] if excluded else []
     found = fastpath.rows(conn, statement, params, expanding=expanding)
     rows: list[dict[str, Any]] = []
     for item in map(_rich_dict, found):

@@ -6,26 +6,24 @@ REPEATABLE READ, read-only snapshot (sessions newest first, and every message in
 session order), merged as they stream; an import writes each batch's rows with
 ``COPY ... FROM STDIN`` inside the batch's own transaction. Both work behind PgBouncer in
 transaction pooling mode: cursors and COPY live inside one transaction. The records are those
-of :meth:`SessionDB.iter_export`, key for key and value for value.
+of ``SessionDB.iter_export``, key for key and value for value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import select
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
-from hermes_store.errors import mapped_errors
+from hermes_store.errors import mapped_errors, translate
+from hermes_store.repo.messages import decode_tool_calls
 from hermes_store.rows import ExportRecord
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
-
-if TYPE_CHECKING:
-    from hermes_store.store import SessionDB
 
 #: Rows fetched per round trip from each server-side cursor.
 FETCH_ROWS = 2_000
@@ -42,13 +40,15 @@ def supported(conn_or_dialect: Connection | sa.Dialect) -> bool:
 
 @contextmanager
 def _driver_errors(dialect: sa.Dialect) -> Iterator[None]:
-    """Errors raised on the raw psycopg connection, wrapped and named as SQLAlchemy's would be."""
-    from hermes_store.uow import unit as uow
-
+    """Errors raised on the raw psycopg connection, wrapped as SQLAlchemy wraps them, then
+    named as the package names them."""
+    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
     try:
         yield
-    except dialect.loaded_dbapi.Error as error:
-        raise uow._mapped("", None, error, dialect) from error
+    except dbapi_error as error:
+        wrapped = sa.exc.DBAPIError.instance("", None, error, dbapi_error, dialect=dialect)
+        assert isinstance(wrapped, sa.exc.DBAPIError)
+        raise (translate(wrapped) or wrapped) from error
 
 
 def _export_statements(dialect: sa.Dialect, by_source: bool) -> tuple[str, str]:
@@ -67,16 +67,15 @@ def _export_statements(dialect: sa.Dialect, by_source: bool) -> tuple[str, str]:
     return str(sessions.compile(dialect=dialect)), str(messages.compile(dialect=dialect))
 
 
-def iter_export(db: SessionDB, source: str | None = None) -> Iterator[ExportRecord]:
+def iter_export(engine: Engine, source: str | None = None) -> Iterator[ExportRecord]:
     """Every session (or ``source``'s), newest first, each with its messages, from one
-    snapshot. One connection is held until the generator finishes or is closed."""
-    from hermes_store.store import _decode_tool_calls
-
+    snapshot. One connection of ``engine`` is held until the generator finishes or is
+    closed."""
     params = {"source": source} if source is not None else {}
     session_keys = [c.name for c in S.c]
     message_keys = [c.name for c in M.c]
     owner = message_keys.index("session_id")
-    with mapped_errors(), db.engine.connect() as conn:
+    with mapped_errors(), engine.connect() as conn:
         conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         raw: Any = conn.connection.driver_connection
         session_sql, message_sql = _export_statements(conn.dialect, source is not None)
@@ -95,7 +94,7 @@ def iter_export(db: SessionDB, source: str | None = None) -> Iterator[ExportReco
                     while upcoming is not None and upcoming[owner] == session["id"]:
                         rows.append(dict(zip(message_keys, upcoming, strict=True)))
                         upcoming = next(pending, None)
-                    session["messages"] = _decode_tool_calls(rows)
+                    session["messages"] = decode_tool_calls(rows)
                     yield cast(ExportRecord, session)
             finally:
                 messages.close()

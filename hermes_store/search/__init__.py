@@ -1,7 +1,11 @@
 """Full-text search: one parse of the query, then the backend's searcher.
 
-May import: ``hermes_store.repo``, ``hermes_store.schema``, ``hermes_store.engine`` and the
-leaves.
+``query`` parses (pure text: the original store's sanitizer, terms, AND/OR/NOT); ``pipeline``
+holds each backend's :class:`Searcher`, which a store looks up once (``for_dialect``), built
+from the searchers ``fts5`` (SQLite FTS5), ``cjk`` (SQLite's CJK trigram index), ``tsvector``
+(PostgreSQL) and ``substring``; ``snippets`` and ``hits`` (page, filters, same-session context)
+are what they share. May import: ``hermes_store.repo``, ``hermes_store.schema``,
+``hermes_store.engine`` and the leaves.
 """
 
 from __future__ import annotations
@@ -11,8 +15,43 @@ from typing import TYPE_CHECKING
 from hermes_store.faces import lazy_names
 
 if TYPE_CHECKING:
-    from hermes_store.search.pipeline import parse_query, sanitize_fts5_query, search_messages
+    from hermes_store.search.pipeline import (
+        Searcher,
+        check_index,
+        for_dialect,
+        optimize_index,
+        rebuild_index,
+    )
+    from hermes_store.search.query import (
+        Query,
+        contains_cjk,
+        parse,
+        parse_query,
+        sanitize_fts5_query,
+    )
 
-__all__ = ["parse_query", "sanitize_fts5_query", "search_messages"]
+__all__ = [
+    "Query",
+    "Searcher",
+    "check_index",
+    "contains_cjk",
+    "for_dialect",
+    "optimize_index",
+    "parse",
+    "parse_query",
+    "rebuild_index",
+    "sanitize_fts5_query",
+]
 
-__getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(__all__, "pipeline"))
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("Searcher", "check_index", "for_dialect", "optimize_index", "rebuild_index"),
+            "pipeline",
+        ),
+        **dict.fromkeys(
+            ("Query", "contains_cjk", "parse", "parse_query", "sanitize_fts5_query"), "query"
+        ),
+    },
+)

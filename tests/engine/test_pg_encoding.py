@@ -32,8 +32,8 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store import AsyncSessionDB, SessionDB
 from hermes_store.engine.factory import autocommit_engine
+from hermes_store.repo.postgresql import append_statement, message_id
 from hermes_store.schema import migrate
-from hermes_store.store import _message_id, _pg_append
 from hermes_store.uow.pggroup import Grouped, rowcount
 from tests.conftest import PGBOUNCER_ENV, through_pgbouncer, url_string
 from tests.support.latency_proxy import LatencyProxy
@@ -400,7 +400,7 @@ def _unit(db: SessionDB, session: str, content: Any) -> Grouped[int]:
         "bump_messages": 1,
         "bump_tool_calls": 0,
     }
-    unit = Grouped(_pg_append(), params, session, _message_id)
+    unit = Grouped(append_statement(), params, session, message_id)
     unit.uow = db.uow
     return unit
 
@@ -490,9 +490,9 @@ def test_a_negative_zero_cost_keeps_its_sign_on_postgresql(
             }  # fmt: skip
             params.update({f"p_{name}": 0 for name in _counter_names()})
             params.update(p_sid="s", p_est=-0.0, p_act=-0.0)
-            from hermes_store.store import _token_statement
+            from hermes_store.repo.statements import token_statement
 
-            tokens = Grouped(_token_statement(True, checked=False), params, "s", rowcount)
+            tokens = Grouped(token_statement(True, checked=False), params, "s", rowcount)
             tokens.uow = db.uow
             groups._commit([tokens, _unit(db, "s", "beside")], db.uow)
             assert tokens.state == 1  # DONE, in the group
@@ -502,9 +502,9 @@ def test_a_negative_zero_cost_keeps_its_sign_on_postgresql(
 
 
 def _counter_names() -> tuple[str, ...]:
-    from hermes_store.store import _COUNTERS
+    from hermes_store.repo.statements import COUNTERS
 
-    return tuple(_COUNTERS)
+    return COUNTERS
 
 
 @pytest.mark.xfail(

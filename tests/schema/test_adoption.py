@@ -28,7 +28,7 @@ from hermes_store import (
     SessionDB,
     UnrecognizedSchemaError,
 )
-from hermes_store.search import pipeline as search
+from hermes_store.search.query import unsegmented
 from tests.conftest import reset_pg, url_string
 from tests.support import legacy, proc_workers
 from tests.support.migration_checks import (
@@ -135,7 +135,7 @@ def test_adopts_legacy_file(tmp_path: Path, version: int, later_columns: bool, h
     with_cjk = [
         row["id"][1]
         for row in after["messages"]
-        if row["content"][1] and search.unsegmented(row["content"][1])
+        if row["content"][1] and unsegmented(row["content"][1])
     ]
     assert with_cjk and cjk_objects(path) == CJK_OBJECTS
     assert cjk_index_ids(path) == with_cjk

@@ -25,7 +25,7 @@ from hermes_store.models import Base
 from hermes_store.schema import ddl, migrate
 from hermes_store.schema import steps as schema_ops
 from hermes_store.schema.revisions import script_location
-from hermes_store.search import pipeline as search
+from hermes_store.search.query import unsegmented
 from tests.conftest import is_sqlite, url_string
 from tests.support import legacy
 from tests.support.migration_checks import (
@@ -347,7 +347,7 @@ def test_cjk_index_revision_up_and_down(tmp_path: Path) -> None:
     with_cjk = {
         i
         for i, content in con.execute("SELECT id, content FROM messages")
-        if content and search.unsegmented(content)
+        if content and unsegmented(content)
     }
     con.close()
     assert with_cjk, "the legacy rows must hold some CJK for this test to mean anything"

@@ -19,7 +19,16 @@ from hermes_store import SessionDB
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.schema import ddl
-from hermes_store.search import pipeline as search
+from hermes_store.search import pipeline, snippets
+from hermes_store.search.fts5 import fts5_query
+from hermes_store.search.query import (
+    contains_cjk,
+    parse_query,
+    positive_pieces,
+    sanitize_fts5_query,
+    well_formed,
+)
+from hermes_store.search.tsvector import tsquery
 from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
 from tests.support.query_plans import captured_selects, explain
 from tests.support.search_corpus import CORPUS
@@ -64,7 +73,7 @@ RESULT_KEYS = {
     ],
 )
 def test_sanitizer_pinned_cases(raw: str, clean: str) -> None:
-    assert search.sanitize_fts5_query(raw) == clean
+    assert sanitize_fts5_query(raw) == clean
     assert SessionDB._sanitize_fts5_query(raw) == clean
 
 
@@ -85,7 +94,7 @@ def test_sanitizer_pinned_cases(raw: str, clean: str) -> None:
     ],
 )
 def test_sanitizer_further_cases(raw: str, clean: str) -> None:
-    assert search.sanitize_fts5_query(raw) == clean
+    assert sanitize_fts5_query(raw) == clean
 
 
 @pytest.mark.parametrize(
@@ -108,34 +117,34 @@ def test_contains_cjk_true(text: str) -> None:
 
 @pytest.mark.parametrize("text", ["", "hello", "Zürich", "привет", "สวัสดี", "😀", "\u4dc0", "ｱ"])
 def test_contains_cjk_false(text: str) -> None:
-    assert not search.contains_cjk(text)
+    assert not contains_cjk(text)
 
 
 def test_one_parse_renders_for_fts5_tsquery_and_substring() -> None:
-    items = search.well_formed(search.parse_query('deploy* "a b" NOT c:d OR it\'s'))
-    assert search.fts5_query(items) == '"deploy"* "a b" NOT "c:d" OR "it\'s"'
-    assert search.tsquery(items) == "(('deploy':* & ('a b' & !'c:d')) | 'it''s')"
-    assert search.positive_pieces(items) == ["deploy", "a b", "it's"]
-    assert search.tsquery(search.parse_query("back\\slash")) == "'back\\\\slash'"
-    assert search.positive_pieces(search.parse_query("a NOT b c OR d")) == ["a", "c", "d"]
+    items = well_formed(parse_query('deploy* "a b" NOT c:d OR it\'s'))
+    assert fts5_query(items) == '"deploy"* "a b" NOT "c:d" OR "it\'s"'
+    assert tsquery(items) == "(('deploy':* & ('a b' & !'c:d')) | 'it''s')"
+    assert positive_pieces(items) == ["deploy", "a b", "it's"]
+    assert tsquery(parse_query("back\\slash")) == "'back\\\\slash'"
+    assert positive_pieces(parse_query("a NOT b c OR d")) == ["a", "c", "d"]
 
 
 def test_well_formed_drops_dangling_and_doubled_operators() -> None:
-    items = search.parse_query("OR a AND NOT b OR")
-    assert search.fts5_query(search.well_formed(items)) == '"a" NOT "b"'
+    items = parse_query("OR a AND NOT b OR")
+    assert fts5_query(well_formed(items)) == '"a" NOT "b"'
 
 
 def test_substring_snippet_is_centred_and_marked() -> None:
     content = "x" * 300 + "数据库迁移" + "y" * 300
-    snippet = search.substring_snippet(content, ["数据库迁移"])
+    snippet = snippets.substring_snippet(content, ["数据库迁移"])
     assert snippet.startswith("...") and snippet.endswith("...")
     assert ">>>数据库迁移<<<" in snippet
     body = snippet.removeprefix("...").removesuffix("...").replace(">>>", "").replace("<<<", "")
-    assert len(body) == search.SUBSTRING_SNIPPET_CHARS
+    assert len(body) == snippets.SUBSTRING_SNIPPET_CHARS
     left, right = body.split("数据库迁移")
     assert abs(len(left) - len(right)) <= 1
-    assert search.substring_snippet("short 通信 text", ["通信"]) == "short >>>通信<<< text"
-    near_start = search.substring_snippet("ab 通信 " + "z" * 500, ["通信"])
+    assert snippets.substring_snippet("short 通信 text", ["通信"]) == "short >>>通信<<< text"
+    near_start = snippets.substring_snippet("ab 通信 " + "z" * 500, ["通信"])
     assert near_start.startswith("ab >>>通信<<<") and near_start.endswith("...")
 
 
@@ -339,7 +348,7 @@ def test_cjk_fallback_is_newest_first_with_centred_snippet(store: SessionDB) -> 
     long_snippet = rows[1]["snippet"]
     assert long_snippet.startswith("...") and long_snippet.endswith("...")
     assert ">>>数据库迁移<<<" in long_snippet
-    assert len(long_snippet) <= search.SUBSTRING_SNIPPET_CHARS + 12
+    assert len(long_snippet) <= snippets.SUBSTRING_SNIPPET_CHARS + 12
 
 
 def test_corpus_of_special_character_queries(store: SessionDB) -> None:
@@ -388,7 +397,7 @@ def test_fts5_syntax_error_is_retried_and_logged_at_debug(
 ) -> None:
     sqlite_store.create_session("s", "cli")
     [target] = add(sqlite_store, "s", ("user", "alpha then beta"), t=T0)
-    with caplog.at_level(logging.DEBUG, logger="hermes_store.search.pipeline"):
+    with caplog.at_level(logging.DEBUG, logger="hermes_store.search.fts5"):
         assert ids(sqlite_store.search_messages("alpha AND AND beta")) == [target]
     assert any("retrying with quoted terms" in r.getMessage() for r in caplog.records)
 
@@ -455,7 +464,7 @@ def test_property_any_word_of_a_message_finds_it(
     store: SessionDB, words: list[str], pick: int
 ) -> None:
     word = words[pick % len(words)]
-    assume(search.sanitize_fts5_query(word))
+    assume(sanitize_fts5_query(word))
     session_id, source = _fresh_session(store)
     [target] = add(store, session_id, ("user", " ".join(words)), t=T0)
     assert target in ids(store.search_messages(word, source_filter=[source]))
@@ -575,10 +584,10 @@ def test_index_maintenance(store: SessionDB, backend: str) -> None:
     [target] = add(store, "s", ("user", "maintenance probe"), t=T0)
     with store.engine.begin() as conn:
         # A CJK index missing where SQLite could have one is damage the check reports.
-        assert search.check_index(conn) is (backend != NO_CJK_INDEX)
-        search.optimize_index(conn)
-        search.rebuild_index(conn)
-        assert search.check_index(conn)
+        assert pipeline.check_index(conn) is (backend != NO_CJK_INDEX)
+        pipeline.optimize_index(conn)
+        pipeline.rebuild_index(conn)
+        assert pipeline.check_index(conn)
     assert ids(store.search_messages("probe")) == [target]
 
 
@@ -594,11 +603,11 @@ def test_check_index_detects_a_corrupt_fts5_index(
             (target, "different words"),
         )
     with sqlite_store.engine.begin() as conn, caplog.at_level(logging.ERROR):
-        assert not search.check_index(conn)
+        assert not pipeline.check_index(conn)
     assert any("integrity check" in r.getMessage() for r in caplog.records)
     with sqlite_store.engine.begin() as conn:
-        search.rebuild_index(conn)
-        assert search.check_index(conn)
+        pipeline.rebuild_index(conn)
+        assert pipeline.check_index(conn)
     assert ids(sqlite_store.search_messages("original")) == [target]
 
 
@@ -611,9 +620,9 @@ def test_rebuild_index_repairs_a_missing_index(store: SessionDB) -> None:
                 conn.exec_driver_sql(statement)
         else:
             conn.exec_driver_sql(f"DROP INDEX {ddl.PG_FTS_INDEX}")
-        assert not search.check_index(conn)
-        search.rebuild_index(conn)
-        assert search.check_index(conn)
+        assert not pipeline.check_index(conn)
+        pipeline.rebuild_index(conn)
+        assert pipeline.check_index(conn)
     assert ids(store.search_messages("catalogue")) == [target]
     [later] = add(store, "s", ("user", "catalogue again"), t=T0 + 5)  # the triggers are back
     assert set(ids(store.search_messages("catalogue"))) == {target, later}

@@ -16,7 +16,8 @@ import pytest
 from hermes_store import SessionDB
 from hermes_store.errors import InvalidInputError
 from hermes_store.schema import ddl
-from hermes_store.search import pipeline as search
+from hermes_store.search import hits, snippets
+from hermes_store.search.query import parse_query
 from tests.conftest import SEARCH_BACKENDS
 from tests.support.query_plans import captured_selects, explain
 from tests.support.search_rows import T0, add, ids
@@ -155,7 +156,7 @@ def test_rank_window_keeps_bm25_order_of_the_newest_matches(
     made = add(store, "s", *[("user", t) for t in texts], t=T0)
     full = ids(store.search_messages("heron", limit=30))
     assert sorted(full) == sorted(made)
-    monkeypatch.setattr(search, "RANK_WINDOW", 10)
+    monkeypatch.setattr(hits, "RANK_WINDOW", 10)
     windowed = ids(store.search_messages("heron", limit=5))
     newest_ten = set(made[-10:])
     assert windowed == [i for i in full if i in newest_ten][:5]
@@ -191,13 +192,13 @@ def test_snippet_of_a_huge_repetitive_message_is_bounded(store: SessionDB) -> No
 
 
 def test_bounded_snippet_shape() -> None:
-    patterns = search._term_patterns(search.parse_query('deploy* "the migration"'))
+    patterns = snippets.term_patterns(parse_query('deploy* "the migration"'))
     text = "intro " * 100 + "we ran the Migration and then deployment " + "tail " * 100
-    snippet = search.bounded_snippet(text, patterns)
+    snippet = snippets.bounded_snippet(text, patterns)
     assert snippet.startswith("...") and snippet.endswith("...")
     assert ">>>the Migration<<<" in snippet and ">>>deployment<<<" in snippet
-    assert len(search._TOKEN.findall(snippet.replace(">>>", " ").replace("<<<", " "))) <= 41
-    whole = search.bounded_snippet("short deploy text", patterns)
+    assert len(snippets.TOKEN.findall(snippet.replace(">>>", " ").replace("<<<", " "))) <= 41
+    whole = snippets.bounded_snippet("short deploy text", patterns)
     assert whole == "short >>>deploy<<< text"
 
 

@@ -483,7 +483,6 @@ SQL_INTERPOLATION_ALLOWED = {
     ("ops/maintenance.py", "SECURE_DELETE_VALUES[previous]"): "a value of a constant table",
     ("schema/ddl.py", "name"): "loop over the constant FTS_TRIGGERS",
     ("schema/steps.py", "name"): "index name read from sqlite_master, quoted",
-    ("search/pipeline.py", "name"): "to_regclass() of the constant index names",
     ("transfer.py", "sequence"): "pg_get_serial_sequence('messages', 'id'): a quoted catalog name",
     (
         "schema/fulltext.py",

@@ -9,7 +9,7 @@ import pytest
 from hermes_store import SessionDB
 from hermes_store.engine import fastpath
 from hermes_store.models import ChatSession
-from hermes_store.repo import listing
+from hermes_store.repo import dialects, listing
 from tests.conftest import FLAVORS, SEARCH_BACKENDS, FakeClock
 from tests.support.query_plans import captured_selects, explain
 
@@ -226,10 +226,11 @@ def test_one_statement_projection_matches_the_hop_by_hop_one(store: SessionDB) -
         {"source": None, "exclude_sources": ["telegram"]},
     ]
     projected = 0
+    statements = dialects.for_dialect(store.engine.dialect)  # PostgreSQL: one statement
     with store.engine.connect() as conn:
         for shape in shapes:
             for limit, offset in ((20, 0), (3, 0), (3, 2), (5, 7)):
-                found = listing.list_sessions_rich(
+                found = statements.list_sessions_rich(
                     conn,
                     **shape,  # type: ignore[arg-type]
                     limit=limit,

@@ -33,7 +33,7 @@ import pytest
 from sqlalchemy.engine import URL, Connection
 
 from hermes_store import HermesStoreError, SessionDB
-from hermes_store import store as store_module
+from hermes_store.repo import postgresql as pg_statements
 from hermes_store.uow.unit import driver_cursor
 from tests.support.pg_row_locks import queued_behind_a_locked_write
 
@@ -221,7 +221,7 @@ def test_an_interrupt_after_a_postgresql_group_committed_never_runs_it_again(
 ) -> None:
     """PostgreSQL's twin: Ctrl-C lands in a leader while it reads its committed group's
     results: no write runs again; a caller whose result was not read is told it committed."""
-    real = store_module._message_id
+    real = pg_statements.message_id
     reads: list[int] = []
 
     def read(cursor: Any) -> int:
@@ -230,7 +230,7 @@ def test_an_interrupt_after_a_postgresql_group_committed_never_runs_it_again(
             raise KeyboardInterrupt
         return real(cursor)
 
-    monkeypatch.setattr(store_module, "_message_id", read)
+    monkeypatch.setattr(pg_statements, "message_id", read)
 
     def kept(name: str) -> Callable[[SessionDB], Any]:
         def call(db: SessionDB) -> Any:

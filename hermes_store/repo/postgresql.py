@@ -1,0 +1,195 @@
+"""PostgreSQL's writes: outside a ``transaction()`` block each is ONE statement on the
+autocommit pool (no BEGIN, no COMMIT: one round trip), and the hot ones (``append_message``,
+``update_token_counts``) carry a group spec, so while another write of this process is in
+flight they share its next transaction (:mod:`hermes_store.uow.pggroup`). Inside a block they
+are the generic units of :class:`~hermes_store.repo.statements.Statements`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.sql import Select
+from sqlalchemy.sql.dml import Insert
+
+from hermes_store.errors import TitleInUseError
+from hermes_store.repo import listing, pgstream
+from hermes_store.repo.statements import (
+    CREATE_COLUMNS,
+    Statements,
+    missing_parent,
+    missing_session,
+    title_holder,
+    token_statement,
+)
+from hermes_store.rows import ExportRecord
+from hermes_store.tables import Counter
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
+from hermes_store.uow import pggroup
+from hermes_store.uow.unit import UnitOfWork
+
+FOREIGN_KEY_VIOLATION = "23503"
+UNIQUE_VIOLATION = "23505"
+
+
+def sqlstate(error: sa.exc.DBAPIError) -> str | None:
+    return getattr(error.orig, "sqlstate", None)
+
+
+@functools.cache
+def append_statement() -> Select[Any]:
+    """``append_message`` as one statement: insert the message, bump the session's counters.
+    The INSERT is what the query reads, so it runs first; the UPDATE (a side CTE) runs last,
+    so the session row is locked for the shortest time, and the lock ends with the statement's
+    own commit. A missing session fails the foreign key."""
+    columns = {c.name: sa.bindparam(c.name, type_=c.type) for c in M.columns if c.name != "id"}
+    inserted = M.insert().values(columns).returning(M.c.id).cte("inserted")
+    bumped = (
+        update(S)
+        .where(S.c.id == sa.bindparam("session_id"))
+        .values(
+            message_count=S.c.message_count + sa.bindparam("bump_messages", type_=Counter),
+            tool_call_count=S.c.tool_call_count + sa.bindparam("bump_tool_calls", type_=Counter),
+        )
+        .cte("bumped")
+    )
+    return select(inserted.c.id).add_cte(bumped)
+
+
+def message_id(cursor: Any) -> int:
+    """The id :func:`append_statement` returns, read from the driver's cursor (a grouped
+    append)."""
+    return int(pggroup.scalar(cursor))
+
+
+@functools.cache
+def create_child_statement() -> Select[Any]:
+    """``create_session`` with a parent as one statement: insert when the parent exists (an
+    existing id is left as it is); the row says whether the parent was found."""
+    names = [c.name for c in S.columns if c.name in CREATE_COLUMNS]
+
+    def parent() -> sa.Exists:
+        return sa.exists().where(S.c.id == sa.bindparam("parent_session_id"))
+
+    row = select(*(sa.bindparam(name, type_=S.c[name].type) for name in names)).where(parent())
+    inserted = (
+        postgresql.insert(S)
+        .from_select(names, row)
+        .on_conflict_do_nothing(index_elements=["id"])
+        .cte("inserted")
+    )
+    return select(parent().label("found")).add_cte(inserted)
+
+
+class PostgresqlStatements(Statements):
+    holds_nul = False
+    insert_session: ClassVar[Insert] = postgresql.insert(S).on_conflict_do_nothing(
+        index_elements=["id"]
+    )
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.streams_export = pgstream.supported(dialect)
+
+    def create_session(self, uow: UnitOfWork, values: dict[str, Any]) -> None:
+        parent = values["parent_session_id"]
+        if uow.current() is not None:
+            super().create_session(uow, values)
+            return
+        if parent is None:
+            self.ensure_session(uow, values)
+            return
+        try:
+            found = uow.run_statement(
+                lambda conn: conn.execute(create_child_statement(), values).scalar(),
+                idempotent=True,
+            )
+        except sa.exc.IntegrityError as error:  # the parent was deleted meanwhile
+            if sqlstate(error) != FOREIGN_KEY_VIOLATION:
+                raise
+            found = False
+        if not found:
+            raise missing_parent(parent)
+
+    def set_title(self, uow: UnitOfWork, session_id: str, title: str | None) -> bool:
+        if uow.current() is not None:
+            return super().set_title(uow, session_id, title)
+        # One UPDATE: the unique index refuses a title held elsewhere (then, and only then,
+        # a second statement names the holder).
+        statement = update(S).where(S.c.id == session_id).values(title=title)
+        try:
+            changed = uow.run_statement(
+                lambda conn: conn.execute(statement).rowcount, idempotent=True
+            )
+        except sa.exc.IntegrityError as error:
+            if sqlstate(error) != UNIQUE_VIOLATION:
+                raise
+            holder = uow.read_scalar(title_holder(session_id, title))
+            held = f" by session {holder}" if holder is not None else ""
+            raise TitleInUseError(f"Title '{title}' is already in use{held}") from error
+        return bool(changed)
+
+    def list_sessions_rich(
+        self,
+        conn: Connection,
+        *,
+        source: str | None,
+        exclude_sources: Sequence[str] | None,
+        limit: int,
+        offset: int,
+        include_children: bool,
+        project_compression_tips: bool,
+    ) -> list[dict[str, Any]]:
+        if project_compression_tips and not include_children:  # the chains in one statement
+            return listing.projected_page(
+                conn, source=source, exclude_sources=exclude_sources, limit=limit, offset=offset
+            )
+        return super().list_sessions_rich(
+            conn,
+            source=source,
+            exclude_sources=exclude_sources,
+            limit=limit,
+            offset=offset,
+            include_children=include_children,
+            project_compression_tips=project_compression_tips,
+        )
+
+    def update_token_counts(
+        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+    ) -> None:
+        # One UPDATE; adding twice is not setting twice: only absolute is retried.
+        statement = token_statement(absolute, checked=False)
+        uow.run_statement(
+            lambda conn: int(conn.execute(statement, params).rowcount),
+            idempotent=absolute,
+            grouped=pggroup.Grouped(statement, params, session_id, pggroup.rowcount),
+        )
+
+    def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
+        if uow.current() is not None:
+            return super().append_message(uow, values, tool_calls)
+        session_id = values["session_id"]
+        params = {**values, "bump_messages": 1, "bump_tool_calls": tool_calls}
+        statement = append_statement()
+        try:
+            return uow.run_statement(
+                lambda conn: int(conn.execute(statement, params).scalar_one()),
+                idempotent=False,
+                grouped=pggroup.Grouped(statement, params, session_id, message_id),
+            )
+        except sa.exc.IntegrityError as error:
+            if sqlstate(error) != FOREIGN_KEY_VIOLATION:
+                raise
+            raise missing_session(session_id) from error
+
+    def iter_export(
+        self, uow: UnitOfWork, source: str | None, page_size: int
+    ) -> Iterator[ExportRecord]:
+        if self.streams_export and uow.current() is None:
+            return pgstream.iter_export(uow.engine, source)  # one snapshot, server-side cursors
+        return super().iter_export(uow, source, page_size)

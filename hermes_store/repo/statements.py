@@ -1,0 +1,307 @@
+"""What a ``SessionDB`` runs for the writes that differ per backend, one object per backend.
+
+``SessionDB`` looks its backend's object up once when it opens
+(:func:`hermes_store.repo.dialects.for_dialect`) and hands every such write to it; no unit
+asks for the dialect again. :class:`Statements` holds what every backend runs alike: each
+write as one unit over SQLAlchemy Core on the unit's connection (PostgreSQL inside a
+``transaction()`` block runs exactly these). :mod:`hermes_store.repo.sqlite` runs the hot
+writes as statements compiled once, on the driver's cursor; :mod:`hermes_store.repo.postgresql`
+sends each write outside a block as one statement (one round trip), grouped with the others in
+flight. The statements themselves are built once (SQLAlchemy caches their compiled form; the
+write lock is held while one compiles).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar, cast
+
+import sqlalchemy as sa
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql.dml import Insert
+
+from hermes_store.errors import TitleInUseError, UnknownSessionError
+from hermes_store.repo import listing
+from hermes_store.repo.messages import fetch_messages
+from hermes_store.rows import ExportRecord
+from hermes_store.tables import Counter
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
+from hermes_store.uow.unit import UnitOfWork
+
+#: The token counters of a session, in ``update_token_counts``' order.
+COUNTERS = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "reasoning_tokens",
+)
+#: The 64-bit range of the counters (SQLite's INTEGER, PostgreSQL's BIGINT).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: The columns ``create_session`` writes.
+CREATE_COLUMNS = frozenset(
+    {
+        "id",
+        "source",
+        "user_id",
+        "model",
+        "model_config",
+        "system_prompt",
+        "parent_session_id",
+        "started_at",
+    }
+)
+
+INSERT_MESSAGE = M.insert().returning(M.c.id)
+#: Count the messages (``:messages``) and tool calls (``:tool_calls``) of session ``:sid``.
+BUMP_COUNTERS = (
+    update(S)
+    .where(S.c.id == sa.bindparam("sid"))
+    .values(
+        message_count=S.c.message_count + sa.bindparam("messages", type_=Counter),
+        tool_call_count=S.c.tool_call_count + sa.bindparam("tool_calls", type_=Counter),
+    )
+)
+
+
+@functools.cache
+def token_statement(absolute: bool, checked: bool = True) -> sa.Update:
+    """The one atomic UPDATE of ``update_token_counts`` for a mode, every value bound: None
+    leaves ``actual_cost_usd`` and the overwrite-only fields as they are (``COALESCE``) and the
+    fill-once fields keep their first value. Built once: constructing it per call cost 25x the
+    SQL, and the write lock is held while it compiles. ``checked=False`` (PostgreSQL) adds
+    plainly: its BIGINT addition fails with ``bigint out of range`` by itself, and the
+    statement the server parses is a third as long."""
+    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline: binds only the call's values
+    est = sa.cast(sa.bindparam("p_est", type_=sa.Float), sa.Float)
+    act = sa.cast(sa.bindparam("p_act", type_=sa.Float), sa.Float)
+    values: dict[str, Any] = {}
+    for name in COUNTERS:
+        given = sa.bindparam(f"p_{name}", type_=Counter)
+        current = func.coalesce(S.c[name], zero)
+        if absolute:
+            values[name] = given
+        else:
+            values[name] = checked_add(current, given) if checked else current + given
+    if absolute:
+        values["estimated_cost_usd"] = func.coalesce(est, zero)
+        values["actual_cost_usd"] = func.coalesce(act, S.c.actual_cost_usd)
+    else:
+        values["estimated_cost_usd"] = func.coalesce(S.c.estimated_cost_usd, zero) + func.coalesce(
+            est, zero
+        )
+        values["actual_cost_usd"] = sa.case(
+            (act.is_(None), S.c.actual_cost_usd),
+            else_=func.coalesce(S.c.actual_cost_usd, zero) + act,
+        )
+    for name in ("cost_status", "cost_source", "pricing_version"):  # overwritten by non-None
+        values[name] = func.coalesce(sa.bindparam(f"p_{name}", type_=sa.Text), S.c[name])
+    for name in ("billing_provider", "billing_base_url", "billing_mode", "model"):  # first wins
+        values[name] = func.coalesce(S.c[name], sa.bindparam(f"p_{name}", type_=sa.Text))
+    return update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
+
+
+def checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -> Any:
+    """``current + given``, or an SQL error when it would leave 64 bits: SQLite would silently
+    turn the counter into a REAL. ``abs()`` of the smallest 64-bit integer is the error
+    (``integer overflow`` on SQLite, ``bigint out of range`` on PostgreSQL), which the error
+    mapping reports as InvalidInputError; the check is part of the atomic UPDATE."""
+    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline constants: no extra binds
+    high: sa.ColumnElement[Any] = sa.literal_column(str(INT64_MAX))
+    # Written as MIN + 1 - 1: SQLite reads the literal 9223372036854775808 as a REAL.
+    low: sa.ColumnElement[Any] = sa.literal_column(f"({INT64_MIN + 1} - 1)")
+    fail = func.abs(low + zero * current)  # row-dependent: PostgreSQL cannot fold it early
+    return sa.case(
+        (and_(given > zero, current > high - given), fail),
+        (and_(given < zero, current < low - given), fail),
+        else_=current + given,
+    )
+
+
+def token_params(
+    session_id: str,
+    counts: Mapping[str, int],
+    texts: Mapping[str, str | None],
+    estimated_cost_usd: float | None,
+    actual_cost_usd: float | None,
+) -> dict[str, Any]:
+    """The values :func:`token_statement` binds: ``counts`` by :data:`COUNTERS` name, ``texts``
+    the overwrite-only and fill-once fields by column name."""
+    params: dict[str, Any] = {f"p_{name}": value for name, value in counts.items()}
+    for name, value in texts.items():
+        params[f"p_{name}"] = value
+    params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
+    return params
+
+
+def bump_params(session_id: str, messages: int, tool_calls: int) -> dict[str, Any]:
+    """The values :data:`BUMP_COUNTERS` binds."""
+    return {"sid": session_id, "messages": messages, "tool_calls": tool_calls}
+
+
+def exists(conn: Connection, session_id: str) -> bool:
+    return conn.execute(select(S.c.id).where(S.c.id == session_id)).first() is not None
+
+
+def title_holder(session_id: str, title: str | None) -> sa.Select[Any]:
+    """The id of another session holding ``title``, if any."""
+    return select(S.c.id).where(S.c.title == title, S.c.id != session_id).limit(1)
+
+
+def missing_parent(parent_session_id: str) -> UnknownSessionError:
+    return UnknownSessionError(f"parent session {parent_session_id!r} does not exist")
+
+
+def missing_session(session_id: str) -> UnknownSessionError:
+    return UnknownSessionError(f"session {session_id!r} does not exist")
+
+
+class Statements(abc.ABC):
+    """One backend's writes, and the reads whose path differs per backend. The base runs each
+    write as one unit of Core statements on the unit's connection; subclasses say how their
+    backend's hot writes reach the database."""
+
+    #: Whether the backend's text columns may hold a NUL character (PostgreSQL's cannot).
+    holds_nul: ClassVar[bool]
+    #: ``INSERT`` of a session row that leaves an existing id as it is (first write wins),
+    #: in the backend's own ``ON CONFLICT DO NOTHING``.
+    insert_session: ClassVar[Insert]
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def create_session(self, uow: UnitOfWork, values: dict[str, Any]) -> None:
+        """Insert the session unless its id exists; a parent must exist."""
+        parent = values["parent_session_id"]
+        insert = self.insert_session
+
+        def unit(conn: Connection) -> None:
+            if parent is not None and not exists(conn, parent):
+                raise missing_parent(parent)
+            conn.execute(insert, values)
+
+        uow.run(unit)
+
+    def ensure_session(self, uow: UnitOfWork, values: dict[str, Any]) -> None:
+        insert = self.insert_session
+        uow.run_statement(lambda conn: conn.execute(insert, values), idempotent=True)
+
+    def set_title(self, uow: UnitOfWork, session_id: str, title: str | None) -> bool:
+        """Set (None: clear) the title; False when the session does not exist. A title held by
+        another session raises :class:`TitleInUseError` naming it."""
+
+        def unit(conn: Connection) -> bool:
+            if not exists(conn, session_id):
+                return False
+            if title is not None:
+                holder = conn.scalar(title_holder(session_id, title))
+                if holder is not None:
+                    raise TitleInUseError(f"Title '{title}' is already in use by session {holder}")
+            try:
+                with conn.begin_nested():
+                    conn.execute(update(S).where(S.c.id == session_id).values(title=title))
+            except sa.exc.IntegrityError as error:  # a concurrent writer took it (PostgreSQL)
+                raise TitleInUseError(f"Title '{title}' is already in use") from error
+            return True
+
+        return uow.run(unit)
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def list_sessions_rich(
+        self,
+        conn: Connection,
+        *,
+        source: str | None,
+        exclude_sources: Sequence[str] | None,
+        limit: int,
+        offset: int,
+        include_children: bool,
+        project_compression_tips: bool,
+    ) -> list[dict[str, Any]]:
+        """Sessions with ``preview`` and ``last_active``, newest first (see
+        :func:`hermes_store.repo.listing.list_sessions_rich`)."""
+        return listing.list_sessions_rich(
+            conn,
+            source=source,
+            exclude_sources=exclude_sources,
+            limit=limit,
+            offset=offset,
+            include_children=include_children,
+            project_compression_tips=project_compression_tips,
+        )
+
+    # -- tokens -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def update_token_counts(
+        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+    ) -> None:
+        """Run :func:`token_statement` with ``params`` (:func:`token_params`)."""
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
+        """Insert one message (``values``: its columns) and count it (and its ``tool_calls``)
+        on its session, in one unit; the message's id."""
+        session_id = values["session_id"]
+        bump = bump_params(session_id, 1, tool_calls)
+
+        def unit(conn: Connection) -> int:
+            if conn.execute(BUMP_COUNTERS, bump).rowcount != 1:
+                raise missing_session(session_id)
+            return int(conn.execute(INSERT_MESSAGE, values).scalar_one())
+
+        return uow.run(unit)
+
+    def append_messages(
+        self,
+        uow: UnitOfWork,
+        session_id: str,
+        rows: list[dict[str, Any]],
+        tool_calls: int,
+    ) -> list[int]:
+        """Insert ``rows`` (each a message's columns) and count them on the session, all in one
+        unit; their ids, in order."""
+        bump = bump_params(session_id, len(rows), tool_calls)
+        statement = M.insert().returning(M.c.id, sort_by_parameter_order=True)
+
+        def unit(conn: Connection) -> list[int]:
+            if conn.execute(BUMP_COUNTERS, bump).rowcount != 1:
+                raise missing_session(session_id)
+            return list(conn.scalars(statement, rows))
+
+        return uow.run(unit)
+
+    # -- export -----------------------------------------------------------------------------
+
+    def iter_export(
+        self, uow: UnitOfWork, source: str | None, page_size: int
+    ) -> Iterator[ExportRecord]:
+        """Every session (or ``source``'s), newest first, each with its messages: pages of
+        ``page_size`` sessions, each page read in one read unit (a consistent snapshot of the
+        page); closing the generator early releases it."""
+        order = (S.c.started_at.desc(), S.c.id.desc())
+        last: tuple[float, str] | None = None
+        while True:
+            statement = select(S).order_by(*order).limit(page_size)
+            if source is not None:
+                statement = statement.where(S.c.source == source)
+            if last is not None:
+                statement = statement.where(
+                    or_(S.c.started_at < last[0], and_(S.c.started_at == last[0], S.c.id < last[1]))
+                )
+            # One read unit per page: a round trip per session, not a transaction per session.
+            with uow.reading() as conn:
+                page = [dict(row._mapping) for row in conn.execute(statement)]
+                for session in page:
+                    yield cast(
+                        ExportRecord, {**session, "messages": fetch_messages(conn, session["id"])}
+                    )
+            if len(page) < page_size:
+                return
+            last = (page[-1]["started_at"], page[-1]["id"])
