@@ -1,4 +1,4 @@
-"""Ready-made analytics queries over the ORM models (notebooks, reports, ``hermes-store stats``).
+"""Ready-made analytics queries over the tables (notebooks, reports, ``hermes-store stats``).
 
 Every function returns a SQLAlchemy ``Select`` (nothing runs until you execute it), so a
 query can be refined further (``.where()``, ``.order_by()``, ``.limit()``) and runs
@@ -29,7 +29,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
 from hermes_store.errors import InvalidInputError, extras_named
-from hermes_store.models import ChatSession, Message
+from hermes_store.tables import messages_table as M
+from hermes_store.tables import sessions_table as S
 
 if TYPE_CHECKING:
     import pandas
@@ -78,9 +79,9 @@ def _utc_day_postgresql(element: utc_day, compiler: SQLCompiler, **kw: Any) -> s
 
 def _dimension(name: Dimension) -> ColumnElement[Any]:
     if name == "day":
-        return utc_day(ChatSession.started_at).label("day")
+        return utc_day(S.c.started_at).label("day")
     if name in ("model", "source"):
-        return getattr(ChatSession, name).label(name)  # type: ignore[no-any-return]
+        return S.c[name].label(name)
     raise ValueError(f"unknown dimension {name!r}; use 'day', 'model' or 'source'")
 
 
@@ -88,8 +89,8 @@ def _source_filter(source: Sources) -> ColumnElement[bool] | None:
     if source is None:
         return None
     if isinstance(source, str):
-        return ChatSession.source == source
-    return ChatSession.source.in_(list(source))
+        return S.c.source == source
+    return S.c.source.in_(list(source))
 
 
 def epoch_seconds(name: str, value: When | None) -> float | None:
@@ -127,9 +128,9 @@ def _session_filters(
     low = epoch_seconds("since", since)
     high = epoch_seconds("until", until)
     if low is not None:
-        statement = statement.where(ChatSession.started_at >= low)
+        statement = statement.where(S.c.started_at >= low)
     if high is not None:
-        statement = statement.where(ChatSession.started_at < high)
+        statement = statement.where(S.c.started_at < high)
     by_source = _source_filter(source)
     if by_source is not None:
         statement = statement.where(by_source)
@@ -145,14 +146,14 @@ def _usage_columns() -> list[ColumnElement[Any]]:
         return sa.cast(total(column), sa.BigInteger)
 
     columns: list[ColumnElement[Any]] = [
-        func.count(ChatSession.id).label("sessions"),
-        count_total(ChatSession.message_count).label("messages"),
-        count_total(ChatSession.tool_call_count).label("tool_calls"),
+        func.count(S.c.id).label("sessions"),
+        count_total(S.c.message_count).label("messages"),
+        count_total(S.c.tool_call_count).label("tool_calls"),
     ]
-    columns += [count_total(getattr(ChatSession, name)).label(name) for name in TOKEN_COLUMNS]
+    columns += [count_total(S.c[name]).label(name) for name in TOKEN_COLUMNS]
     columns += [
-        sa.cast(total(ChatSession.estimated_cost_usd), sa.Float).label("estimated_cost_usd"),
-        sa.cast(total(ChatSession.actual_cost_usd), sa.Float).label("actual_cost_usd"),
+        sa.cast(total(S.c.estimated_cost_usd), sa.Float).label("estimated_cost_usd"),
+        sa.cast(total(S.c.actual_cost_usd), sa.Float).label("actual_cost_usd"),
     ]
     return columns
 
@@ -217,27 +218,25 @@ def tool_usage(*, since: When | None = None, source: Sources = None) -> Query:
     ``since`` bounds the message timestamp; ``source`` keeps the sessions of one source (or of
     a list).
     """
-    calls = func.count(Message.id)
+    calls = func.count(M.c.id)
     statement = (
         select(
-            Message.tool_name.label("tool_name"),
+            M.c.tool_name.label("tool_name"),
             calls.label("calls"),
-            func.count(sa.distinct(Message.session_id)).label("sessions"),
-            func.min(Message.timestamp).label("first_used"),
-            func.max(Message.timestamp).label("last_used"),
+            func.count(sa.distinct(M.c.session_id)).label("sessions"),
+            func.min(M.c.timestamp).label("first_used"),
+            func.max(M.c.timestamp).label("last_used"),
         )
-        .where(Message.tool_name.is_not(None))
-        .group_by(Message.tool_name)
-        .order_by(calls.desc(), Message.tool_name)
+        .where(M.c.tool_name.is_not(None))
+        .group_by(M.c.tool_name)
+        .order_by(calls.desc(), M.c.tool_name)
     )
     low = epoch_seconds("since", since)
     if low is not None:
-        statement = statement.where(Message.timestamp >= low)
+        statement = statement.where(M.c.timestamp >= low)
     by_source = _source_filter(source)
     if by_source is not None:
-        statement = statement.join(ChatSession, ChatSession.id == Message.session_id).where(
-            by_source
-        )
+        statement = statement.join(S, S.c.id == M.c.session_id).where(by_source)
     return statement
 
 
@@ -245,17 +244,17 @@ def session_durations(*, source: Sources = None) -> Query:
     """Ended sessions with ``duration_s = ended_at - started_at``, oldest first."""
     statement = (
         select(
-            ChatSession.id,
-            ChatSession.source,
-            ChatSession.model,
-            ChatSession.started_at,
-            ChatSession.ended_at,
-            (ChatSession.ended_at - ChatSession.started_at).label("duration_s"),
-            ChatSession.end_reason,
-            ChatSession.message_count,
+            S.c.id,
+            S.c.source,
+            S.c.model,
+            S.c.started_at,
+            S.c.ended_at,
+            (S.c.ended_at - S.c.started_at).label("duration_s"),
+            S.c.end_reason,
+            S.c.message_count,
         )
-        .where(ChatSession.ended_at.is_not(None))
-        .order_by(ChatSession.started_at, ChatSession.id)
+        .where(S.c.ended_at.is_not(None))
+        .order_by(S.c.started_at, S.c.id)
     )
     return _session_filters(statement, None, None, source)
 
@@ -267,15 +266,13 @@ def lineage_depth() -> Query:
     subagents, branches). Sessions whose parent row is missing are not reachable and left out.
     """
     roots = select(
-        ChatSession.id.label("id"),
-        ChatSession.id.label("root_id"),
+        S.c.id.label("id"),
+        S.c.id.label("root_id"),
         literal_column("0", sa.Integer).label("depth"),
-    ).where(ChatSession.parent_session_id.is_(None))
+    ).where(S.c.parent_session_id.is_(None))
     tree = roots.cte("lineage", recursive=True)
-    step = select(
-        ChatSession.id, tree.c.root_id, (tree.c.depth + literal_column("1", sa.Integer))
-    ).where(
-        ChatSession.parent_session_id == tree.c.id,
+    step = select(S.c.id, tree.c.root_id, (tree.c.depth + literal_column("1", sa.Integer))).where(
+        S.c.parent_session_id == tree.c.id,
         tree.c.depth < literal_column(str(MAX_LINEAGE_DEPTH), sa.Integer),
     )
     tree = tree.union_all(step)

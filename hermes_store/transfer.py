@@ -25,11 +25,12 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
 from hermes_store import redact
-from hermes_store.engine import files
+from hermes_store.engine import fastpath, files
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.errors import HermesStoreError, InvalidInputError
 from hermes_store.repo import pgstream
 from hermes_store.rows import ExportRecord
+from hermes_store.schema import fulltext
 from hermes_store.store import SessionDB
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
@@ -176,9 +177,34 @@ def _python_types(column: sa.Column[Any]) -> tuple[type, ...]:
     return (str,)
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """A table's columns as an import checks a record: (name, accepted types, value when the
+    record leaves it out) in table order, and every name."""
+
+    columns: tuple[tuple[str, tuple[type, ...], int | None], ...]
+    names: frozenset[str]
+
+    @classmethod
+    def of(cls, table: sa.Table) -> _Shape:
+        return cls(
+            columns=tuple(
+                # the counters (server default 0) are 0 when left out
+                (c.name, _python_types(c), 0 if c.server_default is not None else None)
+                for c in table.c
+            ),
+            names=frozenset(table.c.keys()),
+        )
+
+
+_SESSION_SHAPE = _Shape.of(S)
+_MESSAGE_SHAPE = _Shape.of(M)
+_SESSION_EXTRA = frozenset({"messages"})
+
+
 def _checked(
     record: Any,
-    columns: sa.ColumnCollection[str, Any],
+    shape: _Shape,
     where: str,
     required: tuple[str, ...],
     *,
@@ -188,24 +214,22 @@ def _checked(
     """The record as a full column dict, every value type-checked before anything is written."""
     if not isinstance(record, dict):
         raise InvalidInputError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    unknown = set(record) - set(columns.keys()) - extra
-    if unknown:
-        raise InvalidInputError(f"{where}: unknown fields {sorted(unknown)}")
+    if not record.keys() <= shape.names:
+        unknown = set(record) - shape.names - extra
+        if unknown:
+            raise InvalidInputError(f"{where}: unknown fields {sorted(unknown)}")
     row: RowDict = {}
-    for column in columns:
-        default = 0 if column.server_default is not None else None  # the counters
-        value = record.get(column.name, default)
+    for name, kinds, default in shape.columns:
+        value = record.get(name, default)
         if value is None:
-            if column.name in required:
-                raise InvalidInputError(f"{where}: {column.name} is required")
-        else:
-            kinds = _python_types(column)
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                expected = " or ".join(k.__name__ for k in kinds)
-                raise InvalidInputError(f"{where}: {column.name} must be {expected}")
-            if isinstance(value, str) and not nul_ok and "\x00" in value:
-                raise InvalidInputError(f"{where}: {column.name} holds a NUL character")
-        row[column.name] = value
+            if name in required:
+                raise InvalidInputError(f"{where}: {name} is required")
+        elif type(value) not in kinds and (isinstance(value, bool) or not isinstance(value, kinds)):
+            expected = " or ".join(k.__name__ for k in kinds)
+            raise InvalidInputError(f"{where}: {name} must be {expected}")
+        elif not nul_ok and isinstance(value, str) and "\x00" in value:
+            raise InvalidInputError(f"{where}: {name} holds a NUL character")
+        row[name] = value
     return row
 
 
@@ -221,7 +245,7 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
             )
         record = {k: v for k, v in record.items() if k != redact.MARKER_KEY}
     session = _checked(
-        record, S.c, where, _REQUIRED_SESSION, extra=frozenset({"messages"}), nul_ok=nul_ok
+        record, _SESSION_SHAPE, where, _REQUIRED_SESSION, extra=_SESSION_EXTRA, nul_ok=nul_ok
     )
     raw_messages = record.get("messages") or []
     if not isinstance(raw_messages, list):
@@ -231,7 +255,9 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
         if isinstance(raw, dict) and raw.get("tool_calls") is not None:
             # get_messages() decodes tool_calls; store them as JSON text again.
             raw = {**raw, "tool_calls": json.dumps(raw["tool_calls"])}
-        message = _checked(raw, M.c, f"{where}, message {index}", _REQUIRED_MESSAGE, nul_ok=nul_ok)
+        message = _checked(
+            raw, _MESSAGE_SHAPE, f"{where}, message {index}", _REQUIRED_MESSAGE, nul_ok=nul_ok
+        )
         if message["session_id"] not in (None, session["id"]):
             raise InvalidInputError(f"{where}, message {index}: belongs to another session")
         message["session_id"] = session["id"]
@@ -239,14 +265,31 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
     return _Prepared(session, messages, line)
 
 
-def _existing(conn: Connection, column: sa.Column[Any], values: Iterable[Any]) -> set[Any]:
-    """Which of ``values`` the column already holds (queried in chunks)."""
-    values = list(dict.fromkeys(v for v in values if v is not None))
-    found: set[Any] = set()
-    for start in range(0, len(values), _CHUNK):
-        chunk = values[start : start + _CHUNK]
-        found.update(conn.scalars(select(column).where(column.in_(chunk))))
-    return found
+def _in(column: sa.Column[Any], *what: Any) -> sa.Select[Any]:
+    """``what`` (default: the column) of the rows whose ``column`` is in the list ``:values``;
+    built once, so the driver-level path (:mod:`hermes_store.engine.fastpath`) compiles it once."""
+    return select(*(what or (column,))).where(column.in_(bindparam("values", expanding=True)))
+
+
+_SESSION_IDS = _in(S.c.id)
+_TITLES = _in(S.c.title)
+_MESSAGE_IDS = _in(M.c.id)
+_SESSIONS_LANDED = _in(S.c.id, func.count())
+_MESSAGES_LANDED = _in(M.c.session_id, func.count())
+
+
+def _chunks(conn: Connection, statement: sa.Select[Any], values: Iterable[Any]) -> Iterator[Any]:
+    """The first column of ``statement``'s rows for ``values``, queried in chunks."""
+    unique = list(dict.fromkeys(v for v in values if v is not None))
+    for start in range(0, len(unique), _CHUNK):
+        params = {"values": unique[start : start + _CHUNK]}
+        for row in fastpath.rows(conn, statement, params, expanding=("values",)):
+            yield next(iter(row.values()))
+
+
+def _existing(conn: Connection, statement: sa.Select[Any], values: Iterable[Any]) -> set[Any]:
+    """Which of ``values`` the statement's column already holds."""
+    return set(_chunks(conn, statement, values))
 
 
 def _write_batch(
@@ -257,7 +300,7 @@ def _write_batch(
     Pure with respect to the caller's state (the Unit of Work may run it twice on a lock).
     """
     report = ImportReport()
-    taken = _existing(conn, S.c.id, (p.session["id"] for p in batch))
+    taken = _existing(conn, _SESSION_IDS, (p.session["id"] for p in batch))
     fresh: list[_Prepared] = []
     for prepared in batch:
         if prepared.session["id"] in taken:
@@ -269,7 +312,7 @@ def _write_batch(
     if not fresh:
         return _BatchOutcome(report, set(), {})
 
-    held_titles = _existing(conn, S.c.title, (p.session["title"] for p in fresh))
+    held_titles = _existing(conn, _TITLES, (p.session["title"] for p in fresh))
     new_links: dict[str, str] = {}
     rows = []
     for prepared in fresh:
@@ -286,7 +329,7 @@ def _write_batch(
     report.sessions = len(rows)
 
     messages = [m for p in fresh for m in p.messages]
-    used_ids = _existing(conn, M.c.id, (m["id"] for m in messages))
+    used_ids = _existing(conn, _MESSAGE_IDS, (m["id"] for m in messages))
     keep, renumber = [], []
     for message in messages:
         if message["id"] is None or message["id"] in used_ids:
@@ -294,17 +337,19 @@ def _write_batch(
         else:
             used_ids.add(message["id"])
             keep.append(message)
-    if keep:
-        _insert(conn, M, keep)
-        if conn.dialect.name == "postgresql":
+    if conn.dialect.name == "sqlite":
+        _sqlite_insert_messages(conn, keep, renumber)
+    else:
+        if keep:
+            _insert(conn, M, keep)
             _advance_message_sequence(conn)
-    if renumber:
-        _insert(conn, M, renumber)
+        if renumber:
+            _insert(conn, M, renumber)
     report.messages = len(messages)
     report.messages_renumbered = len(renumber) - sum(m["id"] is None for m in messages)
 
     links = {**pending, **new_links}
-    parents = _existing(conn, S.c.id, links.values())
+    parents = _existing(conn, _SESSION_IDS, links.values())
     linked = {child for child, parent in links.items() if parent in parents}
     if linked:
         conn.execute(
@@ -315,13 +360,8 @@ def _write_batch(
         )
 
     fresh_ids = [p.session["id"] for p in fresh]
-    landed_sessions = landed_messages = 0
-    for start in range(0, len(fresh_ids), _CHUNK):
-        chunk = fresh_ids[start : start + _CHUNK]
-        landed_sessions += conn.scalar(select(func.count()).where(S.c.id.in_(chunk))) or 0
-        landed_messages += (
-            conn.scalar(select(func.count()).select_from(M).where(M.c.session_id.in_(chunk))) or 0
-        )
+    landed_sessions = sum(_chunks(conn, _SESSIONS_LANDED, fresh_ids))
+    landed_messages = sum(_chunks(conn, _MESSAGES_LANDED, fresh_ids))
     if (landed_sessions, landed_messages) != (len(fresh), len(messages)):
         raise ImportCheckError(
             f"batch starting at line {batch[0].line}: expected {len(fresh)} sessions and "
@@ -332,11 +372,47 @@ def _write_batch(
 
 
 def _insert(conn: Connection, table: sa.Table, rows: list[RowDict]) -> None:
-    """Bulk insert: ``COPY`` on PostgreSQL (several times faster than batched INSERTs)."""
+    """Bulk insert: ``COPY`` on PostgreSQL (several times faster than batched INSERTs), the
+    driver's ``executemany`` of plain tuples on SQLite."""
+    if not rows:
+        return
     if pgstream.supported(conn):
         pgstream.copy_rows(conn, table, rows)
+    elif conn.dialect.name == "sqlite":
+        insert = table.insert().compile(dialect=conn.dialect, column_keys=list(rows[0]))
+        names = insert.positiontup or []
+        conn.exec_driver_sql(str(insert), [tuple(row[name] for name in names) for row in rows])
     else:
         conn.execute(table.insert(), rows)
+
+
+#: The highest message id SQLite's AUTOINCREMENT has given or seen (its next is one more).
+_TOP_MESSAGE_ID = sa.text(
+    "SELECT max(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0), "
+    "COALESCE((SELECT max(id) FROM messages), 0))"
+)
+
+
+def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: list[RowDict]) -> None:
+    """Insert the messages with the full-text index's insert triggers suspended, then index
+    them in bulk (see :meth:`SqliteFullText.bulk_load`) and check both indexes hold exactly
+    them; all in the batch's transaction. A taken id gets the next free one, as SQLite's
+    AUTOINCREMENT would after the kept ones, so every row's id is known without reading it
+    back."""
+    if not keep and not renumber:
+        return
+    if renumber:
+        top = max(int(conn.scalar(_TOP_MESSAGE_ID) or 0), *(m["id"] for m in keep))
+        renumber = [{**m, "id": number} for number, m in enumerate(renumber, top + 1)]
+    rows = keep + renumber
+    with fulltext.SQLITE.bulk_load(conn) as index:
+        _insert(conn, M, rows)
+        index.add((m["id"], m["content"]) for m in rows)
+    problems = fulltext.SQLITE.unindexed(conn, index.rows)
+    if problems:
+        raise ImportCheckError(
+            f"the full-text index disagrees with the batch: {'; '.join(problems)}"
+        )
 
 
 def _advance_message_sequence(conn: Connection) -> None:

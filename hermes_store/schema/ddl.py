@@ -160,14 +160,19 @@ SQLITE_CJK_TABLE = (
     f"CREATE VIRTUAL TABLE IF NOT EXISTS {CJK_TABLE} USING fts5(\n"
     "    content,\n    content='',\n    detail='none',\n    tokenize='trigram'\n)"
 )
-#: The GLOB walks the text against every range (60 µs for 165 characters); comparing its
-#: byte and character lengths first (0.5 µs) skips it for ASCII text, which has no such character.
-CJK_NEW_MATCHES = (
-    f"length(CAST(new.content AS BLOB)) > length(new.content) AND new.content GLOB '{CJK_GLOB}'"
-)
-CJK_OLD_MATCHES = (
-    f"length(CAST(old.content AS BLOB)) > length(old.content) AND old.content GLOB '{CJK_GLOB}'"
-)
+
+
+def cjk_matches(value: str) -> str:
+    """The SQL condition, on the text ``value`` (an expression), that puts it in the CJK index.
+
+    The GLOB walks the text against every range (60 µs for 165 characters); comparing its
+    byte and character lengths first (0.5 µs) skips it for ASCII text, which has no such
+    character."""
+    return f"length(CAST({value} AS BLOB)) > length({value}) AND {value} GLOB '{CJK_GLOB}'"
+
+
+CJK_NEW_MATCHES = cjk_matches("new.content")
+CJK_OLD_MATCHES = cjk_matches("old.content")
 SQLITE_CJK_TRIGGERS = (
     f"""CREATE TRIGGER IF NOT EXISTS messages_cjk_insert AFTER INSERT ON messages
 WHEN {CJK_NEW_MATCHES} BEGIN
@@ -196,6 +201,13 @@ SQLITE_CJK_REBUILD = (
 )
 #: The ids the index holds: FTS5 keeps one row per indexed document in its ``_docsize`` table.
 CJK_DOCSIZE = f"{CJK_TABLE}_docsize"
+FTS_DOCSIZE = f"{FTS_TABLE}_docsize"
+#: What the insert triggers do for one row (id, content), as statements of their own: a bulk
+#: load runs them for many rows at once.
+SQLITE_FTS_INSERT = f"INSERT INTO {FTS_TABLE}(rowid, content) VALUES (?1, ?2)"
+SQLITE_CJK_INSERT = (
+    f"INSERT INTO {CJK_TABLE}(rowid, content) SELECT ?1, ?2 WHERE {cjk_matches('?2')}"
+)
 #: The first SQLite release with FTS5's trigram tokenizer.
 TRIGRAM_SQLITE = (3, 34, 0)
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from hermes_store.engine import placement
+from hermes_store.engine import fastpath, placement
 from hermes_store.schema import ddl, revisions
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,61 @@ class FullText(Protocol):
         ...
 
 
+def _normal(sql: str) -> str:
+    """A trigger's SQL without the spelling that does not change what it does."""
+    return " ".join(sql.replace("IF NOT EXISTS ", "").split()).lower()
+
+
+@dataclass(frozen=True)
+class _InsertTrigger:
+    """An insert trigger a bulk load does the work of: its SQL (normalised), how to drop it,
+    and the statement that does its work for one row."""
+
+    sql: str
+    drop: str
+    work: str
+
+
+_INSERT_TRIGGERS = {
+    ddl.FTS_TRIGGERS[0]: _InsertTrigger(
+        _normal(ddl.SQLITE_FTS_TRIGGERS[0]),
+        f"DROP TRIGGER {ddl.FTS_TRIGGERS[0]}",
+        ddl.SQLITE_FTS_INSERT,
+    ),
+    ddl.CJK_TRIGGERS[0]: _InsertTrigger(
+        _normal(ddl.SQLITE_CJK_TRIGGERS[0]),
+        f"DROP TRIGGER {ddl.CJK_TRIGGERS[0]}",
+        ddl.SQLITE_CJK_INSERT,
+    ),
+}
+_FIND_INSERT_TRIGGERS = sa.text(
+    "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'messages' "
+    "AND name IN :names"
+).bindparams(sa.bindparam("names", expanding=True))
+#: Counts over the messages of a bulk load (``:ids``, in chunks): those the main index holds;
+#: those with ASCII text the CJK index holds (none should be there); those with other text
+#: where the CJK index and its condition disagree.
+_IDS: sa.BindParameter[list[int]] = sa.bindparam("ids", expanding=True)
+_IN_MAIN = sa.text(f"SELECT count(*) FROM {ddl.FTS_DOCSIZE} WHERE id IN :ids").bindparams(_IDS)
+_IN_CJK = sa.text(f"SELECT count(*) FROM {ddl.CJK_DOCSIZE} WHERE id IN :ids").bindparams(_IDS)
+_CJK_WRONG = sa.text(
+    f"SELECT count(*) FROM messages m WHERE m.id IN :ids AND ({ddl.cjk_matches('m.content')}) "
+    f"<> EXISTS (SELECT 1 FROM {ddl.CJK_DOCSIZE} d WHERE d.id = m.id)"
+).bindparams(_IDS)
+#: Message ids per statement when checking a bulk load.
+_ID_CHUNK = 500
+
+
+@dataclass
+class BulkLoad:
+    """The messages a bulk load inserted: (id, content), to index in one go."""
+
+    rows: list[tuple[int, str | None]] = field(default_factory=list)
+
+    def add(self, rows: Iterable[tuple[int, str | None]]) -> None:
+        self.rows.extend(rows)
+
+
 class SqliteFullText:
     """FTS5 ``messages_fts`` (the original store's) and the CJK trigram table."""
 
@@ -232,6 +288,56 @@ class SqliteFullText:
         if cjk_index_expected(conn):
             for statement in (ddl.SQLITE_CJK_TABLE, *ddl.SQLITE_CJK_TRIGGERS):
                 conn.exec_driver_sql(statement)
+
+    @contextmanager
+    def bulk_load(self, conn: Connection) -> Iterator[BulkLoad]:
+        """Inside a write transaction: the index's insert triggers are suspended while the
+        caller inserts messages (handing each one's id and text to :meth:`BulkLoad.add`), then
+        those rows are indexed in a few statements and the triggers put back, in the same
+        transaction: committed together, or (a crash, a rollback) not at all.
+
+        A trigger is suspended only when it says exactly what this package's (and the original
+        store's) says; any other keeps firing row by row. An error inside the block leaves the
+        rows unindexed and the triggers put back: the caller's transaction must roll back.
+        """
+        rows = conn.execute(_FIND_INSERT_TRIGGERS, {"names": list(_INSERT_TRIGGERS)})
+        found = {str(name): str(sql) for name, sql in rows}
+        suspended = {
+            name: sql for name, sql in found.items() if _normal(sql) == _INSERT_TRIGGERS[name].sql
+        }
+        for name in suspended:
+            conn.exec_driver_sql(_INSERT_TRIGGERS[name].drop)
+        load = BulkLoad()
+        try:
+            yield load
+            for name in suspended:
+                rows_for = load.rows
+                if name == ddl.CJK_TRIGGERS[0]:
+                    # ASCII text never meets the condition (its first test); SQL decides the rest
+                    rows_for = [row for row in load.rows if row[1] and not row[1].isascii()]
+                if rows_for:
+                    conn.exec_driver_sql(_INSERT_TRIGGERS[name].work, rows_for)
+        finally:
+            for sql in suspended.values():
+                conn.exec_driver_sql(sql)
+
+    def unindexed(self, conn: Connection, rows: Sequence[tuple[int, str | None]]) -> list[str]:
+        """What the indexes get wrong about the messages ``rows`` (id, content): one missing
+        from the main index, one missing from the CJK index that its condition puts there, one
+        there that it keeps out. Counted from FTS5's one row per indexed document
+        (``<table>_docsize``); empty when every message is where it belongs."""
+        problems: list[str] = []
+        if _has_table(conn, ddl.FTS_DOCSIZE):
+            held = _count(conn, _IN_MAIN, [row[0] for row in rows])
+            if held != len(rows):
+                problems.append(f"{ddl.FTS_TABLE} holds {held} of {len(rows)} messages")
+        if _has_table(conn, ddl.CJK_DOCSIZE):
+            plain = [row[0] for row in rows if not row[1] or row[1].isascii()]
+            others = [row[0] for row in rows if row[1] and not row[1].isascii()]
+            wrong = _count(conn, _IN_CJK, plain) + _count(conn, _CJK_WRONG, others)
+            if wrong:
+                problems.append(f"{ddl.CJK_TABLE} is wrong about {wrong} of {len(rows)} messages")
+        return problems
 
     def create_main(self, conn: Connection, fill: bool) -> None:
         """The original store's objects only (adoption: the CJK index comes with h7)."""
@@ -485,6 +591,16 @@ def cjk_index_expected(conn: Connection) -> bool:
         return False
     version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
     return ddl.trigram_supported(version)
+
+
+def _count(conn: Connection, query: sa.TextClause, ids: Sequence[int]) -> int:
+    """The count ``query`` gives for ``ids`` (its ``:ids``), summed over chunks of them."""
+    total = 0
+    for start in range(0, len(ids), _ID_CHUNK):
+        params = {"ids": list(ids[start : start + _ID_CHUNK])}
+        (row,) = fastpath.rows(conn, query, params, expanding=("ids",))
+        total += int(next(iter(row.values())))
+    return total
 
 
 def _has_table(conn: Connection, name: str) -> bool:

@@ -1,0 +1,234 @@
+"""Import into SQLite in bulk: the full-text index's insert triggers are suspended for each
+batch and its messages indexed in one go, in the batch's own transaction.
+
+What must hold: every id, timestamp, counter and cost lands exactly as exported; both indexes
+(FTS5 and the CJK trigram table) end exactly as the triggers would have left them; the
+triggers are back, word for word; a process killed in the middle of a batch leaves the file as
+the last committed batch left it; and the original store reads and writes the result.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermes_store import SessionDB, transfer
+from hermes_store.schema import ddl, fulltext
+from tests.support import import_workers as workers
+from tests.support.seed_store import SeedSessionDB
+
+
+def triggers(path: Path) -> dict[str, str]:
+    with closing(sqlite3.connect(path)) as conn:
+        return dict(
+            conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
+        )
+
+
+def index_problems(path: Path) -> list[str]:
+    """FTS5's integrity check of both indexes, and the CJK index against its condition."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        found = fulltext.index_damage(conn)
+        misplaced = conn.execute(
+            f"SELECT count(*) FROM messages m WHERE ({ddl.cjk_matches('m.content')}) IS NOT "
+            f"EXISTS (SELECT 1 FROM {ddl.CJK_DOCSIZE} d WHERE d.id = m.id)"
+        ).fetchone()[0]
+        unindexed = conn.execute(
+            "SELECT (SELECT count(*) FROM messages) - "
+            f"(SELECT count(*) FROM {ddl.FTS_TABLE}_docsize)"
+        ).fetchone()[0]
+    if misplaced:
+        found.append(f"{misplaced} messages misplaced in the CJK index")
+    if unindexed:
+        found.append(f"{unindexed} messages missing from the main index")
+    return found
+
+
+def import_records(store: SessionDB, records: list[dict[str, Any]], **options: Any) -> Any:
+    return transfer.import_sessions(store, enumerate(records, 1), **options)
+
+
+def test_bulk_import_is_exact_and_leaves_both_indexes_as_the_triggers_would(
+    tmp_path: Path,
+) -> None:
+    records = workers.export_records(sessions=20, per_session=12)
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    before = triggers(path)
+    with SessionDB(path) as store:
+        report = import_records(store, records, batch_size=6)
+        assert (report.sessions, report.messages, report.messages_renumbered) == (20, 240, 0)
+        for record in records:
+            exported = store.export_session(record["id"])
+            assert exported is not None
+            for key, value in record.items():
+                if key != "messages":
+                    assert exported[key] == value, key  # type: ignore[literal-required]
+            assert exported["messages"] == record["messages"]
+        cjk = sum("数据库" in (m["content"] or "") for r in records for m in r["messages"])
+        assert cjk > 0
+        assert len(store.search_messages("数据库", limit=1000)) == cjk
+        assert [h["session_id"] for h in store.search_messages("marker7x4")] == ["imported-0007"]
+    assert triggers(path) == before
+    assert index_problems(path) == []
+
+
+def test_the_original_store_reads_and_writes_an_imported_file(tmp_path: Path) -> None:
+    records = workers.export_records(sessions=8, per_session=9)
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        import_records(store, records, batch_size=3)
+    original = SeedSessionDB(path)
+    try:
+        session = records[0]["id"]
+        assert [m["content"] for m in original.get_messages(session)] == [
+            m["content"] for m in records[0]["messages"]
+        ]
+        assert {h["session_id"] for h in original.search_messages("marker5x2")} == {"imported-0005"}
+        new_id = original.append_message(session, "user", "written later zulufox 数据库迁移")
+        assert new_id == 8 * 9 + 1
+        assert [h["id"] for h in original.search_messages("zulufox")] == [new_id]
+    finally:
+        original.close()
+    assert index_problems(path) == []
+    with SessionDB(path) as store:
+        assert [h["id"] for h in store.search_messages("数据库迁移")] == [new_id]
+
+
+def test_taken_ids_get_the_ids_autoincrement_would_give(tmp_path: Path) -> None:
+    """Ids 1..3 are taken and 4..5 were used once (a deleted session): the file's ids 4 and 5
+    are free again and kept; its 1..3 are renumbered after the highest id, in file order,
+    and the next append continues after them."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("local", "cli")
+        store.create_session("gone", "cli")
+        for n in range(3):
+            store.append_message("local", "user", f"local {n}")
+        for n in range(2):
+            store.append_message("gone", "user", f"gone {n}")
+        store.delete_session("gone")
+        records = workers.export_records(sessions=2, per_session=4)
+        report = import_records(store, records)
+        assert report.messages_renumbered == 3
+        ids = {
+            m["content"]: m["id"]
+            for r in records
+            for m in (store.export_session(r["id"]) or {"messages": []})["messages"]
+        }
+        file_ids = {m["content"]: m["id"] for r in records for m in r["messages"]}
+        renumbered = sorted(
+            (file_ids[content], ids[content]) for content in ids if file_ids[content] <= 3
+        )
+        assert [new for _, new in renumbered] == [9, 10, 11]
+        assert all(ids[c] == file_ids[c] for c in ids if file_ids[c] > 3)
+        assert store.append_message("local", "user", "after") == 12
+    assert index_problems(path) == []
+
+
+def test_a_trigger_of_another_shape_keeps_firing_row_by_row(tmp_path: Path) -> None:
+    """An insert trigger that does more than this package's is left in place (and its work
+    not done twice); the one it knows is suspended and put back."""
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("CREATE TABLE audit (id INTEGER)")
+        conn.execute("DROP TRIGGER messages_fts_insert")
+        conn.execute(
+            "CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN\n"
+            "    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);\n"
+            "    INSERT INTO audit (id) VALUES (new.id);\nEND"
+        )
+    before = triggers(path)
+    with SessionDB(path) as store:
+        import_records(store, workers.export_records(sessions=4, per_session=5), batch_size=2)
+    assert triggers(path) == before
+    assert index_problems(path) == []
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT count(*) FROM audit").fetchone()[0] == 20
+
+
+def test_the_batch_check_sees_an_index_that_disagrees(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+        plain = store.append_message("s", "user", "plain words")
+        chinese = store.append_message("s", "user", "数据库连接失败")
+        rows = [(plain, "plain words"), (chinese, "数据库连接失败")]
+        check = lambda conn: fulltext.SQLITE.unindexed(conn, rows)  # noqa: E731
+        assert store.uow.run(check) == []
+        with closing(sqlite3.connect(path, isolation_level=None)) as raw:
+            raw.execute(
+                "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', ?, ?)",
+                rows[0],
+            )
+            raw.execute("INSERT INTO messages_cjk(rowid, content) VALUES (?, ?)", rows[0])
+            raw.execute(
+                "INSERT INTO messages_cjk(messages_cjk, rowid, content) VALUES ('delete', ?, ?)",
+                rows[1],
+            )
+        assert store.uow.run(check) == [
+            "messages_fts holds 1 of 2 messages",
+            "messages_cjk is wrong about 2 of 2 messages",
+        ]
+
+
+def test_a_process_killed_mid_batch_leaves_the_last_committed_batch(tmp_path: Path) -> None:
+    """The importer is killed (SIGKILL) in its second batch, its messages inserted with the
+    triggers suspended, while it indexes them: the file holds the first batch, indexed, with
+    every trigger in place, and both stores go on using it."""
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    before = triggers(path)
+    records = workers.export_records(sessions=6, per_session=10)
+    export = tmp_path / "export.jsonl"
+    workers.write_export(export, records)
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    importer = context.Process(
+        target=workers.import_and_stall, args=(str(path), str(export), 3, child)
+    )
+    importer.start()
+    try:
+        assert parent.poll(120), "the importer never reached its second batch"
+        assert parent.recv() == "indexing the second batch"
+        importer.kill()
+    finally:
+        importer.join(30)
+    assert importer.exitcode == -9
+    assert triggers(path) == before
+    assert index_problems(path) == []
+    first = {r["id"] for r in records[:3]}
+    with SessionDB(path) as store:
+        assert {s["id"] for s in store.search_sessions(limit=100)} == first
+        assert store.message_count() == 30
+        assert {h["session_id"] for h in store.search_messages("marker5x1")} == {"imported-0005"}
+    original = SeedSessionDB(path)
+    try:
+        added = original.append_message("imported-0005", "user", "after the crash yankeefox")
+        assert [h["id"] for h in original.search_messages("yankeefox")] == [added]
+    finally:
+        original.close()
+    with SessionDB(path) as store:
+        report = import_records(store, records)  # the rest, on a second try
+        assert (report.sessions, report.sessions_skipped) == (3, 3)
+    assert index_problems(path) == []
+
+
+@pytest.mark.parametrize("batch_size", [1, 100])
+def test_every_batch_size_gives_the_same_file(tmp_path: Path, batch_size: int) -> None:
+    records = workers.export_records(sessions=5, per_session=7)
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        import_records(store, records, batch_size=batch_size)
+        exported = list(store.iter_export())
+    assert [r["id"] for r in exported] == [r["id"] for r in records]
+    assert [m["id"] for r in exported for m in r["messages"]] == [
+        m["id"] for r in records for m in r["messages"]
+    ]
+    assert index_problems(path) == []
