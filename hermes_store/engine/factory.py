@@ -640,19 +640,17 @@ def _guard_pooler(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
 READ_ONLY_SQLSTATE = "25006"
 
 
-def read_only_reason(driver: Any) -> str | None:
-    """Why the server behind a psycopg connection refuses every write, from what it reported at
-    startup and since (no round trip): a hot standby (``in_hot_standby``), or
-    ``default_transaction_read_only`` set for the database, the role or the server. None when
-    it takes writes (a transaction may still be read-only by choice: a read unit)."""
-    info = driver.info
-    if info.parameter_status("in_hot_standby") == "on":
+def read_only_reason(*, standby: bool, read_only_default: bool) -> str | None:
+    """Why a server refuses every write: it is a hot standby, or ``default_transaction_read_only``
+    is on for the database, the role or the server. None when it takes writes (a transaction
+    may still be read-only by choice: a read unit)."""
+    if standby:
         return (
             "the server is a read-only standby (it replays its primary's changes and refuses "
             "writes): write through the primary; a URL that lists every host with "
             "target_session_attrs=read-write finds it, before and after a failover"
         )
-    if info.parameter_status("default_transaction_read_only") == "on":
+    if read_only_default:
         return (
             "the server refuses writes: default_transaction_read_only is on for this database, "
             "role or server"
@@ -660,11 +658,23 @@ def read_only_reason(driver: Any) -> str | None:
     return None
 
 
+def reported_read_only_reason(driver: Any) -> str | None:
+    """:func:`read_only_reason` from what the server behind a psycopg connection reported at
+    startup and since (``in_hot_standby``, ``default_transaction_read_only``: PostgreSQL 14
+    and later report both), without a round trip."""
+    status = driver.info.parameter_status
+    return read_only_reason(
+        standby=status("in_hot_standby") == "on",
+        read_only_default=status("default_transaction_read_only") == "on",
+    )
+
+
 def install_read_only_names(engine: Engine) -> None:
     """A write that a read-only server refuses raises :class:`ReadOnlyDatabaseError` saying
     why (a standby, ``default_transaction_read_only``) instead of the server's "cannot execute
-    SELECT in a read-only transaction", which names neither the cause nor the cure. A read
-    unit's own READ ONLY transaction is left to the usual mapping. Idempotent."""
+    SELECT in a read-only transaction", which names neither the cause nor the cure (on
+    PostgreSQL 14 and later, which report both). A read unit's own READ ONLY transaction is
+    left to the usual mapping. Idempotent."""
     if not event.contains(engine, "handle_error", _name_read_only_refusal):
         event.listen(engine, "handle_error", _name_read_only_refusal)
 
@@ -675,7 +685,7 @@ def _name_read_only_refusal(context: ExceptionContext) -> None:
     conn = context.connection
     if conn is None or conn.closed or conn.invalidated:
         return
-    reason = read_only_reason(conn.connection.driver_connection)
+    reason = reported_read_only_reason(conn.connection.driver_connection)
     if reason is not None:
         raise ReadOnlyDatabaseError(reason)
 

@@ -714,7 +714,10 @@ def opened_read_only(conn: Connection, state: DatabaseState, where: str) -> bool
     migrate or repair, which could only fail there. At head the store opens read-only, saying
     so, and True is returned; behind head it is refused with :class:`SchemaBehindError`
     (migrations run on the primary, and its standbys follow). False on a writable server."""
-    reason = read_only_reason(conn.connection.driver_connection)
+    standby, read_only_default = conn.exec_driver_sql(
+        "SELECT pg_is_in_recovery(), current_setting('default_transaction_read_only') = 'on'"
+    ).one()
+    reason = read_only_reason(standby=standby, read_only_default=read_only_default)
     if reason is None:
         return False
     check_adoptable(state, where)
@@ -737,7 +740,7 @@ def opened_read_only(conn: Connection, state: DatabaseState, where: str) -> bool
             where,
             "; ".join(damage),
         )
-    log.info("%s: opened read-only, writes will be refused: %s", where, reason)
+    log.warning("%s: opened read-only, writes will be refused: %s", where, reason)
     return True
 
 

@@ -1,9 +1,10 @@
 """A writer process for tests/faults/test_failover.py: THREADS threads, each on a session of its
 own (``<tag>-<thread>``), alternating ``append_message`` (content ``<tag>-<thread>-<n>``) and
 ``update_token_counts(input_tokens=1)`` until stdin closes. Each outcome is one line on stdout
-(tab-separated): ``kind thread op content time detail`` with ``kind`` one of ``ok``,
-``unknown`` (may or may not have landed), ``failed`` (did not land) and ``error`` (anything
-else), ``op`` ``append`` or ``tokens``, ``time`` from ``time.time()``."""
+(tab-separated): ``kind thread op content started finished detail`` with ``kind`` one of
+``ok``, ``unknown`` (may or may not have landed), ``failed`` (did not land) and ``error``
+(anything else), ``op`` ``append`` or ``tokens``, and the call's start and end from
+``time.time()``."""
 
 from __future__ import annotations
 
@@ -28,24 +29,28 @@ def main(url: str, tag: str) -> None:
     stop = threading.Event()
     out = threading.Lock()
 
-    def say(kind: str, thread: int, op: str, content: str, detail: str = "") -> None:
+    def say(
+        kind: str, thread: int, op: str, content: str, started: float, detail: str = ""
+    ) -> None:
         flat = " ".join(detail.split())  # driver messages span lines and hold tabs
-        line = f"{kind}\t{thread}\t{op}\t{content}\t{time.time():.6f}\t{flat[-300:]}\n"
+        times = f"{started:.6f}\t{time.time():.6f}"
+        line = f"{kind}\t{thread}\t{op}\t{content}\t{times}\t{flat[-300:]}\n"
         with out:
             sys.stdout.write(line)
             sys.stdout.flush()
 
     def attempt(thread: int, op: str, content: str, call: Callable[[], object]) -> None:
+        started = time.time()
         try:
             call()
         except DatabaseUnavailableError as error:
             landed = "may or may not" in str(error)
-            say("unknown" if landed else "failed", thread, op, content, str(error))
+            say("unknown" if landed else "failed", thread, op, content, started, str(error))
             return
         except HermesStoreError as error:
-            say("error", thread, op, content, f"{type(error).__name__}: {error}")
+            say("error", thread, op, content, started, f"{type(error).__name__}: {error}")
             return
-        say("ok", thread, op, content)
+        say("ok", thread, op, content, started)
 
     def writer(thread: int) -> None:
         session = session_of(tag, thread)
