@@ -165,7 +165,7 @@ def phase(
 def _backup(folder: Path, method: backup.Method, **options: Any) -> Callable[[Path], object]:
     def run(path: Path) -> object:
         with SessionDB(path) as store:
-            return backup.backup(store, folder / "copy.db", method=method, **options)
+            return backup.backup(store.engine, folder / "copy.db", method=method, **options)
 
     return run
 

@@ -105,7 +105,7 @@ def test_a_backup_taken_while_8_writers_write_is_a_consistent_snapshot(
             assert pipe.recv() == "warm"
         began.set()
         with SessionDB(path) as store:
-            report = backup.backup(store, tmp_path / "copy.db", method=method, verify=True)
+            report = backup.backup(store.engine, tmp_path / "copy.db", method=method, verify=True)
     finally:
         stop.set()
         answers = [pipe.recv() if pipe.poll(DEADLINE) else None for pipe in pipes]
@@ -136,21 +136,21 @@ def test_backup_refuses_the_database_itself_and_an_existing_file(sqlite_store: S
     path = Path(str(sqlite_store.db_path))
     for target in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
         with pytest.raises(InvalidInputError, match="onto the database itself"):
-            backup.backup(sqlite_store, target)
+            backup.backup(sqlite_store.engine, target)
     existing = path.parent / "existing.db"
-    backup.backup(sqlite_store, existing)
+    backup.backup(sqlite_store.engine, existing)
     with pytest.raises(InvalidInputError, match="exists"):
-        backup.backup(sqlite_store, existing)
-    backup.backup(sqlite_store, existing, overwrite=True)
+        backup.backup(sqlite_store.engine, existing)
+    backup.backup(sqlite_store.engine, existing, overwrite=True)
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
 
 
 def test_backup_and_restore_on_postgresql_name_pg_dump(pg_url: URL) -> None:
     with SessionDB(url_string(pg_url)) as store:
         with pytest.raises(backup.NotSupportedError, match="pg_dump"):
-            backup.backup(store, "/tmp/never.db")
+            backup.backup(store.engine, "/tmp/never.db")
         with pytest.raises(backup.NotSupportedError, match="pg_restore"):
-            backup.restore(store, "/tmp/never.db")
+            backup.restore(store.engine, "/tmp/never.db")
     result = CliRunner().invoke(cli, ["--db", url_string(pg_url), "backup", "x.db"])
     assert result.exit_code == 1 and "pg_dump" in result.output
 
@@ -162,11 +162,11 @@ def test_restore_writes_into_the_live_file_that_other_instances_keep_open(
     with SessionDB(path) as store, SessionDB(path) as other:
         store.create_session("kept", "cli")
         store.append_message("kept", "user", "in the snapshot")
-        backup.backup(store, tmp_path / "snap.db")
+        backup.backup(store.engine, tmp_path / "snap.db")
         store.create_session("later", "cli")
         store.append_message("later", "user", "after the snapshot")
         inode = path.stat().st_ino
-        report = backup.restore(store, tmp_path / "snap.db")
+        report = backup.restore(store.engine, tmp_path / "snap.db")
         assert (report.sessions, report.messages) == (1, 1)
         assert path.stat().st_ino == inode  # written into, never replaced
         assert other.get_session("later") is None
@@ -204,7 +204,7 @@ def test_a_restore_while_another_process_writes_is_atomic_and_loses_no_later_wri
     with SessionDB(path) as store:
         store.create_session("s", "cli")
         _fill(store, 200, messages=5)
-        backup.backup(store, tmp_path / "snap.db")
+        backup.backup(store.engine, tmp_path / "snap.db")
     restored, stop = CTX.Event(), CTX.Event()
     ours, theirs = CTX.Pipe()
     writer = CTX.Process(target=_steady_writer, args=(str(path), restored, stop, theirs))
@@ -212,7 +212,7 @@ def test_a_restore_while_another_process_writes_is_atomic_and_loses_no_later_wri
     try:
         assert ours.poll(DEADLINE) and ours.recv() == "warm"
         with SessionDB(path) as store:
-            backup.restore(store, tmp_path / "snap.db", pages_per_step=8)
+            backup.restore(store.engine, tmp_path / "snap.db", pages_per_step=8)
         restored.set()
         assert ours.poll(DEADLINE) and ours.recv() == "written after"
     finally:
@@ -238,12 +238,12 @@ def test_restore_refuses_a_damaged_or_older_snapshot_before_writing(tmp_path: Pa
         garbage = tmp_path / "garbage.db"
         garbage.write_bytes(b"SQLite format 3\x00" + b"\x01" * 4000)
         with pytest.raises(backup.SnapshotError, match="refusing to restore"):
-            backup.restore(store, garbage)
+            backup.restore(store.engine, garbage)
         older = tmp_path / "older.db"
-        backup.backup(store, older)
+        backup.backup(store.engine, older)
         migrate.downgrade(older, "v5_billing_columns")
         with pytest.raises(backup.SnapshotError, match="head is"):
-            backup.restore(store, older)
+            backup.restore(store.engine, older)
         assert store.get_session("s") is not None
 
 

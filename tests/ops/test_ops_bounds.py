@@ -107,7 +107,7 @@ def test_a_backup_frozen_mid_copy_leaves_the_write_lock_free(
     copy = tmp_path / "copy.db"
     store = SessionDB(path)
     job = _Thread(
-        lambda: backup.backup(store, copy, method=method, pages_per_step=8, sync_bytes=4096)
+        lambda: backup.backup(store.engine, copy, method=method, pages_per_step=8, sync_bytes=4096)
     )
     try:
         job.start()
@@ -140,7 +140,7 @@ def test_backup_refuses_bad_throttle_settings(tmp_path: Path) -> None:
     with SessionDB(tmp_path / "state.db") as store:
         for options in ({"sync_bytes": -1}, {"sync_bytes": 1.5}, {"pause": -0.1}, {"pause": 11}):
             with pytest.raises(backup.InvalidInputError):
-                backup.backup(store, tmp_path / "copy.db", **options)  # type: ignore[arg-type]
+                backup.backup(store.engine, tmp_path / "copy.db", **options)  # type: ignore[arg-type]
     assert not (tmp_path / "copy.db").exists()
 
 
