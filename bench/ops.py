@@ -165,7 +165,7 @@ def phase(
 def _backup(folder: Path, method: backup.Method, **options: Any) -> Callable[[Path], object]:
     def run(path: Path) -> object:
         with SessionDB(path) as store:
-            return backup.backup(store, folder / "copy.db", method=method, **options)
+            return backup.backup(store.engine, folder / "copy.db", method=method, **options)
 
     return run
 
@@ -254,7 +254,7 @@ def others(path: Path, folder: Path, writers: int, wanted: set[str]) -> None:
 
         def optimize(p: Path) -> object:
             with SessionDB(p) as store:
-                return maintenance.optimize(store)
+                return maintenance.optimize(store.uow)
 
         result = phase(scratch, writers, "optimize", optimize, 0)
         assert isinstance(result.result, maintenance.Report)
@@ -268,7 +268,7 @@ def others(path: Path, folder: Path, writers: int, wanted: set[str]) -> None:
 
         def prune(p: Path) -> object:
             with SessionDB(p) as store:
-                return retention.run(store, retention.Policy(300))
+                return retention.run(store.uow, retention.Policy(300))
 
         result = phase(scratch, writers, "prune", prune, 0)
         assert isinstance(result.result, retention.Report)

@@ -870,7 +870,7 @@ class SessionDB:
         """A consistent online snapshot of this SQLite database (see :func:`backup.backup`)."""
         from hermes_store.ops import backup
 
-        return backup.backup(self, destination, **options)
+        return backup.backup(self.engine, destination, **options)
 
     # -- export -----------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ def backup_cmd(
     store = app.store()
     with progress(None, "backing up (pages)") as bar:
         report = backup.backup(
-            store,
+            store.engine,
             dest,
             method="vacuum" if method == "vacuum" else "backup",
             overwrite=force,
@@ -91,7 +91,7 @@ def restore_cmd(app: App, snapshot: str, yes: bool, fmt: str | None, as_json: bo
         what=f"restore {snapshot} over {app.where}",
     )
     with progress(None, "restoring (pages)") as bar:
-        report = backup.restore(store, snapshot, progress=bar.update)
+        report = backup.restore(store.engine, snapshot, progress=bar.update)
     if chosen_format(fmt, as_json, piped="table") == "json":
         echo_json(asdict(report))
         return

@@ -229,7 +229,7 @@ def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
             return
         echo(f"{app.where}: rewritten (full vacuum), {before:,} -> {after:,} bytes.")
         return
-    report = maintenance.optimize(app.store())
+    report = maintenance.optimize(app.store().uow)
     if as_json:
         echo_json(asdict(report))
         return

@@ -468,7 +468,7 @@ def sessions_prune(
     )
     with progress(len(candidates), "pruning") as bar:
         report = retention.run(
-            store,
+            store.uow,
             policy,
             chunk=chunk,
             secure_delete=secure_delete,

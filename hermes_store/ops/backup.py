@@ -26,15 +26,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
+
+from sqlalchemy.engine import Engine
 
 from hermes_store.engine import files
 from hermes_store.engine.factory import create_private_file, sqlite_file, unreadable_in_wal
 from hermes_store.errors import HermesStoreError, InvalidInputError, UnsafePathError
 from hermes_store.schema import ddl, fulltext, migrate
-
-if TYPE_CHECKING:
-    from hermes_store.store import SessionDB
 
 #: Pages per backup step (4 MiB with 4 KiB pages): the unit of progress reports.
 BACKUP_PAGES = 1024
@@ -91,10 +90,10 @@ class RestoreReport:
     messages: int
 
 
-def _live_file(db: SessionDB, what: str) -> Path:
-    path = sqlite_file(db.engine.url)
+def _live_file(engine: Engine, what: str) -> Path:
+    path = sqlite_file(engine.url)
     if path is None:
-        if db.is_sqlite:
+        if engine.dialect.name == "sqlite":
             raise NotSupportedError(f"an in-memory database has no file to {what}")
         raise NotSupportedError(f"{what} works on SQLite files only. {PG_BACKUP_HINT}")
     return path
@@ -106,7 +105,7 @@ def _is_database_or_sidecar(candidate: Path, database: Path) -> bool:
 
 
 def backup(
-    db: SessionDB,
+    engine: Engine,
     destination: str | os.PathLike[str],
     *,
     method: Method = "backup",
@@ -117,7 +116,7 @@ def backup(
     sync_bytes: int = SYNC_BYTES,
     pause: float = 0.0,
 ) -> BackupReport:
-    """Copy a consistent snapshot of the live database to ``destination`` (mode 0600).
+    """Copy a consistent snapshot of the database ``engine`` opens to ``destination`` (0600).
 
     Writers keep writing throughout; the copy holds every transaction committed before it
     began and nothing committed after. ``verify`` opens the copy and runs the integrity
@@ -127,7 +126,7 @@ def backup(
     seconds are slept after each flush, so writers' own fsyncs never wait behind a backlog of
     the copy's dirty pages.
     """
-    source = _live_file(db, "back up")
+    source = _live_file(engine, "back up")
     if method not in ("backup", "vacuum"):
         raise InvalidInputError(f"method must be 'backup' or 'vacuum', not {method!r}")
     if isinstance(pages_per_step, bool) or not isinstance(pages_per_step, int):
@@ -304,20 +303,21 @@ def check_snapshot(path: Path) -> list[str]:
 
 
 def restore(
-    db: SessionDB,
+    engine: Engine,
     snapshot: str | os.PathLike[str],
     *,
     progress: Progress | None = None,
     pages_per_step: int = BACKUP_PAGES,
 ) -> RestoreReport:
-    """Write ``snapshot`` into the live database, replacing its content, under its write lock.
+    """Write ``snapshot`` into the database ``engine`` opens, replacing its content, under its
+    write lock.
 
     The snapshot is checked first (:func:`check_snapshot`): a damaged file, another schema
     revision or a different page size is refused before anything is written. Other processes
     keep their connections; their next transaction reads the restored content. Whatever they
     committed after the snapshot was taken is gone, which is what a restore means.
     """
-    live = _live_file(db, "restore")
+    live = _live_file(engine, "restore")
     source = Path(os.fspath(snapshot)).expanduser()
     if not source.is_file():
         raise InvalidInputError(f"there is no snapshot file at {source}")

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -41,9 +41,7 @@ from hermes_store.errors import (
     mapped_errors,
 )
 from hermes_store.schema import fulltext
-
-if TYPE_CHECKING:
-    from hermes_store.store import SessionDB
+from hermes_store.uow.unit import UnitOfWork
 
 T = TypeVar("T")
 
@@ -71,15 +69,15 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def database_bytes(db: SessionDB) -> int:
+def database_bytes(uow: UnitOfWork) -> int:
     """What the database occupies: the SQLite file and its WAL (``stat`` only), or PostgreSQL's
     size of the two tables with their indexes and TOAST."""
-    path = sqlite_file(db.engine.url)
+    path = sqlite_file(uow.engine.url)
     if path is not None:
         wal = Path(f"{path}-wal")
         return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
-    if not db.is_sqlite:
-        with db.uow.connect(write=False) as conn:
+    if not uow.is_sqlite:
+        with uow.connect(write=False) as conn:
             return int(
                 conn.scalar(
                     sa.text(
@@ -145,21 +143,23 @@ def secure_deletes(conn: Connection, on: bool = True) -> Iterator[None]:
             conn.exec_driver_sql(f"PRAGMA secure_delete={SECURE_DELETE_VALUES[previous]}")
 
 
-def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: bool = False) -> int:
+def merge_index(
+    uow: UnitOfWork, report: Report | None = None, *, secure_delete: bool = False
+) -> int:
     """Merge the full-text index's segments in bounded steps until it is compact.
 
     Deleted rows only leave an FTS5 index when the segments holding them are merged, so this
     is also what makes pruned text disappear from the index. Returns the number of steps.
     PostgreSQL: one unit that flushes the GIN pending lists and refreshes statistics.
     """
-    report = report or Report(db.engine.dialect.name, 0)
-    if not db.is_sqlite:
-        db.uow.run(_timed(report, fulltext.POSTGRESQL.optimize))
+    report = report or Report(uow.engine.dialect.name, 0)
+    if not uow.is_sqlite:
+        uow.run(_timed(report, fulltext.POSTGRESQL.optimize))
         report.merge_steps += 1
         return 1
     # Writers keep adding small segments, so "no work left" may never come under load: the
     # budget is what merging the index as it stands would take.
-    with db.uow.connect(write=False) as conn:
+    with uow.connect(write=False) as conn:
         leaves = fulltext.SQLITE.leaf_pages(conn)
         shape = index_shape(conn)
     # One start per job (see the module's docstring); the steps after it continue that merge.
@@ -176,7 +176,7 @@ def merge_index(db: SessionDB, report: Report | None = None, *, secure_delete: b
         first = start and steps == 0
         steps += 1
         step = _timed(report, partial(_merge_step, secure_delete=secure_delete, start=first))
-        if not db.uow.run(step):
+        if not uow.run(step):
             break
     report.merge_steps += steps
     return steps
@@ -199,7 +199,7 @@ def _vacuum_step(conn: Connection) -> int:
     return before - after
 
 
-def optimize(db: SessionDB) -> Report:
+def optimize(uow: UnitOfWork) -> Report:
     """Compact what can be compacted online, one short write unit at a time.
 
     SQLite: merge the full-text index, ``PRAGMA optimize`` (statistics for the planner), give
@@ -207,15 +207,15 @@ def optimize(db: SessionDB) -> Report:
     INCREMENTAL: :func:`vacuum_offline` turns it on), then a PASSIVE checkpoint. PostgreSQL:
     the GIN pending lists and ``ANALYZE``; autovacuum returns the space.
     """
-    report = Report(db.engine.dialect.name, database_bytes(db))
-    merge_index(db, report)
-    if db.is_sqlite:
-        db.uow.run(_timed(report, lambda conn: conn.exec_driver_sql("PRAGMA optimize")))
-        with db.uow.connect(write=False) as conn:
+    report = Report(uow.engine.dialect.name, database_bytes(uow))
+    merge_index(uow, report)
+    if uow.is_sqlite:
+        uow.run(_timed(report, lambda conn: conn.exec_driver_sql("PRAGMA optimize")))
+        with uow.connect(write=False) as conn:
             auto_vacuum = int(conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() or 0)
         if auto_vacuum == 2:
             for _ in range(MAX_STEPS):
-                freed = db.uow.run(_timed(report, _vacuum_step))
+                freed = uow.run(_timed(report, _vacuum_step))
                 report.vacuum_steps += 1
                 report.pages_freed += freed
                 if freed <= 0:
@@ -226,20 +226,20 @@ def optimize(db: SessionDB) -> Report:
                 "`hermes-store db optimize --vacuum` (with every other process stopped) "
                 "rewrites the file and turns it on"
             )
-        if not db.uow.checkpoint():
+        if not uow.checkpoint():
             report.notes.append("the WAL checkpoint did not run; it is retried by later writes")
     else:
         report.notes.append("PostgreSQL: autovacuum returns freed space (VACUUM FULL offline)")
-    report.bytes_after = database_bytes(db)
-    _explain_growth(db, report)
+    report.bytes_after = database_bytes(uow)
+    _explain_growth(uow, report)
     return report
 
 
-def _explain_growth(db: SessionDB, report: Report) -> None:
+def _explain_growth(uow: UnitOfWork, report: Report) -> None:
     """Say why a file that was optimised occupies more than before: merging writes the new
     index segments before the old pages are freed, through the WAL, which then keeps its size
     (SQLite writes over it) until a checkpoint finds no reader and cuts it back."""
-    path = sqlite_file(db.engine.url)
+    path = sqlite_file(uow.engine.url)
     if path is None or report.bytes_after <= report.bytes_before:
         return
     wal = Path(f"{path}-wal")

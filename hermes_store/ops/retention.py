@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import delete, select, update
@@ -26,9 +26,7 @@ from hermes_store.errors import InvalidInputError
 from hermes_store.ops import maintenance
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
-
-if TYPE_CHECKING:
-    from hermes_store.store import SessionDB
+from hermes_store.uow.unit import UnitOfWork
 
 #: Sessions per write unit: small enough that a chunk holds the write lock for milliseconds.
 DEFAULT_CHUNK = 200
@@ -163,7 +161,7 @@ class Report:
 
 
 def run(
-    db: SessionDB,
+    uow: UnitOfWork,
     policy: Policy,
     *,
     chunk: int = DEFAULT_CHUNK,
@@ -186,7 +184,7 @@ def run(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
         raise InvalidInputError(f"chunk must be a whole number from 1 to {MAX_CHUNK}")
     if pause is None:
-        pause = YIELD_S if db.is_sqlite else 0.0
+        pause = YIELD_S if uow.is_sqlite else 0.0
     started = time.time() if now is None else now
     select_chunk = candidates(policy, started).limit(chunk)
     report = Report()
@@ -198,7 +196,7 @@ def run(
         return ids, sessions, messages
 
     while True:
-        ids, sessions, messages = db.uow.run(unit)
+        ids, sessions, messages = uow.run(unit)
         if not ids:
             break
         report.chunks += 1
@@ -210,13 +208,9 @@ def run(
         if pause > 0:
             time.sleep(pause)  # not synchronisation: leave the write lock to queued writers
     if merge_index and report.sessions:
-        maintenance.merge_index(db, secure_delete=secure_delete)
+        maintenance.merge_index(uow, secure_delete=secure_delete)
         report.index_merged = True
     return report
-
-
-if TYPE_CHECKING:
-    from hermes_store.uow.unit import UnitOfWork
 
 
 def would_delete(uow: UnitOfWork, policy: Policy, now: float | None = None) -> list[dict[str, Any]]:

@@ -105,7 +105,7 @@ def test_a_backup_taken_while_8_writers_write_is_a_consistent_snapshot(
             assert pipe.recv() == "warm"
         began.set()
         with SessionDB(path) as store:
-            report = backup.backup(store, tmp_path / "copy.db", method=method, verify=True)
+            report = backup.backup(store.engine, tmp_path / "copy.db", method=method, verify=True)
     finally:
         stop.set()
         answers = [pipe.recv() if pipe.poll(DEADLINE) else None for pipe in pipes]
@@ -136,21 +136,21 @@ def test_backup_refuses_the_database_itself_and_an_existing_file(sqlite_store: S
     path = Path(str(sqlite_store.db_path))
     for target in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
         with pytest.raises(InvalidInputError, match="onto the database itself"):
-            backup.backup(sqlite_store, target)
+            backup.backup(sqlite_store.engine, target)
     existing = path.parent / "existing.db"
-    backup.backup(sqlite_store, existing)
+    backup.backup(sqlite_store.engine, existing)
     with pytest.raises(InvalidInputError, match="exists"):
-        backup.backup(sqlite_store, existing)
-    backup.backup(sqlite_store, existing, overwrite=True)
+        backup.backup(sqlite_store.engine, existing)
+    backup.backup(sqlite_store.engine, existing, overwrite=True)
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
 
 
 def test_backup_and_restore_on_postgresql_name_pg_dump(pg_url: URL) -> None:
     with SessionDB(url_string(pg_url)) as store:
         with pytest.raises(backup.NotSupportedError, match="pg_dump"):
-            backup.backup(store, "/tmp/never.db")
+            backup.backup(store.engine, "/tmp/never.db")
         with pytest.raises(backup.NotSupportedError, match="pg_restore"):
-            backup.restore(store, "/tmp/never.db")
+            backup.restore(store.engine, "/tmp/never.db")
     result = CliRunner().invoke(cli, ["--db", url_string(pg_url), "backup", "x.db"])
     assert result.exit_code == 1 and "pg_dump" in result.output
 
@@ -162,11 +162,11 @@ def test_restore_writes_into_the_live_file_that_other_instances_keep_open(
     with SessionDB(path) as store, SessionDB(path) as other:
         store.create_session("kept", "cli")
         store.append_message("kept", "user", "in the snapshot")
-        backup.backup(store, tmp_path / "snap.db")
+        backup.backup(store.engine, tmp_path / "snap.db")
         store.create_session("later", "cli")
         store.append_message("later", "user", "after the snapshot")
         inode = path.stat().st_ino
-        report = backup.restore(store, tmp_path / "snap.db")
+        report = backup.restore(store.engine, tmp_path / "snap.db")
         assert (report.sessions, report.messages) == (1, 1)
         assert path.stat().st_ino == inode  # written into, never replaced
         assert other.get_session("later") is None
@@ -204,7 +204,7 @@ def test_a_restore_while_another_process_writes_is_atomic_and_loses_no_later_wri
     with SessionDB(path) as store:
         store.create_session("s", "cli")
         _fill(store, 200, messages=5)
-        backup.backup(store, tmp_path / "snap.db")
+        backup.backup(store.engine, tmp_path / "snap.db")
     restored, stop = CTX.Event(), CTX.Event()
     ours, theirs = CTX.Pipe()
     writer = CTX.Process(target=_steady_writer, args=(str(path), restored, stop, theirs))
@@ -212,7 +212,7 @@ def test_a_restore_while_another_process_writes_is_atomic_and_loses_no_later_wri
     try:
         assert ours.poll(DEADLINE) and ours.recv() == "warm"
         with SessionDB(path) as store:
-            backup.restore(store, tmp_path / "snap.db", pages_per_step=8)
+            backup.restore(store.engine, tmp_path / "snap.db", pages_per_step=8)
         restored.set()
         assert ours.poll(DEADLINE) and ours.recv() == "written after"
     finally:
@@ -238,12 +238,12 @@ def test_restore_refuses_a_damaged_or_older_snapshot_before_writing(tmp_path: Pa
         garbage = tmp_path / "garbage.db"
         garbage.write_bytes(b"SQLite format 3\x00" + b"\x01" * 4000)
         with pytest.raises(backup.SnapshotError, match="refusing to restore"):
-            backup.restore(store, garbage)
+            backup.restore(store.engine, garbage)
         older = tmp_path / "older.db"
-        backup.backup(store, older)
+        backup.backup(store.engine, older)
         migrate.downgrade(older, "v5_billing_columns")
         with pytest.raises(backup.SnapshotError, match="head is"):
-            backup.restore(store, older)
+            backup.restore(store.engine, older)
         assert store.get_session("s") is not None
 
 
@@ -297,7 +297,7 @@ def _fill(store: SessionDB, sessions: int, *, messages: int = 2, ended: bool = T
 
 def test_optimize_merges_the_index_and_reports_sizes(store: SessionDB) -> None:
     _fill(store, 40)
-    report = maintenance.optimize(store)
+    report = maintenance.optimize(store.uow)
     assert report.merge_steps >= 1 and report.bytes_before > 0 and report.bytes_after > 0
     assert store.check_search_index()
     assert store.search_messages("note")[0]["snippet"]
@@ -311,13 +311,13 @@ def test_vacuum_offline_refuses_while_the_file_is_open_and_enables_incremental_v
         _fill(store, 50, messages=20)
         with pytest.raises(DatabaseLockedError, match="open in another"):
             maintenance.vacuum_offline(path)
-        retention.run(store, retention.Policy(-1))
+        retention.run(store.uow, retention.Policy(-1))
     before, after = maintenance.vacuum_offline(path)
     assert after < before
     with SessionDB(path) as store:
         _fill(store, 50, messages=20)
-        retention.run(store, retention.Policy(-1))
-        report = maintenance.optimize(store)
+        retention.run(store.uow, retention.Policy(-1))
+        report = maintenance.optimize(store.uow)
         assert report.pages_freed > 0 and report.bytes_after < report.bytes_before
         assert store.session_count() == 0
 
@@ -342,7 +342,7 @@ def test_retention_policy_keeps_titled_and_lineage_and_the_preview_matches(
     with store.uow.connect(write=False) as conn:
         preview = set(conn.scalars(retention.candidates(policy, future)))
     assert preview == {"s00000", "s00002", "s00003", "s00004", "s00005"}
-    report = retention.run(store, policy, chunk=2, now=future)
+    report = retention.run(store.uow, policy, chunk=2, now=future)
     assert (report.sessions, report.messages, report.chunks) == (5, 10, 3)
     assert report.largest_chunk == 2
     left = {s["id"] for s in store.search_sessions(limit=100)}
@@ -370,7 +370,7 @@ def test_cli_prune_preview_lists_exactly_what_prune_deletes(tmp_path: Path) -> N
 def _pruner(url: str, chunk: int, gate: object, pipe: Connection) -> None:
     store = SessionDB(url)
     gate.wait(DEADLINE)  # type: ignore[attr-defined]
-    report = retention.run(store, retention.Policy(0, ("old",)), chunk=chunk)
+    report = retention.run(store.uow, retention.Policy(0, ("old",)), chunk=chunk)
     store.close()
     pipe.send((report.sessions, report.messages, report.chunks, report.largest_chunk))
 
@@ -450,7 +450,9 @@ def test_secure_delete_and_the_merge_leave_no_pruned_text_in_the_file(tmp_path: 
         store.append_message("gone", "user", f"the passphrase is {word} " * 2000)
         store.end_session("gone", "done")
         _fill(store, 3, ended=False)
-        report = retention.run(store, retention.Policy(-1), secure_delete=True, merge_index=True)
+        report = retention.run(
+            store.uow, retention.Policy(-1), secure_delete=True, merge_index=True
+        )
         assert report.sessions == 1 and report.index_merged
         assert store.search_messages(word) == []
     assert word.encode() not in path.read_bytes()
@@ -590,8 +592,8 @@ def test_a_new_file_gives_freed_pages_back_online_and_stays_the_original_stores(
         with store.uow.connect(write=False) as conn:
             assert conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() == 2  # INCREMENTAL
         _fill(store, 50, messages=20)
-        retention.run(store, retention.Policy(-1))
-        report = maintenance.optimize(store)
+        retention.run(store.uow, retention.Policy(-1))
+        report = maintenance.optimize(store.uow)
         assert report.pages_freed > 0
         assert not any("--vacuum" in note for note in report.notes)
     seed = SeedSessionDB(path)
@@ -613,7 +615,7 @@ def test_optimize_says_why_the_total_grew(tmp_path: Path) -> None:
             store.create_session(sid, "cli")
             for turn in range(30):
                 store.append_message(sid, "user", f"note {number} {turn} " + "word " * 40)
-        report = maintenance.optimize(store)
+        report = maintenance.optimize(store.uow)
     # Six hundred small commits leave a WAL that the merge's pages make larger still.
     assert report.bytes_after > report.bytes_before
     assert any("bytes more than before" in note and "WAL" in note for note in report.notes)

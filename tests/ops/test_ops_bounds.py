@@ -107,7 +107,7 @@ def test_a_backup_frozen_mid_copy_leaves_the_write_lock_free(
     copy = tmp_path / "copy.db"
     store = SessionDB(path)
     job = _Thread(
-        lambda: backup.backup(store, copy, method=method, pages_per_step=8, sync_bytes=4096)
+        lambda: backup.backup(store.engine, copy, method=method, pages_per_step=8, sync_bytes=4096)
     )
     try:
         job.start()
@@ -140,7 +140,7 @@ def test_backup_refuses_bad_throttle_settings(tmp_path: Path) -> None:
     with SessionDB(tmp_path / "state.db") as store:
         for options in ({"sync_bytes": -1}, {"sync_bytes": 1.5}, {"pause": -0.1}, {"pause": 11}):
             with pytest.raises(backup.InvalidInputError):
-                backup.backup(store, tmp_path / "copy.db", **options)  # type: ignore[arg-type]
+                backup.backup(store.engine, tmp_path / "copy.db", **options)  # type: ignore[arg-type]
     assert not (tmp_path / "copy.db").exists()
 
 
@@ -168,7 +168,7 @@ def test_writers_wait_for_one_optimize_step_then_get_in_before_the_next(
 
     monkeypatch.setattr(maintenance, "_timed", frozen_timed)
     job_store, writers = SessionDB(path), SessionDB(path)
-    job = _Thread(lambda: maintenance.optimize(job_store))
+    job = _Thread(lambda: maintenance.optimize(job_store.uow))
     writer = _Thread(lambda: writers.append_message("s0001", "user", "during optimize"))
     try:
         job.start()
@@ -224,13 +224,13 @@ def test_maintenance_only_ever_checkpoints_passive_while_others_have_the_file_op
             _fill(store, 20, 3)
             store.set_session_title("s0001", "kept")
             retention.run(
-                store,
+                store.uow,
                 retention.Policy(-1, keep_titled=True),
                 chunk=5,
                 secure_delete=True,
                 merge_index=True,
             )
-            maintenance.optimize(store)
+            maintenance.optimize(store.uow)
             assert store.uow.checkpoint()
             other.execute("SELECT count(*) FROM sessions").fetchone()
         checkpoints = [s for s in statements if re.search(r"wal_checkpoint", s, re.I)]

@@ -63,7 +63,9 @@ class _Job(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.report = retention.run(self.store, retention.Policy(-1), chunk=1, **self.options)
+            self.report = retention.run(
+                self.store.uow, retention.Policy(-1), chunk=1, **self.options
+            )
         except BaseException as error:
             self.error = error
 

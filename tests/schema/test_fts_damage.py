@@ -117,7 +117,7 @@ def test_merge_steps_interleaved_with_appends_keep_the_index_sound(
             budget = fulltext.SQLITE.leaf_pages(conn) // maintenance.MERGE_PAGES
         assert budget > 1_100, "the scratch file must give the job the budget that broke it"
         job.uow.run = step_then_append  # type: ignore[method-assign]
-        steps = maintenance.merge_index(job)
+        steps = maintenance.merge_index(job.uow)
     finally:
         job.uow.run = run  # type: ignore[method-assign]
         pipe.send(None)
@@ -154,12 +154,12 @@ def test_prune_then_optimize_beside_a_writer_process_keeps_the_index_sound(
     store = SessionDB(path)
     try:
         assert ready.wait(DEADLINE)
-        pruned = retention.run(store, retention.Policy(180), chunk=200)
+        pruned = retention.run(store.uow, retention.Policy(180), chunk=200)
         assert pruned.sessions > 90
         with store.uow.connect(write=False) as conn:
             budget = fulltext.SQLITE.leaf_pages(conn) // maintenance.MERGE_PAGES
         assert budget > 1_100, "the scratch file must give the job the budget that broke it"
-        maintenance.optimize(store)
+        maintenance.optimize(store.uow)
     finally:
         stop.set()
         assert receiver.poll(DEADLINE), "the writer process did not report"
@@ -224,7 +224,7 @@ def test_doctor_warns_of_a_structure_near_fts5s_limit_and_rebuild_makes_it_shall
     assert "1500 levels" in line["detail"]
 
     with SessionDB(path) as store:
-        report = maintenance.optimize(store)
+        report = maintenance.optimize(store.uow)
     assert any("1500 levels" in note for note in report.notes)
     assert _levels(path)[0] == levels  # no start, so no level added
 
@@ -262,7 +262,7 @@ def test_incremental_vacuum_frees_up_to_its_page_count_per_step(tmp_path: Path) 
     maintenance.vacuum_offline(path)  # turns on auto_vacuum=INCREMENTAL
     with SessionDB(path) as store:
         store.prune_sessions(older_than_days=-1)
-        report = maintenance.optimize(store)
+        report = maintenance.optimize(store.uow)
     assert report.pages_freed > 100
     # Before: one page per step (the statement was stepped once), so one step per page.
     assert report.vacuum_steps <= report.pages_freed // maintenance.VACUUM_PAGES + 2, report
