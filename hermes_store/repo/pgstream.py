@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
-from hermes_store.errors import mapped_errors
+from hermes_store.errors import map_driver_error, mapped_errors
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.rows import ExportRecord
@@ -43,12 +43,10 @@ def supported(conn_or_dialect: Connection | sa.Dialect) -> bool:
 @contextmanager
 def _driver_errors(dialect: sa.Dialect) -> Iterator[None]:
     """Errors raised on the raw psycopg connection, wrapped and named as SQLAlchemy's would be."""
-    from hermes_store.uow import unit as uow
-
     try:
         yield
     except dialect.loaded_dbapi.Error as error:
-        raise uow._mapped("", None, error, dialect) from error
+        raise map_driver_error("", None, error, dialect) from error
 
 
 def _export_statements(dialect: sa.Dialect, by_source: bool) -> tuple[str, str]:

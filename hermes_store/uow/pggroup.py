@@ -52,7 +52,13 @@ from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
 from hermes_store.engine.factory import connection_key
-from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
+from hermes_store.errors import (
+    DatabaseUnavailableError,
+    HermesStoreError,
+    connection_lost,
+    never_sent,
+    wrap_driver_error,
+)
 from hermes_store.uow.groupcommit import DONE, FAILED, QUEUED, RERUN, LeaderQueue, Queued
 
 if TYPE_CHECKING:
@@ -267,12 +273,10 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
     ) -> None:
         """The group failed: refused by the server, or lost before its COMMIT could have run
         (nothing landed: run each again alone), else lost in flight (unknown)."""
-        from hermes_store.uow.unit import _lost, _never_sent, _wrapped
-
-        error = _wrapped(orig, uow.engine.dialect)
+        error = wrap_driver_error(orig, uow.engine.dialect)
         uow._record_group(len(batch), lost=True)
         driver: Any = conn.connection.driver_connection
-        if not _lost(error) and not driver.closed:
+        if not connection_lost(error) and not driver.closed:
             # Refused (or stopped before its COMMIT): nothing of the group committed.
             log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
             if not _rolled_back(conn, driver):
@@ -282,7 +286,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         conn.invalidate()
         # Before its COMMIT was handed to the driver, a lost group's transaction could only end
         # in a rollback; while the COMMIT is handed over, the driver says whether it left.
-        if stage is _Stage.STATEMENTS or (stage is not _Stage.SYNC and _never_sent(error)):
+        if stage is _Stage.STATEMENTS or (stage is not _Stage.SYNC and never_sent(error)):
             self._settle(batch, RERUN)
             return
         self._unknown(

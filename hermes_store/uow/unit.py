@@ -70,9 +70,12 @@ from hermes_store.errors import (
     StoreMisuseError,
     TransactionMisuseError,
     WalDeletedError,
+    connection_lost,
     is_retryable,
+    map_driver_error,
     mapped_errors,
-    translate,
+    never_sent,
+    wrap_driver_error,
 )
 from hermes_store.uow import groupcommit, pggroup, writequeue
 
@@ -501,7 +504,7 @@ class UnitOfWork:
                 conn = self._connection(write)
             except sa_exc.DBAPIError as error:
                 # A server not reachable (restarting): nothing was sent, wait for it.
-                if self.is_sqlite or not _lost(error):
+                if self.is_sqlite or not connection_lost(error):
                     raise
                 patience = patience or _Patience(self)
                 patience.pause(error, write=False)
@@ -645,10 +648,10 @@ class UnitOfWork:
                     driver.rollback()
                 except dbapi_error as orig:
                     self._drop_writer(invalidate=True)  # state unknown: never reuse it
-                    raise _wrapped(orig, self._dialect) from orig
+                    raise wrap_driver_error(orig, self._dialect) from orig
                 self._drop_writer(invalidate=False)  # a retry starts on a fresh connection
                 if isinstance(error, dbapi_error):
-                    raise _wrapped(error, self._dialect) from error
+                    raise wrap_driver_error(error, self._dialect) from error
                 raise
             self._acknowledge()
         self._count(True)
@@ -674,7 +677,7 @@ class UnitOfWork:
                     busy_ms=self._head_busy_ms if head else None,
                 )
             except self._dbapi_error as orig:
-                error = _wrapped(orig, self._dialect)
+                error = wrap_driver_error(orig, self._dialect)
                 if not is_retryable(error):
                     self._drop_writer(invalidate=False)
                     raise error from orig
@@ -738,7 +741,7 @@ class UnitOfWork:
             try:
                 return fn(driver_cursor(conn))
             except dbapi_error as orig:
-                raise _wrapped(orig, self._dialect) from orig
+                raise wrap_driver_error(orig, self._dialect) from orig
 
         return self.run(unit, driver_only=True)
 
@@ -861,7 +864,7 @@ class UnitOfWork:
                 conn = engine.connect()
             except sa_exc.DBAPIError as error:
                 # Nothing was sent: retrying cannot apply anything twice.
-                if not (is_retryable(error) or _lost(error)):
+                if not (is_retryable(error) or connection_lost(error)):
                     raise
                 patience.pause(error, write=False)
                 continue
@@ -873,9 +876,9 @@ class UnitOfWork:
                 if is_retryable(error):
                     self._pause(waits, error)
                     continue
-                if not _lost(error):
+                if not connection_lost(error):
                     raise
-                if idempotent or _never_sent(error):
+                if idempotent or never_sent(error):
                     patience.pause(error, write=write)
                     continue
                 raise DatabaseUnavailableError(
@@ -936,7 +939,7 @@ class UnitOfWork:
         try:
             row = reader.driver.execute(plan.sql, values).fetchone()
         except self._dbapi_error as orig:
-            raise _mapped(plan.sql, values, orig, self._dialect) from orig
+            raise map_driver_error(plan.sql, values, orig, self._dialect) from orig
         except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
             raise InvalidInputError(
                 f"a text argument is not valid Unicode: {error.reason}"
@@ -982,7 +985,7 @@ class UnitOfWork:
             if names is None:
                 names = plan.columns = [column[0] for column in cursor.description]
         except dbapi_error as orig:
-            raise _mapped(plan.sql, values, orig, dialect) from orig
+            raise map_driver_error(plan.sql, values, orig, dialect) from orig
         except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
             raise InvalidInputError(
                 f"a text argument is not valid Unicode: {error.reason}"
@@ -1391,70 +1394,6 @@ class _Reader:
 
 class _ThreadMarker:
     """Lives in one thread's thread-local: its death tells the Unit of Work the thread ended."""
-
-
-def _wrapped(orig: BaseException, dialect: Any) -> sa_exc.DBAPIError:
-    """A driver error wrapped as SQLAlchemy wraps it (so retries and mapping see it)."""
-    wrapped = sa_exc.DBAPIError.instance(
-        None,
-        None,
-        orig,
-        dialect.loaded_dbapi.Error,
-        dialect=dialect,
-    )
-    assert isinstance(wrapped, sa_exc.DBAPIError)
-    return wrapped
-
-
-def _mapped(sql: str, values: Any, orig: Exception, dialect: Any) -> Exception:
-    """A driver error wrapped as SQLAlchemy wraps it, then named as the package names it."""
-    wrapped = sa_exc.DBAPIError.instance(
-        sql, values, orig, dialect.loaded_dbapi.Error, dialect=dialect
-    )
-    assert isinstance(wrapped, sa_exc.DBAPIError)
-    mapped = translate(wrapped)
-    if mapped is not None:
-        mapped.__cause__ = wrapped
-        return mapped
-    return wrapped
-
-
-#: psycopg's messages for a request that failed before it was sent whole; the transaction
-#: ends at the final Sync message, so an unsent (or partly sent) request committed nothing.
-_NOT_SENT_PREFIXES = (
-    "the connection is closed",
-    "the connection is lost",
-    "sending query",
-    "sending prepared query",
-    "preparing query failed",
-    "flushing failed",
-)
-#: PgBouncer's refusals of a client whose query it never passed to a server: at login while
-#: its server logins fail (``server_login_retry``), when no server connection came within
-#: ``query_wait_timeout``, or when it cannot connect at all.
-_POOLER_NOT_SENT = (
-    "server login has been failing",
-    "query_wait_timeout",
-    "pgbouncer cannot connect to server",
-    "no more connections allowed",
-)
-
-
-def _lost(error: sa_exc.DBAPIError) -> bool:
-    """The connection broke (server gone, backend terminated, network down)."""
-    sqlstate = getattr(error.orig, "sqlstate", None) or ""
-    return (
-        error.connection_invalidated
-        or sqlstate.startswith(("08", "57P"))
-        or (isinstance(error, sa_exc.OperationalError) and not sqlstate)
-    )
-
-
-def _never_sent(error: sa_exc.DBAPIError) -> bool:
-    """True when the statement never (wholly) left this process, or when PgBouncer says it
-    never passed it on to a server."""
-    text = str(error.orig)
-    return text.startswith(_NOT_SENT_PREFIXES) or any(part in text for part in _POOLER_NOT_SENT)
 
 
 def _close_quietly(conn: Connection) -> None:
