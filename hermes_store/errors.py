@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Self
+from typing import Any, Self
 
 from sqlalchemy import exc as sa_exc
 
@@ -280,6 +280,68 @@ def open_errors(where: object) -> Iterator[None]:
         if isinstance(cause, sa_exc.DBAPIError) and _sqlite_code(cause.orig) == SQLITE_IOERR:
             raise _sqlite_io_error(cause.orig, str(cause.orig)) from cause
         raise
+
+
+def wrap_driver_error(orig: BaseException, dialect: Any) -> sa_exc.DBAPIError:
+    """A driver error wrapped as SQLAlchemy wraps it (so retries and mapping see it), for
+    statements run on the DB-API connection itself."""
+    wrapped = sa_exc.DBAPIError.instance(
+        None, None, orig, dialect.loaded_dbapi.Error, dialect=dialect
+    )
+    assert isinstance(wrapped, sa_exc.DBAPIError)
+    return wrapped
+
+
+def map_driver_error(sql: str, values: Any, orig: Exception, dialect: Any) -> Exception:
+    """A driver error wrapped as SQLAlchemy wraps it, then named as the package names it (the
+    wrapped error as its cause); the wrapped error itself when it has no better name."""
+    wrapped = sa_exc.DBAPIError.instance(
+        sql, values, orig, dialect.loaded_dbapi.Error, dialect=dialect
+    )
+    assert isinstance(wrapped, sa_exc.DBAPIError)
+    mapped = translate(wrapped)
+    if mapped is not None:
+        mapped.__cause__ = wrapped
+        return mapped
+    return wrapped
+
+
+#: psycopg's messages for a request that failed before it was sent whole; the transaction
+#: ends at the final Sync message, so an unsent (or partly sent) request committed nothing.
+_NOT_SENT_PREFIXES = (
+    "the connection is closed",
+    "the connection is lost",
+    "sending query",
+    "sending prepared query",
+    "preparing query failed",
+    "flushing failed",
+)
+#: PgBouncer's refusals of a client whose query it never passed to a server: at login while
+#: its server logins fail (``server_login_retry``), when no server connection came within
+#: ``query_wait_timeout``, or when it cannot connect at all.
+_POOLER_NOT_SENT = (
+    "server login has been failing",
+    "query_wait_timeout",
+    "pgbouncer cannot connect to server",
+    "no more connections allowed",
+)
+
+
+def connection_lost(error: sa_exc.DBAPIError) -> bool:
+    """The connection broke (server gone, backend terminated, network down)."""
+    sqlstate = getattr(error.orig, "sqlstate", None) or ""
+    return (
+        error.connection_invalidated
+        or sqlstate.startswith(("08", "57P"))
+        or (isinstance(error, sa_exc.OperationalError) and not sqlstate)
+    )
+
+
+def never_sent(error: sa_exc.DBAPIError) -> bool:
+    """True when the statement never (wholly) left this process, or when PgBouncer says it
+    never passed it on to a server: retrying it cannot apply it twice."""
+    text = str(error.orig)
+    return text.startswith(_NOT_SENT_PREFIXES) or any(part in text for part in _POOLER_NOT_SENT)
 
 
 @contextmanager

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.engine import Connection, Engine
 
-from hermes_store.errors import mapped_errors, translate
+from hermes_store.errors import map_driver_error, mapped_errors
 from hermes_store.repo.messages import decode_tool_calls
 from hermes_store.rows import ExportRecord
 from hermes_store.tables import messages_table as M
@@ -40,15 +40,11 @@ def supported(conn_or_dialect: Connection | sa.Dialect) -> bool:
 
 @contextmanager
 def _driver_errors(dialect: sa.Dialect) -> Iterator[None]:
-    """Errors raised on the raw psycopg connection, wrapped as SQLAlchemy wraps them, then
-    named as the package names them."""
-    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+    """Errors raised on the raw psycopg connection, wrapped and named as SQLAlchemy's would be."""
     try:
         yield
-    except dbapi_error as error:
-        wrapped = sa.exc.DBAPIError.instance("", None, error, dbapi_error, dialect=dialect)
-        assert isinstance(wrapped, sa.exc.DBAPIError)
-        raise (translate(wrapped) or wrapped) from error
+    except dialect.loaded_dbapi.Error as error:
+        raise map_driver_error("", None, error, dialect) from error
 
 
 def _export_statements(dialect: sa.Dialect, by_source: bool) -> tuple[str, str]:

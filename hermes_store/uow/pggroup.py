@@ -44,19 +44,24 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
-from hermes_store.engine.factory import connection_key
-from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
-from hermes_store.uow.groupcommit import DONE, FAILED, QUEUED, RERUN, LeaderQueue, Queued
-
-if TYPE_CHECKING:
-    from hermes_store.uow.unit import UnitOfWork
+from hermes_store.engine.factory import autocommit_engine, connection_key
+from hermes_store.errors import (
+    DatabaseUnavailableError,
+    HermesStoreError,
+    connection_lost,
+    never_sent,
+    wrap_driver_error,
+)
+from hermes_store.uow.counters import Counters
+from hermes_store.uow.leaders import DONE, FAILED, QUEUED, RERUN, LeaderQueue, Queued
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ class Grouped(Queued, Generic[T]):
     how its result is read from the cursor. ``idempotent`` (running it twice equals running it
     once) is set by :meth:`UnitOfWork.run_statement` from its own argument."""
 
-    __slots__ = ("idempotent", "key", "params", "read", "statement", "uow")
+    __slots__ = ("idempotent", "key", "outlet", "params", "read", "statement")
 
     def __init__(
         self,
@@ -95,7 +100,7 @@ class Grouped(Queued, Generic[T]):
         self.key = key
         self.read = read
         self.idempotent = False
-        self.uow: UnitOfWork | None = None  # the caller's: a group it leads runs on its engine
+        self.outlet: Outlet | None = None  # the caller's: a group it leads runs through it
 
 
 SchemaMap = tuple[tuple[str | None, str | None], ...]
@@ -141,6 +146,19 @@ class _Stage(enum.Enum):
     SYNC = "sync"  # the COMMIT was sent: the server may have run it
 
 
+@dataclass(frozen=True)
+class Outlet:
+    """What a group runs on and is counted in: its leader's engine (the group is sent on its
+    autocommit twin; its dialect compiles the statements) and its leader's counters."""
+
+    engine: Engine
+    counters: Counters
+
+    @property
+    def autocommit(self) -> Engine:
+        return autocommit_engine(self.engine)
+
+
 class StatementGroups(LeaderQueue[Grouped[Any]]):
     """The group-commit queue of one PostgreSQL database and schema in this process (get it
     with :func:`for_database`): every store on them, whatever its engine, queues here."""
@@ -149,26 +167,26 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         super().__init__()
         self.schemas = schemas  # the schema translation its statements are compiled with
 
-    def run(self, unit: Grouped[T], alone: Callable[[], T], uow: UnitOfWork) -> T:
+    def run(self, unit: Grouped[T], alone: Callable[[], T], outlet: Outlet) -> T:
         """``unit``'s result, committed in a group, or ``alone()``'s: the ordinary path, when
-        its group failed (see the module's docstring). A group led by this caller runs on
-        ``uow``'s engine and is counted in its stats."""
-        unit.uow = uow
+        its group failed (see the module's docstring). A group led by this caller runs
+        through ``outlet``."""
+        unit.outlet = outlet
         done, result = self._settled(unit)
         if done:
             return result  # type: ignore[no-any-return]
-        uow._record_rerun()  # its group did not commit: run it again, alone
+        outlet.counters.record_rerun()  # its group did not commit: run it again, alone
         return alone()
 
     def _lead(self, own: Grouped[Any]) -> None:
-        assert own.uow is not None
-        self._commit(self._take(), own.uow)
+        assert own.outlet is not None
+        self._commit(self._take(), own.outlet)
 
-    def _commit(self, batch: list[Grouped[Any]], uow: UnitOfWork) -> None:
+    def _commit(self, batch: list[Grouped[Any]], outlet: Outlet) -> None:
         """One group, sent and settled: every unit ends up done, failed (outcome unknown, not
         idempotent) or to be run again alone; the waiting callers are woken."""
         try:
-            self._send(batch, uow)
+            self._send(batch, outlet)
         except BaseException as error:  # never leave a taken unit waiting
             self._settle(batch, RERUN)
             if not isinstance(error, Exception):
@@ -178,12 +196,12 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             with self._cond:
                 self._cond.notify_all()
 
-    def _send(self, batch: list[Grouped[Any]], uow: UnitOfWork) -> None:
-        dialect = uow.engine.dialect
+    def _send(self, batch: list[Grouped[Any]], outlet: Outlet) -> None:
+        dialect = outlet.engine.dialect
         dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
         ordered = sorted(batch, key=lambda unit: unit.key)
         try:
-            conn = uow.autocommit_engine.connect()
+            conn = outlet.autocommit.connect()
         except sa_exc.DBAPIError as error:  # nothing sent: the ordinary path retries it
             log.info("no connection for a PostgreSQL write group (%s); writes run alone", error)
             self._settle(batch, RERUN)
@@ -216,14 +234,14 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                     for cursor, (sql, params) in zip(cursors, bound, strict=True):
                         dispatch.after_cursor_execute(conn, cursor, sql, params, None, False)
             except dbapi_error as orig:
-                self._failed(uow, conn, batch, orig, stage)
+                self._failed(outlet, conn, batch, orig, stage)
                 return
             except BaseException:  # interrupted in flight: the outcome is unknown
                 conn.invalidate()
                 self._unknown(batch, "the write's group was interrupted in flight")
                 raise
             try:
-                self._settle_committed(uow, ordered, cursors)
+                self._settle_committed(outlet, ordered, cursors)
             except BaseException:  # an interrupt: committed all the same, never run again
                 self._unread(batch)
                 raise
@@ -231,7 +249,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             conn.close()
 
     def _settle_committed(
-        self, uow: UnitOfWork, ordered: list[Grouped[Any]], cursors: list[Any]
+        self, outlet: Outlet, ordered: list[Grouped[Any]], cursors: list[Any]
     ) -> None:
         """The group committed: hand each caller its result (never a re-run)."""
         with self._cond:
@@ -243,8 +261,8 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                     unit.error = HermesStoreError(
                         f"the write committed (in a group) but its result was unreadable: {error}"
                     )
-        uow._record_group(len(ordered), lost=False)
-        uow._count_writes(len(ordered))
+        outlet.counters.record_group(len(ordered), lost=False)
+        outlet.counters.count_writes(len(ordered))
 
     def _unread(self, batch: list[Grouped[Any]]) -> None:
         """The group committed but an interrupt (Ctrl-C) stopped its leader reading the
@@ -259,7 +277,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
 
     def _failed(
         self,
-        uow: UnitOfWork,
+        outlet: Outlet,
         conn: Connection,
         batch: list[Grouped[Any]],
         orig: Exception,
@@ -267,12 +285,10 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
     ) -> None:
         """The group failed: refused by the server, or lost before its COMMIT could have run
         (nothing landed: run each again alone), else lost in flight (unknown)."""
-        from hermes_store.uow.unit import _lost, _never_sent, _wrapped
-
-        error = _wrapped(orig, uow.engine.dialect)
-        uow._record_group(len(batch), lost=True)
+        error = wrap_driver_error(orig, outlet.engine.dialect)
+        outlet.counters.record_group(len(batch), lost=True)
         driver: Any = conn.connection.driver_connection
-        if not _lost(error) and not driver.closed:
+        if not connection_lost(error) and not driver.closed:
             # Refused (or stopped before its COMMIT): nothing of the group committed.
             log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
             if not _rolled_back(conn, driver):
@@ -282,7 +298,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         conn.invalidate()
         # Before its COMMIT was handed to the driver, a lost group's transaction could only end
         # in a rollback; while the COMMIT is handed over, the driver says whether it left.
-        if stage is _Stage.STATEMENTS or (stage is not _Stage.SYNC and _never_sent(error)):
+        if stage is _Stage.STATEMENTS or (stage is not _Stage.SYNC and never_sent(error)):
             self._settle(batch, RERUN)
             return
         self._unknown(
@@ -345,3 +361,24 @@ def for_database(engine: Engine) -> StatementGroups:
         with _registry_lock:
             groups = _registry.setdefault(key, StatementGroups(schemas))
     return groups
+
+
+class PgGroupCommit:
+    """One Unit of Work's group commit on PostgreSQL: the statement groups of its database and
+    schema in this process (``groups``, shared by every store on them) and its own ``outlet``,
+    which a group its caller leads runs on and is counted in."""
+
+    def __init__(self, groups: StatementGroups, outlet: Outlet) -> None:
+        self.groups = groups
+        self.outlet = outlet
+
+    def run(self, unit: Grouped[T], alone: Callable[[], T]) -> T:
+        """``unit``'s result, committed in a group, or ``alone()``'s (see
+        :meth:`StatementGroups.run`)."""
+        return self.groups.run(unit, alone, self.outlet)
+
+    def queued(self) -> int:
+        return self.groups.queued()
+
+    def wait_for_queued(self, count: int, timeout: float) -> bool:
+        return self.groups.wait_for_queued(count, timeout)

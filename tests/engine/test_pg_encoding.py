@@ -401,7 +401,7 @@ def _unit(db: SessionDB, session: str, content: Any) -> Grouped[int]:
         "bump_tool_calls": 0,
     }
     unit = Grouped(append_statement(), params, session, message_id)
-    unit.uow = db.uow
+    unit.outlet = db.uow.group.outlet
     return unit
 
 
@@ -414,7 +414,7 @@ def test_a_value_the_driver_cannot_send_commits_nothing_of_its_group(pg_url: URL
         assert groups is not None
         good, bad = _unit(db, "a", "sent first"), _unit(db, "b", object())  # sorted by key
         good.params = {**good.params, "session_id": "s"}
-        groups._commit([good, bad], db.uow)
+        groups._commit([good, bad], db.uow.group.outlet)
         assert (good.state, bad.state) == (3, 3)  # both to be run again alone (RERUN)
         assert db.get_messages("s") == []
         session = db.get_session("s")
@@ -435,10 +435,10 @@ def test_a_group_is_one_round_trip(pg_url: URL) -> None:
             assert groups is not None
             for _ in range(8):  # warm: connections open, statements prepared
                 units = [_unit(db, "s", "warm"), _unit(db, "t", "warm")]
-                groups._commit(units, db.uow)
+                groups._commit(units, db.uow.group.outlet)
             proxy.reset()
             units = [_unit(db, "s", "one"), _unit(db, "t", "two"), _unit(db, "s", "three")]
-            groups._commit(units, db.uow)
+            groups._commit(units, db.uow.group.outlet)
             assert proxy.reset() == 1
             assert [unit.state for unit in units] == [1, 1, 1]  # DONE
             by_id = {m["id"]: m["content"] for m in db.get_messages("s") + db.get_messages("t")}
@@ -493,8 +493,8 @@ def test_a_negative_zero_cost_keeps_its_sign_on_postgresql(
             from hermes_store.repo.statements import token_statement
 
             tokens = Grouped(token_statement(True, checked=False), params, "s", rowcount)
-            tokens.uow = db.uow
-            groups._commit([tokens, _unit(db, "s", "beside")], db.uow)
+            tokens.outlet = db.uow.group.outlet
+            groups._commit([tokens, _unit(db, "s", "beside")], db.uow.group.outlet)
             assert tokens.state == 1  # DONE, in the group
         else:
             db.update_token_counts("s", **costs)

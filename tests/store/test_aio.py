@@ -21,6 +21,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB
+from hermes_store.uow import retry
 from hermes_store.uow.unit import RetryPolicy
 from tests.conftest import is_sqlite, url_string
 
@@ -449,9 +450,8 @@ def test_a_retry_pause_awaits_inside_the_greenlet(pg_url: URL) -> None:
                 ran.set()
 
             def pause(sync_db: SessionDB) -> bool:
-                sync_db.uow._pause(
-                    RetryPolicy(attempts=2, min_wait=0.05, max_wait=0.05).waits(), None
-                )
+                policy = RetryPolicy(attempts=2, min_wait=0.05, max_wait=0.05)
+                retry.pause(policy, policy.waits(), None, sync_db.uow.counters)
                 return ran.is_set()
 
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(other()))

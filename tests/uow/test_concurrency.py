@@ -54,7 +54,9 @@ def blocker(db_file: Path) -> Iterator[sqlite3.Connection]:
 
 
 def _retry_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "hermes_store.uow.unit" and "busy" in r.message]
+    return [
+        r for r in caplog.records if r.name.startswith("hermes_store.uow.") and "busy" in r.message
+    ]
 
 
 # -- SQLite: a forced lock -----------------------------------------------------------------------
@@ -68,7 +70,7 @@ def test_forced_lock_is_retried_then_succeeds(
     call: str,
 ) -> None:
     """The lock outlasts the writer's busy timeout many times over: only retries can succeed."""
-    caplog.set_level(logging.DEBUG, logger="hermes_store.uow.unit")
+    caplog.set_level(logging.DEBUG, logger="hermes_store.uow")
     store = SessionDB(db_file, retry=FAST_RETRY, writer_busy_timeout=0.01)
     try:
         store.create_session("s", "cli")
@@ -100,7 +102,7 @@ def test_forced_lock_is_retried_then_succeeds(
 def test_exhaustion_raises_database_locked_with_nothing_written(
     db_file: Path, blocker: sqlite3.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="hermes_store.uow.unit")
+    caplog.set_level(logging.DEBUG, logger="hermes_store.uow")
     store = SessionDB(db_file, retry=SHORT_RETRY, writer_busy_timeout=0.01)
     try:
         store.create_session("s", "cli")
@@ -297,7 +299,7 @@ def test_failing_checkpoint_is_logged_not_raised(
         dbapi_connection.set_authorizer(deny_checkpoint)
 
     store.engine.dispose()  # every connection from now on carries the authorizer
-    caplog.set_level(logging.WARNING, logger="hermes_store.uow.unit")
+    caplog.set_level(logging.WARNING, logger="hermes_store.uow")
     try:
         store.create_session("s", "cli")
         for index in range(5):

@@ -360,7 +360,7 @@ def test_a_checkpoint_after_the_wal_was_deleted_is_not_called_harmless(
     lost_wal_store: tuple[SessionDB, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     db, _path = lost_wal_store
-    with caplog.at_level(logging.WARNING, logger="hermes_store.uow.unit"):
+    with caplog.at_level(logging.WARNING, logger="hermes_store.uow"):
         assert db.uow.checkpoint() is False
     messages = [record.getMessage() for record in caplog.records]
     assert any(record.levelno == logging.ERROR for record in caplog.records), messages
@@ -380,10 +380,11 @@ def test_a_fork_refuses_nothing_when_the_store_is_idle(tmp_path: Path, template:
         db.get_messages(SESSION)
         pid = os.fork()
         if pid == 0:
-            os._exit(0 if db.uow._refused is None else 1)
+            os._exit(0 if db.uow.backend.writer.refused is None else 1)
         _, status = os.waitpid(pid, 0)
         assert status == 0
-        assert db.uow._writer_conn is None and not db.uow._readers  # closed before the fork
+        backend = db.uow.backend  # its connections were closed before the fork
+        assert backend.writer.connection is None and not backend.readers.held
         db.append_message(SESSION, "user", "two")
         assert db.message_count(SESSION) == 2
     assert ForkedProcessError.__mro__[1].__name__ == "HermesStoreError"

@@ -131,7 +131,7 @@ def test_an_interrupt_as_the_commit_returns_never_runs_the_group_again(
 ) -> None:
     """Ctrl-C lands in the leader (the main thread) just after its group's COMMIT: every
     member keeps its result, nothing runs twice, and the leader's caller gets the interrupt."""
-    record = db.uow._record_group
+    record = db.uow.counters.record_group
     fired: list[int] = []
 
     def interrupted_once(size: int, *, lost: bool) -> None:
@@ -140,7 +140,7 @@ def test_an_interrupt_as_the_commit_returns_never_runs_the_group_again(
             raise KeyboardInterrupt  # the first thing after COMMIT returned
         record(size, lost=lost)
 
-    monkeypatch.setattr(db.uow, "_record_group", interrupted_once)
+    monkeypatch.setattr(db.uow.counters, "record_group", interrupted_once)
     names = [f"member {n}" for n in range(3)]
     with (
         members_behind_the_main_thread(db, names) as outcomes,

@@ -274,7 +274,7 @@ def _child_writes(store: SessionDB, parent_writer: int, out: Any) -> None:
         store.append_message("s", "user", "from the child")
         with store.transaction():
             store.update_token_counts("s", input_tokens=1)
-        fresh_writer = id(store.uow._writer_conn) != parent_writer
+        fresh_writer = id(store.uow.backend.writer.connection) != parent_writer
         opened = SessionDB(store.db_path)  # a new store in the child shares the child's writer
         try:
             same = opened.uow is store.uow
@@ -307,12 +307,12 @@ def test_a_forked_child_never_uses_the_parents_connections_or_locks(
     store.create_session("s", "cli")
     store.append_message("s", "user", "from the parent")
     store.get_session("s")  # the main thread holds a read connection too
-    writer = store.uow._writer_conn  # kept alive: its id stays its own
+    writer = store.uow.backend.writer.connection  # kept alive: its id stays its own
     parent_writer = id(writer)
     holding, release = threading.Event(), threading.Event()
 
     def hold_the_turn() -> None:
-        with store.uow._write_turn():
+        with store.uow.backend.writer.turn():
             holding.set()
             release.wait(TIMEOUT)
 

@@ -277,7 +277,7 @@ def busy_signal() -> Iterator[threading.Event]:
             if "busy" in record.getMessage():
                 seen.set()
 
-    logger = logging.getLogger("hermes_store.uow.unit")
+    logger = logging.getLogger("hermes_store.uow")
     handler, level = Handler(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

@@ -1,0 +1,460 @@
+"""What a Unit of Work does differently on SQLite and on PostgreSQL, one strategy object each.
+
+The Unit of Work (:mod:`hermes_store.uow.unit`) picks its backend once, at construction, as
+Alembic picks an implementation per dialect; no call tests the dialect afterwards. A backend
+gives the units their turn, their begun connection and their end, and runs the hot paths:
+the single-call writes (``hot_write``), one-statement writes and reads (``statement``,
+``read``) and the prebuilt reads (``rows``, ``scalar``). Where a path is the general one (a
+unit like any other), the backend asks the Unit of Work for it through :class:`Units`.
+
+- :class:`SqliteBackend`: the file's one writer (:mod:`~hermes_store.uow.writer`), its group
+  commit (:mod:`~hermes_store.uow.groupcommit`), the held readers
+  (:mod:`~hermes_store.uow.readers`), and the file's fork safety.
+- :class:`PostgresBackend`: pooled units, and one statement as its own transaction on the
+  autocommit twin (:mod:`~hermes_store.uow.autocommit`), grouped by
+  :mod:`~hermes_store.uow.pggroup`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool, QueuePool
+from sqlalchemy.sql import ClauseElement
+
+from hermes_store.engine import fastpath
+from hermes_store.engine.factory import WRITE_OPTION, SqliteSettings
+from hermes_store.errors import ForkedProcessError, connection_lost, is_retryable
+from hermes_store.uow import fork, pggroup, retry, writequeue
+from hermes_store.uow.autocommit import Autocommit
+from hermes_store.uow.counters import Counters
+from hermes_store.uow.groupcommit import GroupCommit
+from hermes_store.uow.readers import HeldReaders
+from hermes_store.uow.writer import SqliteWriter, again
+
+T = TypeVar("T")
+
+
+class Opened(Protocol):
+    """An open unit, as a backend sees it: its connection."""
+
+    @property
+    def conn(self) -> Connection: ...
+
+
+class Units(Protocol):
+    """The general paths of the Unit of Work, for a backend whose hot path is one of them."""
+
+    def run(
+        self, fn: Callable[[Connection], T], *, write: bool = True, driver_only: bool = False
+    ) -> T: ...
+
+    def unit(self, *, write: bool = True) -> AbstractContextManager[Opened]: ...
+
+    def reading(self) -> AbstractContextManager[Connection]: ...
+
+    def read(self, fn: Callable[[Connection], T]) -> T: ...
+
+
+#: The turn of a backend whose writers need none (the server orders them).
+_NO_TURN: nullcontext[None] = nullcontext()
+
+
+class SqliteBackend:
+    """A SQLite file: one writer per process, group commit, held readers, fork safety."""
+
+    #: Write units wait for the file's one writer: a write from the thread that runs an open
+    #: block's body would wait for itself.
+    serialises_writers = True
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: SqliteSettings,
+        *,
+        policy: retry.RetryPolicy,
+        counters: Counters,
+        queue_path: Path | None,
+        wal_path: str | None,
+        file_key: tuple[int, int] | None,
+        group_commit: bool,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.counters = counters
+        self.file_key = file_key
+        self._reader_engine = engine.execution_options(**{WRITE_OPTION: False})
+        self.writer = SqliteWriter(
+            engine,
+            settings,
+            policy=policy,
+            counters=counters,
+            queue_path=queue_path,
+            wal_path=wal_path,
+            file_key=file_key,
+            where=str(queue_path or engine.url.database),
+        )
+        self.readers = HeldReaders(engine, settings, counters)
+        self.group: GroupCommit | None = None
+        if group_commit:
+            self.group = GroupCommit(self.writer, counters)
+        # Fork: while a fork closes this file's connections no new one is opened (the gate).
+        self.gate = fork.Gate()
+        self._fork_locks: list[Any] = []
+
+    # -- a unit's turn, begin and end --------------------------------------------------------
+
+    def turn(self) -> AbstractContextManager[writequeue.Turn | None]:
+        return self.writer.turn()
+
+    def begin(
+        self, write: bool, waits: Iterator[float], turn: writequeue.Turn | None
+    ) -> Connection:
+        """A unit's begun connection: the writer's (``BEGIN IMMEDIATE``), or a pooled read
+        connection (a deferred ``BEGIN``)."""
+        if write:
+            return self.writer.begin_unit(waits, turn)
+        while True:
+            refused = self.writer.refused
+            if isinstance(refused, ForkedProcessError):
+                raise again(refused)
+            conn = self._reader_engine.connect()
+            try:
+                conn.begin()
+            except sa_exc.DBAPIError as error:
+                conn.close()
+                if not is_retryable(error):
+                    raise
+                retry.pause(self.policy, waits, error, self.counters)
+                continue
+            return conn
+
+    def abort(self, conn: Connection) -> None:
+        """Roll back a unit that raised."""
+        self.counters.record_rollback()
+        if conn is self.writer.connection:
+            self.writer.rollback(conn)
+            return
+        try:
+            conn.rollback()
+        except sa_exc.DBAPIError:
+            conn.invalidate()
+            raise
+
+    def put_back(self, conn: Connection) -> None:
+        """A unit ended: its connection goes back to the pool (the writer's stays open)."""
+        if conn is not self.writer.connection:
+            conn.close()
+
+    def acknowledge(self, conn: Connection) -> None:
+        """A write unit committed: the writer's WAL must still be the file's."""
+        if conn is self.writer.connection:
+            self.writer.acknowledge()
+
+    # -- the hot paths -----------------------------------------------------------------------
+
+    def hot_write(self, units: Units, fn: Callable[[Connection], T]) -> T:
+        """A single-call write outside any unit (``fn`` uses only the DB-API cursor): in a
+        group when group commit is on, else alone on the writer's driver connection; a lock
+        met re-runs it whole."""
+        group = self.group
+        if group is not None:
+            done, result = group.run(fn)
+            if done:
+                return result  # type: ignore[return-value]
+            self.counters.record_rerun()  # its group's transaction was lost: run it again, alone
+        writer = self.writer
+        waits = self.policy.waits()
+        while True:
+            try:
+                return writer.run_alone(fn, waits)
+            except sa_exc.DBAPIError as error:
+                if not is_retryable(error):
+                    raise
+                writer.pause(waits, error)
+
+    def statement(
+        self,
+        units: Units,
+        fn: Callable[[Connection], T],
+        *,
+        idempotent: bool,
+        grouped: pggroup.Grouped[T] | None,
+    ) -> T:
+        """One write statement: on SQLite a unit like any other."""
+        return units.run(fn)
+
+    def read(self, units: Units, fn: Callable[[Connection], T]) -> T:
+        """A read of one statement: a read unit."""
+        with units.unit(write=False) as unit:
+            return fn(unit.conn)
+
+    def rows(
+        self,
+        units: Units,
+        statement: ClauseElement,
+        params: Mapping[str, Any] | None,
+        expanding: Sequence[str],
+    ) -> list[dict[str, Any]]:
+        """A prebuilt read on this thread's held read connection (a list parameter: on a read
+        unit of its own, through SQLAlchemy)."""
+        if expanding:
+            with units.reading() as conn:
+                return fastpath.rows(conn, statement, params, expanding=expanding)
+        names, found = self.readers.fetch(statement, params)
+        return [dict(zip(names, row, strict=True)) for row in found]
+
+    def scalar(
+        self, units: Units, statement: ClauseElement, params: Mapping[str, Any] | None
+    ) -> Any:
+        return self.readers.scalar(statement, params)
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    def checkpoint(self) -> bool:
+        return self.writer.checkpoint()
+
+    def queued(self) -> int:
+        return self.group.queued() if self.group is not None else 0
+
+    def wait_for_queued(self, count: int, timeout: float) -> bool:
+        return self.group.wait_for_queued(count, timeout) if self.group is not None else False
+
+    def wait_for_waiting_writers(self, count: int, timeout: float) -> bool:
+        return self.writer.wait_for_waiting(count, timeout)
+
+    def release(self) -> None:
+        self.writer.release()
+        self.readers.release()
+
+    # -- fork ----------------------------------------------------------------------------------
+
+    def gate_connect(self) -> None:
+        """Before each new connection: refused in a process refused the file; waits while
+        a fork in another thread closes the file's connections."""
+        refused = self.writer.refused
+        if isinstance(refused, ForkedProcessError):
+            raise again(refused)
+        self.gate.enter()
+
+    def before_fork(self, deadline: float, *, unit_open: bool) -> str | None:
+        """In the forking thread: close every connection on the file, or say why not."""
+        if self.file_key is None:
+            return None
+        if self.writer.refused is not None:  # its connections stay open: the child is refused
+            return f"this process was refused the file: {self.writer.refused}"
+        self.gate.shut()
+        if unit_open:
+            return "a unit (db.transaction(), uow.connect()) was open in its thread"
+        lock = self.writer.lock
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return f"another thread's write unit did not end within {fork.FORK_WAIT_S} s"
+        self._fork_locks.append(lock)
+        self.writer.drop(invalidate=False)
+        pool = self.engine.pool
+        while True:
+            busy = self.readers.close_for_fork(deadline, self._fork_locks)
+            if busy is not None:
+                return busy
+            if isinstance(pool, NullPool):
+                return None  # keeps nothing idle; units close their connections
+            if not isinstance(pool, QueuePool):
+                return f"its engine's pool ({type(pool).__name__}) cannot be emptied"
+            fork.close_idle(pool)
+            with self.gate.cond:
+                in_use = pool.checkedout() - self.gate.waiters
+            if in_use <= 0:
+                fork.close_idle(pool)  # returned meanwhile (none can be checked out now)
+                return None
+            if time.monotonic() >= deadline:
+                return (
+                    f"{in_use} connection(s) stayed in use by other threads (read units, "
+                    f"streams, engine.connect()) for {fork.FORK_WAIT_S} s"
+                )
+            time.sleep(0.001)  # the fork path only: wait for other threads' units to end
+
+    def after_fork_in_parent(self) -> None:
+        """The fork happened: let this process's threads go on (connections reopen lazily)."""
+        locks, self._fork_locks = self._fork_locks, []
+        for lock in locks:
+            lock.release()
+        self.gate.lift()
+
+    def after_fork_in_child(self, busy: str | None) -> None:
+        """Forget the parent's connections without touching them; when one of them was in
+        use at the fork (``busy`` says which), refuse the file in this process."""
+        inherited = (self.writer.connection, *self.readers.forget_in_child(), self.engine.pool)
+        if busy is not None and self.file_key is not None:
+            fork.REFUSED[self.file_key] = ForkedProcessError(
+                f"this process was forked while {self.writer.where} "
+                f"was in use by its parent ({busy}): it inherited SQLite's lock "
+                "records without the locks, so it must not use that file (its writes could be "
+                "lost or corrupt it). Fork outside db.transaction() blocks and while other "
+                "threads are idle, or start the process with 'spawn' or 'forkserver'"
+            )
+            fork.keep_forever(inherited)  # never closed or rolled back here, even at exit
+        else:
+            fork.INHERITED.append(inherited)
+
+
+class PostgresBackend:
+    """A PostgreSQL database: pooled units, and one-statement writes and reads on the
+    autocommit twin (grouped, unless ``group_commit`` is off or the engine is asyncio's)."""
+
+    #: The server orders writers: no unit waits for another unit of this process.
+    serialises_writers = False
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        policy: retry.RetryPolicy,
+        counters: Counters,
+        group_commit: bool,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.counters = counters
+        self._writer_engine = engine.execution_options(**{WRITE_OPTION: True})
+        # A read unit is READ ONLY on the server too (psycopg's BEGIN READ ONLY).
+        self._reader_engine = engine.execution_options(
+            **{WRITE_OPTION: False, "postgresql_readonly": True}
+        )
+        self.autocommit = Autocommit(engine, policy, counters)
+        # Not under AsyncSessionDB: its calls share one thread (greenlets), so a caller waiting
+        # for another's group would block the very thread that must finish it.
+        self.group: pggroup.PgGroupCommit | None = None
+        if group_commit and not engine.dialect.is_async:
+            outlet = pggroup.Outlet(engine, counters)
+            self.group = pggroup.PgGroupCommit(pggroup.for_database(engine), outlet)
+
+    # -- a unit's turn, begin and end --------------------------------------------------------
+
+    def turn(self) -> AbstractContextManager[None]:
+        return _NO_TURN
+
+    def begin(self, write: bool, waits: Iterator[float], turn: object) -> Connection:
+        """A unit's begun pooled connection; a server not reachable is waited for."""
+        engine = self._writer_engine if write else self._reader_engine
+        patience: retry.Patience | None = None
+        while True:
+            try:
+                conn = engine.connect()
+            except sa_exc.DBAPIError as error:
+                # A server not reachable (restarting): nothing was sent, wait for it.
+                if not connection_lost(error):
+                    raise
+                patience = patience or retry.Patience(self.policy, self.counters)
+                patience.pause(error, write=False)
+                continue
+            try:
+                conn.begin()
+            except sa_exc.DBAPIError as error:
+                conn.close()
+                if not is_retryable(error):
+                    raise
+                retry.pause(self.policy, waits, error, self.counters)
+                continue
+            return conn
+
+    def abort(self, conn: Connection) -> None:
+        """Roll back a unit that raised (a connection that cannot is discarded)."""
+        self.counters.record_rollback()
+        try:
+            conn.rollback()
+        except sa_exc.DBAPIError:
+            conn.invalidate()
+            raise
+
+    def put_back(self, conn: Connection) -> None:
+        conn.close()
+
+    def acknowledge(self, conn: Connection) -> None:
+        """Nothing to check after a commit: the server said it is durable."""
+
+    # -- the hot paths -----------------------------------------------------------------------
+
+    def hot_write(self, units: Units, fn: Callable[[Connection], T]) -> T:
+        """A single-call write: a unit like any other (its statements need a transaction)."""
+        return units.run(fn)
+
+    def statement(
+        self,
+        units: Units,
+        fn: Callable[[Connection], T],
+        *,
+        idempotent: bool,
+        grouped: pggroup.Grouped[T] | None,
+    ) -> T:
+        """One write statement as its own transaction on the autocommit twin: in a group with
+        the process's concurrent ones when it comes prebuilt (``grouped``)."""
+        group = self.group
+        if grouped is not None and group is not None:
+            grouped.idempotent = idempotent
+            return group.run(
+                grouped, lambda: self.autocommit.run(fn, write=True, idempotent=idempotent)
+            )
+        return self.autocommit.run(fn, write=True, idempotent=idempotent)
+
+    def read(self, units: Units, fn: Callable[[Connection], T]) -> T:
+        """A read of one statement (or of statements that need no common snapshot): on the
+        autocommit twin, one round trip per statement; a lost connection is retried."""
+        return self.autocommit.run(fn, write=False, idempotent=True)
+
+    def rows(
+        self,
+        units: Units,
+        statement: ClauseElement,
+        params: Mapping[str, Any] | None,
+        expanding: Sequence[str],
+    ) -> list[dict[str, Any]]:
+        return units.read(lambda conn: fastpath.rows(conn, statement, params, expanding=expanding))
+
+    def scalar(
+        self, units: Units, statement: ClauseElement, params: Mapping[str, Any] | None
+    ) -> Any:
+        found = self.rows(units, statement, params, ())
+        return next(iter(found[0].values())) if found else None
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    def checkpoint(self) -> bool:
+        """No WAL to checkpoint: the server does its own."""
+        return False
+
+    def queued(self) -> int:
+        return self.group.queued() if self.group is not None else 0
+
+    def wait_for_queued(self, count: int, timeout: float) -> bool:
+        return self.group.wait_for_queued(count, timeout) if self.group is not None else False
+
+    def wait_for_waiting_writers(self, count: int, timeout: float) -> bool:
+        """No unit waits for another of this process on PostgreSQL: False once ``timeout``
+        passed."""
+        time.sleep(max(0.0, timeout))
+        return False
+
+    def release(self) -> None:
+        """Nothing held between units: pooled connections go back as units end."""
+
+    # -- fork ----------------------------------------------------------------------------------
+
+    def gate_connect(self) -> None:
+        """No file to guard."""
+
+    def before_fork(self, deadline: float, *, unit_open: bool) -> str | None:
+        return None
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self, busy: str | None) -> None:
+        """The parent's pooled connections are kept, never closed here (closing a socket the
+        parent shares would end its session)."""
+        fork.INHERITED.append(self.engine.pool)

@@ -1,0 +1,428 @@
+"""The one writer of a SQLite file in this process: its turn, its connection, its commits.
+
+Write units wait for their turn as the file's writer in :meth:`SqliteWriter.turn` (the fair
+writer queue across processes, :mod:`hermes_store.uow.writequeue`, then an in-process lock
+shared by every store on the file), then begin on the one writer connection the process keeps
+for that file. The head of the queue begins with a short busy timeout
+(:data:`QUEUE_HEAD_BUSY_TIMEOUT_S`) and keeps its place while a foreign writer holds SQLite's
+lock. After each commit the WAL the writer wrote into must still be the file's
+(:meth:`SqliteWriter.acknowledge`); the PASSIVE checkpoints run here too.
+
+Group commit (:mod:`hermes_store.uow.groupcommit`) drives a writer through its public methods:
+``turn()``, ``begin(turn)``, ``is_retryable()``, ``pause()``, ``acknowledge()`` and
+``end_group()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Engine
+
+from hermes_store.engine.factory import BUSY_OPTION, WRITE_OPTION, SqliteSettings, begin_on_driver
+from hermes_store.errors import (
+    DatabaseLockedError,
+    HermesStoreError,
+    WalDeletedError,
+    is_retryable,
+    mapped_errors,
+    wrap_driver_error,
+)
+from hermes_store.uow import fork, retry, writequeue
+from hermes_store.uow.counters import Counters
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The queue's head asks SQLite for the lock with this busy timeout, then pauses (jittered)
+#: and asks again, keeping its place: short, so it polls often while a foreign writer (the
+#: original store, a sqlite3 shell) holds the lock, and its heartbeat keeps the line waiting.
+QUEUE_HEAD_BUSY_TIMEOUT_S = 0.2
+#: How often (seconds) a writer's commits check that its WAL is still the file's.
+WAL_CHECK_EVERY_S = 0.1
+#: ``wal_id`` of a writer that found no WAL at its first commit (not in WAL mode).
+_NO_WAL = (-1, -1)
+
+
+def again(error: HermesStoreError) -> HermesStoreError:
+    """A fresh exception like ``error`` (one instance is never raised twice)."""
+    return type(error)(*error.args)
+
+
+class SqliteWriter:
+    """The writer of one SQLite file in this process (one per Unit of Work, so per file).
+
+    ``lock``: the in-process write lock every write unit of the process holds for its turn;
+    ``connection``: the writer connection, kept open between units (None until the first write,
+    and after a unit that failed: the next one starts on a fresh connection); ``refused``: why
+    this process may not write the file (a forked child refused it, a WAL deleted under it).
+    """
+
+    #: Seconds between two checks that the writer's WAL is still the file's (see acknowledge).
+    wal_check_every: float = WAL_CHECK_EVERY_S
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: SqliteSettings,
+        *,
+        policy: retry.RetryPolicy,
+        counters: Counters,
+        queue_path: Path | None,
+        wal_path: str | None,
+        file_key: tuple[int, int] | None,
+        where: str,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._writer_engine = engine.execution_options(**{WRITE_OPTION: True})
+        self._dialect = engine.dialect
+        self.dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        self.policy = policy
+        self.counters = counters
+        self.queue_path = queue_path
+        self.wal_path = wal_path
+        self.file_key = file_key
+        self.where = where
+        # In-process writers queue here; other processes meet SQLite's write lock.
+        self.lock = threading.Lock()
+        self._turn_changed = threading.Condition(counters.lock)
+        self._waiting = 0  # threads of this process waiting for their write turn
+        self.connection: Connection | None = None
+        self.refused: HermesStoreError | None = (
+            fork.REFUSED.get(file_key) if file_key is not None else None
+        )
+        self._wal_id: tuple[int, int] | None = None  # the WAL the writer connection writes into
+        self._wal_check_due = 0.0  # when the next commit stats the WAL (see acknowledge)
+
+    # -- the turn ----------------------------------------------------------------------------
+
+    @property
+    def write_queue(self) -> writequeue.WriteQueue | None:
+        """This process's fair writer queue for the database file (None: not a file, or off)."""
+        if self.queue_path is None:
+            return None
+        return writequeue.for_database(self.queue_path)
+
+    @contextmanager
+    def turn(self, *, queued: bool = True) -> Iterator[writequeue.Turn | None]:
+        """Wait for this unit's turn as the file's writer; held from before BEGIN IMMEDIATE
+        until after COMMIT/ROLLBACK: first a place in the fair writer queue across processes
+        and threads (``queued=False`` skips it), then the in-process lock."""
+        lock = self.lock
+        queue = self.write_queue if queued else None
+        with queue.turn() if queue is not None else nullcontext() as turn:
+            waiting = lock.locked()  # another thread of this process writes: a wait, counted
+            started = time.monotonic() if waiting else 0.0
+            if waiting:
+                with self._turn_changed:
+                    self.counters.stats.lock_waits += 1
+                    self._waiting += 1
+                    self._turn_changed.notify_all()
+            try:
+                with lock:  # entered in C: an interrupt (Ctrl-C) never leaves it held
+                    if waiting:
+                        waiting = False
+                        self._waited(started)
+                    yield turn
+            finally:
+                if waiting:  # interrupted while it waited
+                    self._waited(started)
+
+    def _waited(self, started: float) -> None:
+        with self._turn_changed:
+            self._waiting -= 1
+            self.counters.stats.lock_wait_seconds += time.monotonic() - started
+
+    def wait_for_waiting(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` threads wait for their write turn (False: timed
+        out); lets callers and tests know a writer is queued without polling."""
+        with self._turn_changed:
+            return self._turn_changed.wait_for(lambda: self._waiting >= count, timeout)
+
+    # -- beginning ---------------------------------------------------------------------------
+
+    def connect(self) -> Connection:
+        """The writer connection (opened at the first write): writes are serialised by the
+        turn anyway, so one connection serves them all."""
+        if self.refused is not None:
+            raise again(self.refused)
+        if self.connection is None:
+            self.connection = self._writer_engine.connect()
+        return self.connection
+
+    @property
+    def head_busy_ms(self) -> int:
+        """The head's busy timeout: short, and never longer than the writer's own."""
+        return min(int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000), self.settings.writer_ms)
+
+    def begin_unit(self, waits: Iterator[float], turn: writequeue.Turn | None) -> Connection:
+        """``BEGIN IMMEDIATE`` through SQLAlchemy (a unit that uses the Connection), inside
+        the writer's turn: the head retries here, keeping its place; others pause between
+        attempts (``waits``)."""
+        head = turn is not None and turn.queued
+        left: float | None = None  # the head's attempts
+        while True:
+            conn = self.connect()
+            conn.execution_options(**{BUSY_OPTION: self.head_busy_ms if head else None})
+            try:
+                conn.begin()
+            except sa_exc.DBAPIError as error:
+                if not is_retryable(error):
+                    self.drop(invalidate=False)
+                    raise
+                if head:
+                    assert turn is not None
+                    left = self._head_pause(turn, left, error)
+                else:
+                    self.pause(waits, error)
+                continue
+            return conn
+
+    def begin(self, turn: writequeue.Turn | None) -> Connection:
+        """``BEGIN IMMEDIATE`` on the writer's driver connection, inside the writer's turn.
+        The queue's head retries here, keeping its place; a fallback turn raises the busy
+        error for the caller's retry (a new turn after a jittered pause)."""
+        settings = self.settings
+        head = turn is not None and turn.queued
+        left: float | None = None  # the head's attempts
+        while True:
+            conn = self.connect()
+            pooled = conn.connection
+            try:
+                begin_on_driver(
+                    pooled.driver_connection,  # type: ignore[arg-type]
+                    pooled.info,
+                    settings,
+                    write=True,
+                    busy_ms=self.head_busy_ms if head else None,
+                )
+            except self.dbapi_error as orig:
+                error = wrap_driver_error(orig, self._dialect)
+                if not is_retryable(error):
+                    self.drop(invalidate=False)
+                    raise error from orig
+                if not head:
+                    raise error from orig
+                assert turn is not None
+                left = self._head_pause(turn, left, error)
+                continue
+            return conn
+
+    def _head_pause(self, turn: writequeue.Turn, left: float | None, error: BaseException) -> float:
+        """The queue's head met a foreign writer: pause (jittered) and keep its place, telling
+        the line it is alive. Its budget is the fallback path's busy waiting, in short
+        attempts: ``attempts`` x (writer's busy timeout / head's), so a foreign writer costs
+        it no more waiting than before. Returns the attempts left."""
+        policy = self.policy
+        if left is None:
+            left = float(policy.attempts * -(-self.settings.writer_ms // max(1, self.head_busy_ms)))
+        left -= 1
+        if left <= 0:
+            raise DatabaseLockedError(
+                f"the database stayed locked through {policy.attempts} attempts' worth of "
+                f"waiting at the head of the writer queue: {error}"
+            ) from error
+        turn.still_trying()
+        delay = random.uniform(policy.min_wait, policy.max_wait)
+        self.counters.record_retry()
+        log.debug("database busy at the queue's head (%s); retrying in %.0f ms", error,
+                  delay * 1000)  # fmt: skip
+        retry.sleep(delay)
+        turn.still_trying()
+        return left
+
+    def is_retryable(self, error: BaseException) -> bool:
+        """Whether a failed begin is a lock that another attempt (a new turn) can cure."""
+        return isinstance(error, sa_exc.DBAPIError) and is_retryable(error)
+
+    def waits(self) -> Iterator[float]:
+        """The pauses of one write's attempts (the retry policy's)."""
+        return self.policy.waits()
+
+    def pause(self, waits: Iterator[float], error: BaseException | None) -> None:
+        """The pause before the next attempt, or DatabaseLockedError once ``waits`` is spent."""
+        retry.pause(self.policy, waits, error, self.counters)
+
+    # -- one unit on the driver --------------------------------------------------------------
+
+    def run_alone(self, fn: Callable[[Connection], T], waits: Iterator[float]) -> T:
+        """One attempt of a write unit begun and committed on the writer's driver connection:
+        the same turn, begin function (``begin_on_driver``), error mapping and checkpoint
+        cadence as every unit. ``fn`` gets the writer Connection, which stays idle in
+        SQLAlchemy's eyes: it only ever uses its DB-API cursor."""
+        dbapi_error = self.dbapi_error
+        with self.turn() as turn, mapped_errors():
+            conn = self.begin(turn)
+            driver: Any = conn.connection.driver_connection
+            try:
+                result = fn(conn)
+                driver.commit()
+            except BaseException as error:
+                self.counters.record_rollback()
+                try:
+                    driver.rollback()
+                except dbapi_error as orig:
+                    self.drop(invalidate=True)  # state unknown: never reuse it
+                    raise wrap_driver_error(orig, self._dialect) from orig
+                self.drop(invalidate=False)  # a retry starts on a fresh connection
+                if isinstance(error, dbapi_error):
+                    raise wrap_driver_error(error, self._dialect) from error
+                raise
+            self.acknowledge()
+        self.counters.count(True)
+        return result
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def rollback(self, conn: Connection) -> None:
+        """Roll back a unit on the writer connection; the next unit starts on a fresh one
+        (a connection whose rollback failed is never reused)."""
+        try:
+            conn.rollback()
+        except sa_exc.DBAPIError:
+            self.drop(invalidate=True)  # state unknown: never reuse it
+            raise
+        self.drop(invalidate=False)  # a retry starts on a fresh connection
+
+    def end_group(self, conn: Connection, size: int, lost: BaseException) -> None:
+        """Roll back a group whose transaction was lost (``lost``: why). Called inside the
+        writer's turn by group commit, which commits a group itself."""
+        driver: Any = conn.connection.driver_connection
+        try:
+            driver.rollback()
+        except self.dbapi_error:
+            self.drop(invalidate=True)  # state unknown: never reuse it
+        else:
+            self.drop(invalidate=False)
+        log.warning("a group of %d writes lost its transaction (%s); each runs again alone",
+                    size, lost)  # fmt: skip
+        self.counters.record_group(size, lost=True)
+
+    def drop(self, *, invalidate: bool) -> None:
+        """Close the writer connection (the next write opens a fresh one)."""
+        held, self.connection = self.connection, None
+        self._wal_id = None
+        if held is None:
+            return
+        if invalidate:
+            held.invalidate()
+        held.close()
+
+    def release(self) -> None:
+        """Close the writer connection, never while a unit is using it."""
+        with self.turn(queued=False):
+            self.drop(invalidate=False)
+
+    # -- the WAL under the writer ------------------------------------------------------------
+
+    def acknowledge(self) -> None:
+        """After a COMMIT on the writer: the WAL it wrote into must still be the file's (one
+        ``stat``). A WAL deleted or replaced meanwhile means this process lost its locks and
+        another process checkpointed and deleted it: the commit is invisible to everyone else
+        and lost at exit, so it is reported, not acknowledged.
+
+        At most once per :attr:`wal_check_every` seconds (and at the writer's first commit): a
+        ``stat`` of the WAL right after its fsync slowed the next commit by 70-80 µs on ext4
+        (a fifth of a lone writer's whole write), so a writer going back to back checks ten
+        times a second. The fork handling keeps the WAL from being deleted in the first place;
+        this check bounds how long a process that lost its locks anyway goes unnoticed."""
+        path = self.wal_path
+        if path is None:
+            return
+        now = time.monotonic()
+        if self._wal_id is not None and now < self._wal_check_due:
+            return
+        self._wal_check_due = now + self.wal_check_every
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            seen = None
+        else:
+            seen = (st.st_dev, st.st_ino)
+        known = self._wal_id
+        if known is None:
+            # The writer's first commit: note the WAL it uses (none: not in WAL mode).
+            self._wal_id = seen if seen is not None else _NO_WAL
+        elif seen != known and known != _NO_WAL:
+            raise self._lose_wal()
+
+    def _wal_replaced(self) -> bool:
+        """The WAL the writer committed into is no longer the file's (one ``stat``)."""
+        known, path = self._wal_id, self.wal_path
+        if known is None or known == _NO_WAL or path is None:
+            return False
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != known
+
+    def _lose_wal(self) -> WalDeletedError:
+        """Refuse further writes to the file in this process; the writer connection is kept
+        open, never closed (closing it could checkpoint the deleted WAL over newer pages)."""
+        error = WalDeletedError(
+            f"the WAL of {self.where} was deleted while this "
+            f"process (pid {os.getpid()}) was writing into it: this process had lost its "
+            "locks on the database (a fork that inherited an open connection, or a file "
+            "handle on the database closed), and another process checkpointed and deleted the "
+            "WAL. This write and any since the deletion are NOT in the database; this process "
+            "refuses further writes to the file (`hermes-store doctor` names such processes)"
+        )
+        self.refused = error
+        if self.file_key is not None:
+            fork.REFUSED.setdefault(self.file_key, error)
+        held, self.connection = self.connection, None
+        if held is not None:
+            fork.keep_forever(held)
+        log.error("%s", error)
+        return error
+
+    def checkpoint(self) -> bool:
+        """A PASSIVE WAL checkpoint: merges what no reader still needs, never waits. Never
+        in a process refused the file, nor once the WAL was deleted under its writer."""
+        if self.refused is not None:
+            log.debug("no WAL checkpoint: %s", self.refused)
+            return False
+        if self._wal_replaced():
+            log.error("WAL checkpoint skipped: %s", self._lose_wal())
+            return False
+        try:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+        except sa_exc.DBAPIError as error:
+            if self._wal_replaced() or _holds_deleted_wal(self.wal_path):
+                log.error("WAL checkpoint failed (%s): %s", error.orig, self._lose_wal())
+            else:
+                log.warning("WAL checkpoint failed (harmless, retried later): %s", error.orig)
+            return False
+        self.counters.record_checkpoint()
+        return True
+
+
+def _holds_deleted_wal(wal_path: str | None) -> bool:
+    """This process has the WAL open although it was deleted (Linux: ``/proc/self/fd``)."""
+    if wal_path is None:
+        return False
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    target = f"{wal_path} (deleted)"
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                return True
+        except OSError:
+            continue
+    return False
