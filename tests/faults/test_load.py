@@ -159,9 +159,8 @@ def test_report_is_written_whole_and_stamped(tmp_path: Path) -> None:
     from bench import run, stamp
 
     out = tmp_path / "benchmarks.md"
-    assert (
-        run.main(["--quick", "--sections", "alone,cli_startup,pg_writes", "--out", str(out)]) == 0
-    )
+    sections = ["--sections", "alone,cli_startup,pg_writes"]
+    assert run.main(["--quick", *sections, "--out", str(out), "--workdir", str(tmp_path)]) == 0
     text = out.read_text()
     commit = stamp.commit(Path(run.ROOT), ["docs/benchmarks.md"])
     assert text.count(f"_Measured: commit `{commit}`, ") == 2  # alone, cli_startup
