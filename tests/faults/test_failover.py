@@ -185,13 +185,14 @@ def test_synchronous_failovers_keep_every_acknowledged_write_exactly_once(pair: 
     assert replication["status"] == "ok", replication
     assert "a failover to it loses no acknowledged write" in replication["detail"]
     fleet = Fleet(pair.fleet_url, pair.primary.url, "sync")
-    kills: list[float] = []
+    kills: list[tuple[float, float]] = []  # from the stop's start until the primary was gone
     back_after: list[float] = []
     try:
         fleet.ledger.wait_all_ok_after(0.0)  # every writer is writing
         for round_number in range(3):
-            kills.append(time.time())
+            stopping = time.time()
             pair.stop_primary()
+            kills.append((stopping, time.time()))
             if round_number == 1:
                 # A promotion that takes 5 s: the writers wait for it (the delay is the fault
                 # injected, not a wait for a condition).
@@ -210,16 +211,16 @@ def test_synchronous_failovers_keep_every_acknowledged_write_exactly_once(pair: 
     print("\n" + json.dumps({"back_after_s": back_after, "outcomes": kinds}))
     assert max(back_after) < BACK_WITHIN_S, back_after
 
-    # Nothing failed beyond the one write each writer had in flight at each failover.
+    # Nothing failed beyond the writes in flight when a primary died: each "may or may not have
+    # landed" was sent before that primary was gone and answered after it began to stop (its
+    # backends exit one by one, so a writer may lose two in a row on a loaded machine).
     bad = [o for o in outcomes if o[0] not in ("ok", "unknown")]
     assert bad == [], bad[:5]
-    windows = [*zip(kills, [*kills[1:], float("inf")], strict=True)]
-    assert [o for o in outcomes if o[0] != "ok" and o[5] < kills[0]] == []
-    for start, end in windows:
-        per_writer = collections.Counter(
-            o[1] for o in outcomes if o[0] == "unknown" and start <= o[5] < end
-        )
-        assert max(per_writer.values(), default=0) <= 1, per_writer
+
+    def in_flight(outcome: Outcome) -> bool:
+        return any(outcome[4] < gone and outcome[5] >= stopping for stopping, gone in kills)
+
+    assert [o for o in outcomes if o[0] == "unknown" and not in_flight(o)] == []
 
     contents, tokens = _stored(pair.primary.url, fleet.sessions())
     acked = [o[3] for o in outcomes if o[0] == "ok" and o[2] == "append"]
