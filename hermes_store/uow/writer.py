@@ -398,13 +398,20 @@ class SqliteWriter:
             log.error("WAL checkpoint skipped: %s", self._lose_wal())
             return False
         try:
-            with self.engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
-        except sa_exc.DBAPIError as error:
+            # On a pooled connection's driver, outside any transaction: a PASSIVE checkpoint
+            # never waits, and a SQLAlchemy Connection around it cost ten times the PRAGMA.
+            pooled = self.engine.raw_connection()
+            try:
+                driver: Any = pooled.driver_connection
+                driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            finally:
+                pooled.close()
+        except (sa_exc.DBAPIError, self.dbapi_error) as error:
+            why = getattr(error, "orig", error)
             if self._wal_replaced() or _holds_deleted_wal(self.wal_path):
-                log.error("WAL checkpoint failed (%s): %s", error.orig, self._lose_wal())
+                log.error("WAL checkpoint failed (%s): %s", why, self._lose_wal())
             else:
-                log.warning("WAL checkpoint failed (harmless, retried later): %s", error.orig)
+                log.warning("WAL checkpoint failed (harmless, retried later): %s", why)
             return False
         self.counters.record_checkpoint()
         return True
