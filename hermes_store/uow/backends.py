@@ -36,6 +36,7 @@ from hermes_store.uow.autocommit import Autocommit
 from hermes_store.uow.counters import Counters
 from hermes_store.uow.groupcommit import GroupCommit
 from hermes_store.uow.readers import HeldReaders
+from hermes_store.uow.uncontended import Missed, Uncontended
 from hermes_store.uow.writer import SqliteWriter, again
 
 T = TypeVar("T")
@@ -84,6 +85,7 @@ class SqliteBackend:
         wal_path: str | None,
         file_key: tuple[int, int] | None,
         group_commit: bool,
+        uncontended: bool,
     ) -> None:
         self.engine = engine
         self.policy = policy
@@ -104,6 +106,10 @@ class SqliteBackend:
         self.group: GroupCommit | None = None
         if group_commit:
             self.group = GroupCommit(self.writer, counters)
+        #: A write that finds no one else writing goes straight in (chosen once, here).
+        self.uncontended: Uncontended | None = None
+        if uncontended:
+            self.uncontended = Uncontended(self.writer, self.group, counters)
         # Fork: while a fork closes this file's connections no new one is opened (the gate).
         self.gate = fork.Gate()
         self._fork_locks: list[Any] = []
@@ -160,14 +166,20 @@ class SqliteBackend:
     # -- the hot paths -----------------------------------------------------------------------
 
     def hot_write(self, units: Units, fn: Callable[[Connection], T]) -> T:
-        """A single-call write outside any unit (``fn`` uses only the DB-API cursor): in a
-        group when group commit is on, else alone on the writer's driver connection; a lock
-        met re-runs it whole."""
+        """A single-call write outside any unit (``fn`` uses only the DB-API cursor): straight
+        in when no one else writes (:mod:`~hermes_store.uow.uncontended`); else in the line, in
+        a group when group commit is on, or alone on the writer's driver connection; a lock met
+        re-runs it whole."""
+        uncontended = self.uncontended
+        if uncontended is not None:
+            straight = uncontended.run(fn)
+            if not isinstance(straight, Missed):
+                return straight
         group = self.group
         if group is not None:
-            done, result = group.run(fn)
+            done, grouped = group.run(fn)
             if done:
-                return result  # type: ignore[return-value]
+                return grouped  # type: ignore[return-value]
             self.counters.record_rerun()  # its group's transaction was lost: run it again, alone
         writer = self.writer
         waits = self.policy.waits()

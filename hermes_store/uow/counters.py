@@ -30,6 +30,8 @@ class StoreStats:
     max_group: int = 0  #: most units in one group
     lost_groups: int = 0  #: groups whose transaction was lost (their units re-ran alone)
     group_reruns: int = 0  #: units re-run alone after their group was lost
+    uncontended_writes: int = 0  #: single-call writes that found no one writing: straight in
+    queue_turns: int = 0  #: write turns taken in the fair writer queue (see writequeue)
 
 
 def _no_checkpoint() -> bool:
@@ -58,6 +60,15 @@ class Counters:
                 due = self.checkpoint_every > 0 and writes % self.checkpoint_every == 0
             else:
                 self.stats.read_units += 1
+        if due:
+            self.checkpoint()
+
+    def count_uncontended(self) -> None:
+        """One write unit committed on the uncontended path (see hermes_store.uow.uncontended)."""
+        with self.lock:
+            self.stats.uncontended_writes += 1
+            self.stats.write_units = writes = self.stats.write_units + 1
+            due = self.checkpoint_every > 0 and writes % self.checkpoint_every == 0
         if due:
             self.checkpoint()
 

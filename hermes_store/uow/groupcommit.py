@@ -6,6 +6,9 @@ While one writer commits, the others of its process queue up; one ``BEGIN IMMEDI
 COMMIT`` for all of them makes one fsync and one queue turn serve up to :data:`MAX_GROUP`
 callers.
 
+A write that finds no one else writing never comes here: it goes straight in
+(:mod:`hermes_store.uow.uncontended`), so a group forms only behind writers already there.
+
 How: a caller queues its unit (a function of the writer connection). When no leader runs in
 the process it becomes the leader: it takes the writer's turn (the fair queue across
 processes, then the in-process lock), begins, and only then takes up to :data:`MAX_GROUP`

@@ -129,6 +129,12 @@ class LeaderQueue(Generic[U]):
                     queue.popleft()
             return group
 
+    @property
+    def idle(self) -> bool:
+        """No leader and nothing queued (read without the lock: a hint, for a writer deciding
+        whether it may go straight in)."""
+        return self._leading is None and not self._queue
+
     def queued(self) -> int:
         """Units waiting for a group (the running group's are no longer counted)."""
         with self._lock:

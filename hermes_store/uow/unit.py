@@ -57,7 +57,7 @@ from hermes_store.errors import (
     mapped_errors,
     wrap_driver_error,
 )
-from hermes_store.uow import fork, groupcommit, pggroup, retry, writequeue
+from hermes_store.uow import fork, groupcommit, pggroup, retry, uncontended, writequeue
 from hermes_store.uow.backends import PostgresBackend, SqliteBackend
 from hermes_store.uow.counters import Counters, StoreStats
 from hermes_store.uow.fork import FORK_WAIT_S
@@ -161,6 +161,8 @@ class UnitOfWork:
             switch = os.environ.get(groupcommit.ENV_SWITCH, "1").lower()
             group_commit = switch not in ("0", "off", "false", "no")
         self._group_commit = group_commit
+        switch = os.environ.get(uncontended.ENV_SWITCH, "1").lower()
+        self._uncontended = switch not in ("0", "off", "false", "no")
         # The backend, picked once: every process state below is remade in a forked child.
         self._make_backend: Callable[[Counters], SqliteBackend | PostgresBackend] = (
             self._sqlite_backend if self.settings is not None else self._postgres_backend
@@ -189,6 +191,7 @@ class UnitOfWork:
             wal_path=self._wal_path,
             file_key=self._file_key,
             group_commit=self._group_commit,
+            uncontended=self._uncontended,
         )
 
     def _postgres_backend(self, counters: Counters) -> PostgresBackend:

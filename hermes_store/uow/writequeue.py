@@ -38,6 +38,12 @@ that is stopped (SIGSTOP) or hung while queued or holding the turn therefore cos
 behind it one bounded wait, not forever. A writer stopped while it holds SQLite's own write
 lock still blocks everyone, as it does today: the queue cannot take SQLite's lock away.
 
+A writer that finds the line empty does not queue at all (:mod:`hermes_store.uow.uncontended`):
+:meth:`WriteQueue.empty` asks, with one ``F_OFD_GETLK`` over the slots on a descriptor kept for
+it, whether any ticket's byte is locked; none is only while no writer of any process stands in
+line or holds a turn. A writer in line is therefore never overtaken, and a dead one's byte is
+freed by the kernel as before.
+
 Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head meets them in
 SQLite's lock and keeps its place: it tries ``BEGIN IMMEDIATE`` with a short busy timeout
 (0.2 s, so it polls often and takes the lock soon after the foreign writer lets go), then the
@@ -92,6 +98,7 @@ log = logging.getLogger(__name__)
 #: Linux values, for a fcntl module that does not name them.
 F_OFD_SETLK: int = getattr(fcntl, "F_OFD_SETLK", 37)
 F_OFD_SETLKW: int = getattr(fcntl, "F_OFD_SETLKW", 38)
+F_OFD_GETLK: int = getattr(fcntl, "F_OFD_GETLK", 36)
 #: How long a waiter stands in line while the line does not move (no new head) before it
 #: falls back to SQLite's busy handler. Above a slow commit: fsync alone can take 0.5 s.
 DEFAULT_WAIT_TIMEOUT_S = 1.0
@@ -186,6 +193,12 @@ def _lock(fd: int, start: int, length: int, *, wait: bool) -> bool:
 
 def _unlock(fd: int, start: int, length: int) -> None:
     fcntl.fcntl(fd, F_OFD_SETLK, _flock(fcntl.F_UNLCK, start, length))
+
+
+#: The question "is any ticket's byte locked?": a write lock over every slot, asked, not taken.
+_ANY_SLOT = _flock(fcntl.F_WRLCK, SLOTS_AT, SLOTS)
+#: The answer "none": ``l_type`` F_UNLCK in the returned struct.
+_NONE_LOCKED = struct.pack("h", fcntl.F_UNLCK)
 
 
 @dataclass
@@ -352,6 +365,7 @@ class WriteQueue:
         self._free: list[_Descriptor] = []  # idle, ready for the next waiter
         self._parked: list[_Descriptor] = []  # a helper still waits for an abandoned turn
         self._opened: list[int] = []  # every descriptor this process opened on the lock file
+        self._probe = -1  # a descriptor that only asks whether anyone is in line (see empty())
         self._stats_lock = threading.Lock()
         self._stats = QueueStats(enabled=self._wanted)
         self._enabled = self._wanted and sys.platform.startswith("linux")
@@ -415,6 +429,43 @@ class WriteQueue:
             return os.pread(fd, size, offset)
         finally:
             os.close(fd)
+
+    def empty(self) -> bool:
+        """No writer of any process or thread is in line or holds a turn: no ticket's byte is
+        locked. One ``F_OFD_GETLK`` over the slots on a descriptor of its own (opened once),
+        so a lone writer asks the lock file one question per write and takes no ticket.
+
+        True when the queue is off (there is no line to keep); a probe that fails turns the
+        queue off as a turn would (the queue only orders writers, it never fails one)."""
+        if not self._enabled:
+            return True
+        fd = self._probe
+        try:
+            if fd < 0:
+                fd = self._open_probe()
+                if fd < 0:
+                    return True
+            return fcntl.fcntl(fd, F_OFD_GETLK, _ANY_SLOT)[:2] == _NONE_LOCKED
+        except OSError as error:
+            if error.errno in _UNAVAILABLE:
+                self._disable(f"OFD locks unavailable: {error.strerror}")
+                return True
+            log.warning("%s: cannot look at the writer line, queueing: %s", self.db_path, error)
+            return False
+
+    def _open_probe(self) -> int:
+        """The probe's descriptor (checked as every descriptor on the lock file is), or -1 with
+        the queue turned off."""
+        with self._pool_lock:
+            if self._probe < 0:
+                try:
+                    fd = _open_lock_file(self.lock_path)
+                except LockFileRefused as refused:
+                    self._disable(str(refused))
+                    return -1
+                self._opened.append(fd)
+                self._probe = fd
+            return self._probe
 
     # -- the turn ----------------------------------------------------------------------------
 

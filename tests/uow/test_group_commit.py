@@ -157,22 +157,66 @@ def test_a_units_error_rolls_back_only_that_unit(db: SessionDB) -> None:
     assert db.get_session("nobody") is None
 
 
+@pytest.fixture
+def other_in_line(db: SessionDB) -> Iterator[Callable[[], None]]:
+    """Another writer of the file holds a turn in the fair line (a member of its own, as another
+    process would be): every write meanwhile queues behind it. Calling the yielded function
+    lets it go (once the test saw what it waits for)."""
+    queue = writequeue.WriteQueue(_path(db))  # its own descriptors: another member of the line
+    turn = queue.turn()
+    assert turn.__enter__().queued
+    left: list[bool] = []
+
+    def let_go() -> None:
+        if not left:
+            left.append(True)
+            turn.__exit__(None, None, None)
+
+    yield let_go
+    let_go()
+
+
+def _half_then_fail(conn: Any) -> None:
+    cursor = conn.connection.driver_connection.cursor()
+    cursor.execute("UPDATE sessions SET title = 'half' WHERE id = 's'")
+    raise RuntimeError("the unit failed after writing")
+
+
 def test_a_unit_alone_that_fails_midway_leaves_nothing(db: SessionDB) -> None:
-    """A group of one runs without a savepoint: a unit that wrote and then raised is rolled
-    back whole, only its caller sees the error, and the writer goes on."""
+    """A unit alone goes straight in (no one else writes): a unit that wrote and then raised
+    is rolled back whole, only its caller sees the error, and the writer goes on."""
     before = db.stats()
-
-    def half_then_fail(conn: Any) -> None:
-        cursor = conn.connection.driver_connection.cursor()
-        cursor.execute("UPDATE sessions SET title = 'half' WHERE id = 's'")
-        raise RuntimeError("the unit failed after writing")
-
     with pytest.raises(RuntimeError, match="after writing"):
-        db.uow.run(half_then_fail, driver_only=True)
+        db.uow.run(_half_then_fail, driver_only=True)
+    after = db.stats()
+    assert after.groups == before.groups and after.queue_turns == before.queue_turns
+    assert after.rollbacks == before.rollbacks + 1
+    assert after.write_units == before.write_units
+    session = db.get_session("s")
+    assert session is not None and session["title"] is None
+    db.append_message("s", "user", "after")
+    assert _contents(db) == ["after"]
+
+
+def test_a_group_of_one_that_fails_midway_leaves_nothing(
+    db: SessionDB, other_in_line: Callable[[], None]
+) -> None:
+    """Behind another writer the unit joins the line and runs as a group of one, without a
+    savepoint: rolled back whole all the same, only its caller sees the error."""
+    queue = db.uow.write_queue
+    assert queue is not None
+    before = db.stats()
+    issued = queue.tickets()[0]
+    outcomes, threads = _run_threads([lambda: db.uow.run(_half_then_fail, driver_only=True)])
+    _wait_until(lambda: queue.tickets()[0] > issued, "the unit to join the line")
+    assert threads[0].is_alive()  # in line behind the other writer
+    other_in_line()
+    threads[0].join(GUARD)
+    kind, error = outcomes[0]
+    assert kind == "error" and isinstance(error, RuntimeError), outcomes
     after = db.stats()
     assert after.groups - before.groups == 1 and after.max_group == 1
-    assert after.lost_groups == 0
-    assert after.write_units == before.write_units
+    assert after.lost_groups == 0 and after.write_units == before.write_units
     session = db.get_session("s")
     assert session is not None and session["title"] is None
     db.append_message("s", "user", "after")
@@ -234,7 +278,8 @@ def test_a_lost_group_is_never_acknowledged_and_every_unit_runs_again(tmp_path: 
 
 def test_exact_counts_from_many_threads_and_stores(tmp_path: Path) -> None:
     """16 threads on 4 stores sharing the file's writer: every acknowledged write lands once,
-    every hot write went through a group, and the counters add up."""
+    every hot write went through a group or straight in (no one else writing), and the
+    counters add up."""
     path = tmp_path / "state.db"
     stores = [SessionDB(path) for _ in range(4)]
     stores[0].create_session("s", "cli")
@@ -274,8 +319,9 @@ def test_exact_counts_from_many_threads_and_stores(tmp_path: Path) -> None:
     assert session["message_count"] == total
     assert (session["input_tokens"], session["output_tokens"]) == (total, 2 * total)
     after = db.stats()  # shared by every store on the file in this process
-    assert after.grouped_units - before.grouped_units == 2 * total
-    assert 1 <= after.groups - before.groups <= 2 * total
+    straight = after.uncontended_writes - before.uncontended_writes
+    assert after.grouped_units - before.grouped_units + straight == 2 * total
+    assert after.groups - before.groups <= 2 * total
     assert after.max_group <= MAX_GROUP and after.lost_groups == 0
     for store in stores:
         store.close()

@@ -206,8 +206,9 @@ def test_a_damaged_header_is_repaired_and_writes_land(
     with open(lock_of(db), "r+b") as handle:
         handle.write(HEADERS[garbage])
     store = SessionDB(db)
-    for n in range(6):
-        store.append_message("q", "user", f"after {n}")
+    for n in range(6):  # transaction() blocks: a queue turn each (a lone hot write takes none)
+        with store.transaction():
+            store.append_message("q", "user", f"after {n}")
     queue = store.uow.write_queue
     store.close()
     assert landed(db) == [f"after {n}" for n in range(6)]

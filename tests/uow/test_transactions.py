@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from hermes_store import (
     RetryPolicy,
     SessionDB,
 )
+from hermes_store.uow import writequeue
 from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S
 from tests.conftest import is_sqlite, url_string
 
@@ -223,9 +225,25 @@ def test_every_unit_begins_through_the_one_begin(store: SessionDB, db_url: URL) 
             blocked = _other_writer_blocked(path)
             return blocked, cursor.execute("PRAGMA busy_timeout").fetchone()[0]
 
-        # The head of the writer queue asks SQLite for the lock with its short busy timeout.
+        # Alone, the hot path asks SQLite for the lock without waiting (busy timeout 0): taken,
+        # the write would join the line instead.
+        assert store.uow.run_driver(inside) == (True, 0)
+        # In line, the head of the writer queue asks with its short busy timeout.
         head_ms = int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000)
-        assert store.uow.run_driver(inside) == (True, head_ms)
+        queue = store.uow.write_queue
+        assert queue is not None
+        with writequeue.WriteQueue(path).turn() as turn:  # another member of the line
+            assert turn.queued
+            issued = queue.tickets()[0]
+            found: list[tuple[bool, int]] = []
+            behind = threading.Thread(target=lambda: found.append(store.uow.run_driver(inside)))
+            behind.start()
+            deadline = time.monotonic() + TIMEOUT
+            while queue.tickets()[0] == issued:  # until it stands in line behind
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        behind.join(TIMEOUT)
+        assert found == [(True, head_ms)]
         store.append_message("s", "user", "hot")  # and the hot path's own units still commit
         assert store.message_count("s") == 2
 

@@ -1,0 +1,127 @@
+"""The uncontended write: a single-call write that finds no one else writing goes straight in.
+
+Why: the fair writer queue (:mod:`~hermes_store.uow.writequeue`: a ticket, byte-range locks,
+a hand-off) and group commit (:mod:`~hermes_store.uow.groupcommit`: a leader, a queue, a
+group of one) order writers that meet; a writer alone pays for them all the same, 15-25% of
+the original store's write. Here a write that finds no one to be fair to costs what the
+original store's costs: ``BEGIN IMMEDIATE``, its statements, ``COMMIT``.
+
+How: a write goes straight in when, in this order,
+
+1. no other thread of this process is writing or waiting to (the writer's ``in_line`` count,
+   the group-commit queue idle, the in-process write lock free: reads of memory, no syscall);
+2. no writer of any process is in the fair line (:meth:`WriteQueue.empty`: one
+   ``F_OFD_GETLK`` on the lock file, the only lock-file syscall of the path);
+3. SQLite's write lock is free: ``BEGIN IMMEDIATE`` with a busy timeout of 0 returns at once.
+
+Otherwise it returns :data:`MISSED` and the write joins the line as any other: the queue's
+order is never overtaken (whoever is in line, of any process, writes first), so the fairness,
+the bounded waits and the exactly-once guarantees of the queue hold as before. A foreign writer
+(the original store) holding SQLite's lock sends the write to the line at the first attempt.
+A lock met midway (``SQLITE_BUSY`` after the begin, which a busy timeout of 0 cannot wait out)
+rolls the unit back whole and sends it to the line too.
+
+Chosen once, by the SQLite backend (off with ``HERMES_STORE_UNCONTENDED=0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection
+
+from hermes_store.engine.factory import begin_on_driver
+from hermes_store.errors import is_retryable, mapped_errors, wrap_driver_error
+from hermes_store.uow import writequeue
+from hermes_store.uow.counters import Counters
+from hermes_store.uow.leaders import LeaderQueue
+from hermes_store.uow.writer import SqliteWriter
+
+T = TypeVar("T")
+
+ENV_SWITCH = "HERMES_STORE_UNCONTENDED"
+
+
+class Missed:
+    """The write met someone: it was not run (nothing was written); it joins the line."""
+
+    def __repr__(self) -> str:
+        return "MISSED"
+
+
+MISSED: Final = Missed()
+
+
+class Uncontended:
+    """The straight-in path of one SQLite file's writer (one per Unit of Work)."""
+
+    def __init__(
+        self, writer: SqliteWriter, group: LeaderQueue[Any] | None, counters: Counters
+    ) -> None:
+        self._writer = writer
+        self._group = group
+        #: The writer's queue, looked up at the first write (after a fork's hooks all ran:
+        #: the child's queue is a new one), or None when the file has none.
+        self._queue: writequeue.WriteQueue | Missed | None = MISSED
+        self._counters = counters
+        self._settings = writer.settings
+        self._dbapi_error = writer.dbapi_error
+        self._dialect = writer.engine.dialect
+
+    def run(self, fn: Callable[[Connection], T]) -> T | Missed:
+        """``fn(writer_connection)`` committed as its own transaction, or :data:`MISSED` when
+        someone else writes or waits to. ``fn`` uses only the connection's DB-API cursor."""
+        writer = self._writer
+        group = self._group
+        lock = writer.lock
+        if writer.in_line or (group is not None and not group.idle) or lock.locked():
+            return MISSED
+        with lock:  # entered in C: an interrupt (Ctrl-C) never leaves it held
+            queue = self._queue
+            if isinstance(queue, Missed):
+                queue = self._queue = writer.write_queue
+            if queue is not None and not queue.empty():
+                return MISSED
+            try:
+                conn = writer.connect()
+            except (sa_exc.DBAPIError, sa_exc.TimeoutError):  # the connect hook, the pool
+                with mapped_errors():
+                    raise
+            driver: Any = writer.driver
+            dbapi_error = self._dbapi_error
+            try:
+                begin_on_driver(driver, writer.info, self._settings, write=True, busy_ms=0)
+            except dbapi_error as orig:
+                error = wrap_driver_error(orig, self._dialect)
+                if is_retryable(error):
+                    return MISSED  # SQLite's write lock is taken: to the line
+                writer.drop(invalidate=False)
+                with mapped_errors():
+                    raise error from orig
+            try:
+                result = fn(conn)
+                driver.commit()
+            except BaseException as error:
+                self._counters.record_rollback()
+                try:
+                    driver.rollback()
+                except dbapi_error as orig:
+                    writer.drop(invalidate=True)  # state unknown: never reuse it
+                    with mapped_errors():
+                        raise wrap_driver_error(orig, self._dialect) from orig
+                writer.drop(invalidate=False)  # the next unit starts on a fresh connection
+                if isinstance(error, dbapi_error):
+                    wrapped = wrap_driver_error(error, self._dialect)
+                    if is_retryable(wrapped):
+                        return MISSED  # rolled back whole: it runs again in the line
+                    with mapped_errors():
+                        raise wrapped from error
+                if isinstance(error, sa_exc.DBAPIError) and is_retryable(error):
+                    return MISSED
+                with mapped_errors():
+                    raise
+            writer.acknowledge()
+        self._counters.count_uncontended()
+        return result
