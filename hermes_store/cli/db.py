@@ -24,6 +24,7 @@ from hermes_store.cli.output import (
     paged,
     print_record,
     print_rows,
+    progress,
 )
 
 
@@ -236,6 +237,10 @@ def db_check(app: App) -> None:
 def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
     """Merge the full-text index, refresh statistics, free pages; online, in short steps.
 
+    Each step holds the write lock about 0.1 s at most, so agents keep writing. A file created
+    by the original store (auto_vacuum off) keeps its freed pages for reuse: --vacuum, run once
+    with every agent stopped, rewrites it and turns incremental vacuum on.
+
     \b
     Examples:
       hermes-store db optimize
@@ -259,7 +264,10 @@ def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
             return
         echo(f"{app.where}: rewritten (full vacuum), {before:,} -> {after:,} bytes.")
         return
-    report = maintenance.optimize(app.store().uow)
+    with progress(None, "optimizing (pages)") as bar:
+        report = maintenance.optimize(
+            app.store().uow, on_step=lambda _kind, work: bar.advance(work)
+        )
     if as_json:
         echo_json(asdict(report))
         return
