@@ -20,6 +20,8 @@ only when no other connection has the database open, and refuses otherwise.
 
 from __future__ import annotations
 
+import os
+import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -32,14 +34,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import sqlite_file
+from hermes_store.engine.factory import create_private_file, sqlite_file
 from hermes_store.errors import (
     DatabaseLockedError,
     InvalidInputError,
     NotADatabaseError,
+    UnsafePathError,
     mapped_errors,
 )
-from hermes_store.ops import pacing
+from hermes_store.ops import backup, pacing
 from hermes_store.schema import ddl, fulltext
 from hermes_store.uow.unit import UnitOfWork
 
@@ -425,6 +428,11 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     return before, size()
 
 
+def _size(path: Path) -> int:
+    wal = Path(f"{path}-wal")
+    return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+
 def _take_alone(connection: sqlite3.Connection, path: Path) -> None:
     """SQLite's exclusive lock on the file, in an open transaction; :class:`DatabaseLockedError`
     at once when any other connection (any process) has the file open: in WAL mode each one
@@ -438,3 +446,81 @@ def _take_alone(connection: sqlite3.Connection, path: Path) -> None:
             "job using it before a full vacuum (or run `hermes-store db optimize` without "
             "--vacuum, which works online)"
         ) from error
+
+
+def vacuum_swap(path: Path) -> tuple[int, int]:
+    """A compacted copy of a SQLite file swapped in for it: the file is never rewritten in
+    place. Turns on incremental vacuum in the copy.
+
+    ``VACUUM INTO`` writes the copy beside the file from one read snapshot while other
+    processes may still be writing; the copy is checked (:func:`backup.check_snapshot`). Then
+    the swap needs the file to itself: it takes SQLite's exclusive lock, which fails at once
+    while any other connection (any process) has the file open, and refuses with
+    :class:`DatabaseLockedError` then, or when anything was committed after the snapshot
+    (``PRAGMA data_version`` moved): nothing is changed, the copy is removed. Under the lock
+    the old file leaves WAL mode (its WAL checkpointed and removed, so nothing of it is left
+    under the names the new file's WAL and shared memory take) and the copy, flushed to disk,
+    is renamed over it: a crash leaves the old file or the new one, each whole. Returns bytes
+    before and after (the WAL included).
+    """
+    if not path.exists():
+        raise InvalidInputError(f"there is no database at {path}")
+    real = Path(os.path.realpath(path))  # a symlink stays a symlink to the new file
+    before = _size(real)
+    probe = files.connect_sqlite(real, timeout=0)
+    try:  # the cheap refusal first: a copy of a file in use would be made for nothing
+        with mapped_errors():
+            _take_alone(probe, path)
+            probe.execute("ROLLBACK")
+    finally:
+        probe.close()
+    partial = real.parent / f".{real.name}.compact-{secrets.token_hex(6)}"
+    if not create_private_file(partial):  # a random name: planted (a link?) or left
+        raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
+    connection = files.connect_sqlite(real, timeout=0)
+    try:
+        with mapped_errors():
+            version = connection.execute("PRAGMA data_version").fetchone()[0]
+            connection.execute("PRAGMA auto_vacuum=INCREMENTAL")  # the copy's mode
+            connection.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
+            problems = backup.check_snapshot(partial)
+            if problems:
+                raise NotADatabaseError(
+                    f"{path} was not swapped: its compacted copy failed the checks "
+                    f"({'; '.join(problems[:3])}). Run `hermes-store doctor`"
+                )
+            for sidecar in files.sidecars(partial):  # left by the checks' connection, if any
+                sidecar.unlink()
+            _take_alone(connection, path)
+            if connection.execute("PRAGMA data_version").fetchone()[0] != version:
+                connection.execute("ROLLBACK")
+                raise DatabaseLockedError(
+                    f"{path} was written while its compacted copy was made, so the copy is "
+                    "not swapped in: stop every process using it and run this again"
+                )
+            connection.execute("COMMIT")  # the exclusive lock stays (locking_mode)
+            connection.execute("PRAGMA journal_mode=DELETE")
+            for sidecar in files.sidecars(real):  # a stale -shm: nobody else has the file
+                sidecar.unlink()
+            copy = files.connect_sqlite(partial)
+            try:
+                copy.execute("PRAGMA journal_mode=WAL")
+            finally:
+                copy.close()
+            for sidecar in files.sidecars(partial):
+                sidecar.unlink()
+            descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                os.fsync(descriptor)  # our own copy, not yet the database: no lock to lose
+            finally:
+                os.close(descriptor)
+            os.replace(partial, real)
+            folder = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+    finally:
+        connection.close()  # the old inode, in rollback-journal mode: no side file by name
+        partial.unlink(missing_ok=True)
+    return before, _size(real)
