@@ -8,15 +8,23 @@ preview lists exactly what a prune deletes.
 hold the write lock for a bounded time (:mod:`hermes_store.ops.pacing`), so a writer never waits
 behind more than one step. Each step re-selects its candidates inside the locked transaction, so
 two jobs racing (two cron entries, two machines on one PostgreSQL) delete every session once and
-their reported counts add up to what was deleted.
+their reported counts add up to what was deleted. :func:`maybe_run` runs a policy by itself, at
+most once a day across processes.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
+import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -24,11 +32,14 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import CompoundSelect, Select
 
-from hermes_store.errors import InvalidInputError
+from hermes_store.engine.factory import sqlite_file
+from hermes_store.errors import InvalidInputError, UnsafePathError
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.ops import maintenance, pacing
 from hermes_store.uow.unit import UnitOfWork
+
+log = logging.getLogger(__name__)
 
 #: The most sessions one step (write unit) considers; how much text it deletes is paced.
 DEFAULT_CHUNK = 200
@@ -321,3 +332,148 @@ def run(
         report.index_merged = True
         report.longest_step_s = max(report.longest_step_s, merged.longest_step_s)
     return report
+
+
+# -- retention that runs by itself ---------------------------------------------------------------
+
+#: How often a policy runs by itself at most (seconds): once a day.
+EVERY_S = 86400.0
+#: Beside a SQLite database: when its policy last started, which process, what it deleted.
+MARKER_SUFFIX = "-retention"
+
+
+def marker_for(uow: UnitOfWork) -> Path:
+    """Where the last run of a database's policy is recorded: beside its SQLite file (the
+    file a symlink names). A server or an in-memory database has no such place: pass a path
+    (:class:`InvalidInputError` otherwise)."""
+    path = sqlite_file(uow.engine.url)
+    if path is None:
+        raise InvalidInputError(
+            "retention that runs by itself keeps its last run in a file beside the database: "
+            "pass marker=PATH for a server or an in-memory database (or schedule "
+            "`hermes-store sessions prune` with cron)"
+        )
+    return Path(f"{os.path.realpath(path)}{MARKER_SUFFIX}")
+
+
+def _read_marker(fd: int) -> dict[str, Any]:
+    raw = os.pread(fd, 64 * 1024, 0)
+    try:
+        record = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+    except (UnicodeDecodeError, ValueError):
+        log.warning("retention marker unreadable (%d bytes): taken as never run", len(raw))
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_marker(fd: int, record: dict[str, Any]) -> None:
+    data = json.dumps(record, sort_keys=True).encode("utf-8")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+@contextmanager
+def _locked_marker(marker: Path) -> Iterator[int]:
+    """The marker file, created owner-only, under an exclusive ``flock`` (held for the
+    microseconds a claim takes, so waiting is fine); never through a symbolic link."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(marker, flags, 0o600)
+    except OSError as error:
+        raise UnsafePathError(f"cannot open the retention marker {marker}: {error}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePathError(f"the retention marker {marker} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def claim(marker: Path, *, now: float | None = None, every: float = EVERY_S) -> bool:
+    """Record a run starting now unless one started less than ``every`` seconds ago: True
+    when this caller may run. Atomic across processes and threads (the check and the write
+    happen under one ``flock`` of the marker), so of many processes opening the database at
+    once exactly one runs the policy."""
+    now = time.time() if now is None else now
+    with _locked_marker(marker) as fd:
+        record = _read_marker(fd)
+        last = record.get("started_at")
+        if isinstance(last, int | float) and not isinstance(last, bool) and now - last < every:
+            return False
+        _write_marker(fd, {"started_at": now, "pid": os.getpid()})
+    return True
+
+
+def last_run(marker: Path) -> dict[str, Any]:
+    """What the marker records (empty: never run): ``started_at``, ``pid``, and once the run
+    ended ``finished_at``, ``sessions``, ``messages``."""
+    if not marker.exists():
+        return {}
+    with _locked_marker(marker) as fd:
+        return _read_marker(fd)
+
+
+def maybe_run(
+    uow: UnitOfWork,
+    policy: Policy,
+    *,
+    marker: Path | None = None,
+    now: float | None = None,
+    every: float = EVERY_S,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> Report | None:
+    """Run ``policy`` (:func:`run`, then the index merge) unless it started less than
+    ``every`` seconds ago in any process; None when it did not run. The start is recorded
+    before the run (:func:`claim`), so a run cut short (``stop`` set, the process ended)
+    waits for the next day like a finished one, having kept every step it committed."""
+    marker = marker_for(uow) if marker is None else marker
+    if not claim(marker, now=now, every=every):
+        return None
+    report = run(uow, policy, now=now, merge_index=True, stop=stop, **options)
+    with _locked_marker(marker) as fd:
+        record = _read_marker(fd)
+        record.update(
+            finished_at=time.time(),
+            sessions=report.sessions,
+            messages=report.messages,
+            stopped=bool(stop is not None and stop.is_set()),
+        )
+        _write_marker(fd, record)
+    return report
+
+
+class Background:
+    """:func:`maybe_run` in a daemon thread, for a store opened with a retention policy: the
+    agent's work goes on while old sessions go, a step at a time. :meth:`stop` ends it between
+    two steps and waits for it (the store's ``close``)."""
+
+    def __init__(self, uow: UnitOfWork, policy: Policy, marker: Path | None = None) -> None:
+        self.marker = marker_for(uow) if marker is None else marker
+        self.report: Report | None = None
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(uow, policy), name="hermes-retention", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, uow: UnitOfWork, policy: Policy) -> None:
+        try:
+            self.report = maybe_run(uow, policy, marker=self.marker, stop=self._stop)
+        except Exception as error:  # kept and logged: no caller is there to raise to
+            self.error = error
+            log.error("retention run failed: %s", error)
+        finally:
+            self.done.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the run to end after its current step; wait up to ``timeout`` seconds."""
+        self._stop.set()
+        self._thread.join(timeout)

@@ -292,6 +292,8 @@ FILE_ACCESS_ALLOWED = {
     ("maintenance.py", "os.replace"): "vacuum_swap: renames its own checked copy onto the "
     "database while holding the database's exclusive lock (nobody else has it open) after the "
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
+    ("retention.py", "os.open"): "<db>-retention, the retention policy's marker (0600, "
+    "O_NOFOLLOW, refused unless a regular file); never the database",
 }
 _FILE_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text"}
 _OS_CALLS = {"open", "replace", "rename", "link", "unlink", "remove", "truncate"}
