@@ -294,6 +294,8 @@ FILE_ACCESS_ALLOWED = {
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
     ("retention.py", "os.open"): "<db>-retention, the retention policy's marker (0600, "
     "O_NOFOLLOW, refused unless a regular file); never the database",
+    ("health.py", "shutil.rmtree"): "doctor --full: removes its own mkdtemp folder holding the "
+    "snapshot copy it checked; never the database's folder",
 }
 _FILE_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text"}
 _OS_CALLS = {"open", "replace", "rename", "link", "unlink", "remove", "truncate"}
