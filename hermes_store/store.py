@@ -118,6 +118,14 @@ def _row_dict(row: Row[Any]) -> RowDict:
     return dict(row._mapping)
 
 
+_RetentionPolicy = retention.Policy
+_RetentionJob = retention.Background
+
+
+def _background_retention(store: SessionDB, policy: retention.Policy) -> retention.Background:
+    return retention.Background(store.uow, policy)
+
+
 class SessionDB:
     """Drop-in for the original store's ``SessionDB``, on a SQLite file or any SQLAlchemy URL.
 
@@ -132,6 +140,9 @@ class SessionDB:
     ``HERMES_STORE_SCHEMA`` and ``HERMES_STORE_VERSION_TABLE`` environment variables).
     ``max_message_bytes`` (16 MiB; ``None``: no limit) bounds one message's text: a larger
     one is refused with :class:`InvalidInputError` before anything is written.
+    ``retention`` (a :class:`hermes_store.ops.retention.Policy`) deletes what the policy
+    selects by itself: at open, at most once a day across processes (recorded beside the
+    file), in a background thread of short steps that ``close`` stops.
     """
 
     MAX_TITLE_LENGTH = titles.MAX_TITLE_LENGTH
@@ -149,8 +160,11 @@ class SessionDB:
         schema: str | None = None,
         version_table: str | None = None,
         max_message_bytes: int | None = validate.DEFAULT_MAX_MESSAGE_BYTES,
+        retention: retention.Policy | None = None,
     ) -> None:
         validate.target(db_path)
+        if retention is not None and not isinstance(retention, _RetentionPolicy):
+            raise InvalidInputError(f"retention must be a retention Policy, not {retention!r}")
         validate.max_message_bytes(max_message_bytes)
         #: The most UTF-8 bytes of text one message may hold (None: no limit); see
         #: :data:`hermes_store.validate.DEFAULT_MAX_MESSAGE_BYTES`.
@@ -208,6 +222,14 @@ class SessionDB:
         self._searcher = search.for_dialect(dialect.name)
         self._nul_ok = self._statements.holds_nul
         self._closed = False
+        #: The retention policy's background run (None without a policy).
+        self.retention_job: _RetentionJob | None = None
+        if retention is not None:
+            try:
+                self.retention_job = _background_retention(self, retention)
+            except BaseException:
+                self.close()
+                raise
 
     @staticmethod
     def _make_uow(
@@ -249,6 +271,8 @@ class SessionDB:
         if self._closed:
             return
         self._closed = True
+        if self.retention_job is not None:
+            self.retention_job.stop()
         owns = self._owns_engine
         if self._file is not None:
             last, owns = shared.release(self._file)

@@ -24,6 +24,7 @@ from hermes_store.cli.output import (
     paged,
     print_record,
     print_rows,
+    progress,
 )
 
 
@@ -201,15 +202,28 @@ def db_check(app: App) -> None:
     is_flag=True,
     help="Offline: a full VACUUM (refused while any other process has the file open).",
 )
+@click.option(
+    "--swap",
+    is_flag=True,
+    help="With --vacuum: write a compacted copy beside the file and swap it in, never "
+    "rewriting the file in place.",
+)
 @format_option
 @pass_app
-def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
+def db_optimize(app: App, vacuum: bool, swap: bool, fmt: str | None, as_json: bool) -> None:
     """Merge the full-text index, refresh statistics, free pages; online, in short steps.
+
+    Each step holds the write lock about 0.1 s at most, so agents keep writing. A file created
+    by the original store (auto_vacuum off) keeps its freed pages for reuse: --vacuum, run once
+    with every agent stopped, rewrites it and turns incremental vacuum on; with --swap the
+    compacted copy is written beside it (while agents still run) and swapped in once nobody
+    has the file open.
 
     \b
     Examples:
       hermes-store db optimize
       hermes-store db optimize --vacuum    # offline: no other process may have the file open
+      hermes-store db optimize --vacuum --swap
     """
     from dataclasses import asdict
 
@@ -223,13 +237,22 @@ def db_optimize(app: App, vacuum: bool, fmt: str | None, as_json: bool) -> None:
             raise Problem("--vacuum is for SQLite files; on PostgreSQL use VACUUM FULL offline")
         app.store()  # brings the schema to head and refuses what is not a database
         app.close()
-        before, after = maintenance.vacuum_offline(path)
+        if swap:
+            before, after = maintenance.vacuum_swap(path)
+        else:
+            before, after = maintenance.vacuum_offline(path)
         if as_json:
             echo_json({"vacuum": True, "bytes_before": before, "bytes_after": after})
             return
-        echo(f"{app.where}: rewritten (full vacuum), {before:,} -> {after:,} bytes.")
+        how = "compacted copy swapped in" if swap else "rewritten (full vacuum)"
+        echo(f"{app.where}: {how}, {before:,} -> {after:,} bytes.")
         return
-    report = maintenance.optimize(app.store().uow)
+    if swap:
+        raise Problem("--swap goes with --vacuum (it swaps in a compacted copy)")
+    with progress(None, "optimizing (pages)") as bar:
+        report = maintenance.optimize(
+            app.store().uow, on_step=lambda _kind, work: bar.advance(work)
+        )
     if as_json:
         echo_json(asdict(report))
         return

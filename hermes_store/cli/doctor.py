@@ -14,6 +14,7 @@ from hermes_store.cli.output import (
     echo_json,
     format_option,
     print_rows,
+    progress,
 )
 
 MARKS = {
@@ -28,17 +29,35 @@ MARKS = {
 @click.option(
     "--rebuild-index", is_flag=True, help="Rebuild the full-text index first (then check)."
 )
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=0),
+    default=120,
+    show_default=True,
+    metavar="SECONDS",
+    help="Time for the slow checks of a large file (0: no limit); what does not finish warns.",
+)
+@click.option(
+    "--full",
+    is_flag=True,
+    help="Also check every entry on a snapshot copy (needs the file's size in free space).",
+)
 @format_option
 @pass_app
-def doctor(app: App, rebuild_index: bool, fmt: str | None, as_json: bool) -> None:
+def doctor(
+    app: App, rebuild_index: bool, budget: float, full: bool, fmt: str | None, as_json: bool
+) -> None:
     """Check schema, journal, integrity, full-text index and orphan rows; exit 1 on a problem.
 
-    Reads only (nothing is migrated or written) unless --rebuild-index.
+    Reads only (nothing is migrated or written) unless --rebuild-index, and never holds the
+    write lock long enough to make an agent wait: a large file is checked table by table
+    within --budget, its full-text index by a sample; --full checks everything on a copy.
 
     \b
     Examples:
       hermes-store doctor
       hermes-store doctor --json
+      hermes-store doctor --full --budget 0
       hermes-store doctor --format tsv | grep -v "	ok	"
     """
     from hermes_store.ops import health
@@ -50,7 +69,10 @@ def doctor(app: App, rebuild_index: bool, fmt: str | None, as_json: bool) -> Non
             raise DatabaseProblem(f"there is no schema at {app.where} (`hermes-store db upgrade`)")
         health.rebuild_index(app.url)
         echo("Rebuilt the full-text index.", err=True)
-    checks = health.run_doctor(app.url)
+    with progress(None, "checking (groups of checks)") as bar:
+        checks = health.run_doctor(
+            app.url, budget_s=budget, full=full, progress=lambda _name: bar.advance(1)
+        )
     healthy = all(c.status != "error" for c in checks)
     rows = [asdict(c) for c in checks]
     if chosen == "json":

@@ -2,17 +2,36 @@
 
 Also the database state as the ``db`` commands report it: read without taking a lock, so
 looking at a database never changes or blocks it.
+
+At scale the doctor stays bounded and never holds the write lock for longer than a step of
+the maintenance jobs. It once ran FTS5's 'integrity-check' on the live file: that command is
+an ``INSERT``, so it took the write lock and held it while it read the whole index (33 s on a
+2 GB file: writers beside it waited, and gave up), and ``PRAGMA integrity_check`` of the whole
+file read for ten minutes. Now a file larger than :data:`SMALL_FILE_BYTES` is checked table
+by table (``integrity_check`` of the small ones, ``quick_check`` of the large ones, each its
+own statement, so checkpoints progress between them) within a time budget, and its full-text
+indexes by reads only: their document counts against ``messages`` and a random sample of
+messages looked up by one of their words (or, for the CJK index, a substring). ``--full``
+checks every entry on a snapshot copy (the backup API: no write lock), never on the live file.
 """
 
 from __future__ import annotations
 
+import random
+import re
+import shutil
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy import func, select
-from sqlalchemy.engine import URL, Connection
+from sqlalchemy.engine import URL, Connection, Engine
 
 from hermes_store.engine import files
 from hermes_store.engine.factory import display_url, sqlite_file
@@ -157,10 +176,128 @@ def _sqlite_checks(conn: Connection, path: Path) -> list[Check]:
         )
     )
     checks.append(_wal_file_check(path, str(mode)))
-    problems = [row[0] for row in conn.exec_driver_sql("PRAGMA integrity_check")]
-    ok = problems == ["ok"]
-    checks.append(Check("integrity_check", "ok" if ok else "error", "; ".join(problems[:3])))
     return checks
+
+
+#: A file up to this size gets the checks of a small one: one ``integrity_check`` of the whole
+#: file and FTS5's own 'integrity-check' of each index (which holds the write lock for as long
+#: as it reads: milliseconds here).
+SMALL_FILE_BYTES = 64 * 1024 * 1024
+#: The doctor's default time budget for its slow checks (seconds); 0: none.
+DEFAULT_BUDGET_S = 120.0
+#: Tables checked with ``quick_check`` (no cross-check of index entries) in a large file.
+LARGE_TABLES = ("messages", f"{ddl.FTS_TABLE}_data", f"{ddl.CJK_TABLE}_data")
+#: Messages looked up in the full-text index when it is sampled.
+SAMPLES = 300
+#: SQLite virtual-machine steps between two looks at the clock.
+CLOCK_EVERY_OPS = 50_000
+_WORD = re.compile(r"[0-9A-Za-z]{3,24}")
+
+
+class _OutOfTime(Exception):
+    """A check stopped at the doctor's time budget."""
+
+
+class _Clock:
+    """The doctor's deadline: long statements are interrupted at it (SQLite's progress
+    handler), so a check of a huge file reports "not finished" instead of running on."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.deadline = time.monotonic() + budget_s if budget_s > 0 else float("inf")
+
+    def left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+    @contextmanager
+    def watching(self, conn: Connection) -> Iterator[None]:
+        driver: Any = conn.connection.driver_connection
+        if not isinstance(driver, sqlite3.Connection) or self.deadline == float("inf"):
+            yield
+            return
+        driver.set_progress_handler(lambda: int(not self.left()), CLOCK_EVERY_OPS)
+        try:
+            yield
+        except sa.exc.OperationalError as error:
+            if "interrupted" in str(error.orig) and not self.left():
+                raise _OutOfTime() from None
+            raise
+        finally:
+            driver.set_progress_handler(None, 0)
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _integrity_check(engine: Engine, path: Path, clock: _Clock) -> Check:
+    """``integrity_check`` of a small file; of a large one, each table and its indexes in its
+    own statement, the largest with ``quick_check``, within the time budget."""
+    name = "integrity_check"
+    with engine.connect() as conn:
+        if _file_bytes(path) <= SMALL_FILE_BYTES:
+            try:
+                with clock.watching(conn):
+                    rows = [str(r[0]) for r in conn.exec_driver_sql("PRAGMA integrity_check")]
+            except _OutOfTime:
+                return Check(name, "warn", "not finished within the time budget (--budget)")
+            ok = rows == ["ok"]
+            return Check(name, "ok" if ok else "error", "; ".join(rows[:3]))
+        tables = list(
+            conn.scalars(
+                sa.text(
+                    "SELECT name FROM sqlite_master WHERE type = 'table' "
+                    "AND sql NOT LIKE 'CREATE VIRTUAL TABLE%' ORDER BY name"
+                )
+            )
+        )
+    # Small tables first: a budget that runs out leaves the fewest bytes unchecked.
+    order = {table: rank for rank, table in enumerate(LARGE_TABLES, 1)}
+    tables.sort(key=lambda table: order.get(table, 0))
+    found: list[str] = []
+    checked: list[str] = []
+    for table in tables:
+        if not clock.left():
+            break
+        pragma = "quick_check" if table in LARGE_TABLES else "integrity_check"
+        with engine.connect() as conn:  # its own statement: checkpoints go on between them
+            try:
+                with clock.watching(conn):
+                    rows = [
+                        str(row[0])
+                        for row in conn.execute(sa.text(_TABLE_CHECKS[pragma]), {"t": table})
+                    ]
+            except _OutOfTime:
+                break
+        checked.append(table)
+        if rows != ["ok"]:
+            found += [f"{table}: {row}" for row in rows[:3]]
+    if found:
+        return Check(name, "error", "; ".join(found[:5]))
+    skipped = [table for table in tables if table not in checked]
+    if skipped:
+        return Check(
+            name,
+            "warn",
+            f"ok for {len(checked)} of {len(tables)} tables; not finished within the time "
+            f"budget: {', '.join(skipped)} (`--budget 0`: no limit; `--full`: everything, "
+            "on a snapshot copy)",
+        )
+    return Check(
+        name,
+        "ok",
+        f"ok ({len(tables)} tables and their indexes; quick_check of "
+        f"{', '.join(t for t in tables if t in LARGE_TABLES)}: `--full` checks those fully on "
+        "a snapshot copy)",
+    )
+
+
+_TABLE_CHECKS = {
+    "integrity_check": "SELECT * FROM pragma_integrity_check(:t)",
+    "quick_check": "SELECT * FROM pragma_quick_check(:t)",
+}
 
 
 def _wal_file_check(path: Path, mode: str) -> Check:
@@ -347,8 +484,9 @@ def replication_check(conn: Connection) -> Check:
     )
 
 
-def _index_check(conn: Connection) -> Check:
-    """The full-text index is complete and in step with ``messages`` (see search.check_index)."""
+def _index_check(conn: Connection, clock: _Clock | None = None) -> Check:
+    """The full-text index is complete and in step with ``messages`` (see search.check_index).
+    With ``clock`` (a large SQLite file): sampled by reads only, within its budget."""
     name = "full-text index"
     strategy = fulltext.of(conn)
     deep = ""
@@ -360,6 +498,8 @@ def _index_check(conn: Connection) -> Check:
         if isinstance(shape, Check):
             return shape
         deep = shape
+        if clock is not None:
+            return _sampled_index_check(conn, clock, deep)
     try:
         ok = strategy.check(conn)
     finally:
@@ -371,6 +511,103 @@ def _index_check(conn: Connection) -> Check:
     return Check(
         name, "error", "does not match messages: run `hermes-store doctor --rebuild-index`"
     )
+
+
+_COUNTS = f"SELECT (SELECT count(*) FROM messages), (SELECT count(*) FROM {ddl.FTS_TABLE}_docsize)"
+_SAMPLE = "SELECT id, substr(content, 1, 2000) FROM messages WHERE id >= :id ORDER BY id LIMIT 1"
+_LOOKUP = f"SELECT count(*) FROM {ddl.FTS_TABLE} WHERE {ddl.FTS_TABLE} MATCH :q AND rowid = :id"
+_CJK_HOLDS = f"SELECT count(*) FROM {ddl.CJK_DOCSIZE} WHERE id = :id"
+_CJK_LOOKUP = f"SELECT count(*) FROM {ddl.CJK_TABLE} WHERE {ddl.CJK_TABLE} MATCH :q AND rowid = :id"
+_UNSEGMENTED = re.compile(
+    "[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in ddl.UNSEGMENTED_RANGES) + "]{3}"
+)
+_REBUILD = "run `hermes-store doctor --rebuild-index`"
+
+
+def _words(text: str, cut: bool) -> list[str]:
+    """Whole words of ASCII letters and digits (FTS5's unicode61 tokens, folded as it folds
+    them): never part of a longer token, nor the last word of a text cut short."""
+    found = []
+    for match in _WORD.finditer(text):
+        before = text[match.start() - 1] if match.start() else " "
+        after = text[match.end()] if match.end() < len(text) else ("x" if cut else " ")
+        if not before.isalnum() and not after.isalnum():
+            found.append(match.group())
+    return found
+
+
+def _sampled_index_check(conn: Connection, clock: _Clock, deep: str) -> Check:
+    """Reads only: each index holds as many documents as ``messages`` has rows (one
+    statement, one snapshot), and messages drawn at random are found by one of their words
+    (the CJK index: by three of their characters, and it holds exactly the messages written
+    in those scripts among them)."""
+    name = "full-text index"
+    try:
+        with clock.watching(conn):
+            messages, indexed = conn.execute(sa.text(_COUNTS)).one()
+            if messages != indexed:
+                return Check(
+                    name,
+                    "error",
+                    f"holds {indexed:,} documents for {messages:,} messages: {_REBUILD}",
+                )
+            low, high = conn.execute(sa.text("SELECT min(id), max(id) FROM messages")).one()
+            cjk = bool(
+                conn.scalar(
+                    sa.text("SELECT count(*) FROM sqlite_master WHERE name = :t"),
+                    {"t": ddl.CJK_TABLE},
+                )
+            )
+            draw = random.Random()
+            looked = 0
+            for _ in range(SAMPLES if low is not None else 0):
+                if not clock.left():
+                    break
+                row = conn.execute(sa.text(_SAMPLE), {"id": draw.randint(low, high)}).first()
+                if row is None or not row[1]:
+                    continue
+                message_id, text = int(row[0]), str(row[1])
+                words = _words(text, cut=len(text) >= 2000)
+                if words:
+                    word = draw.choice(words)
+                    found = conn.scalar(sa.text(_LOOKUP), {"q": f'"{word}"', "id": message_id})
+                    looked += 1
+                    if not found:
+                        return Check(
+                            name,
+                            "error",
+                            f"message {message_id} is not found by its word {word!r}: {_REBUILD}",
+                        )
+                if cjk:
+                    problem = _cjk_sample(conn, message_id, text, draw)
+                    if problem:
+                        return Check(name, "error", f"{problem}: {_REBUILD}")
+    except _OutOfTime:
+        return Check(name, "warn", "not finished within the time budget (--budget)")
+    detail = (
+        f"in step with messages ({messages:,} documents; {looked} sampled messages found by "
+        "their words; `--full` checks every entry on a snapshot copy)"
+    )
+    return Check(name, "warn", deep) if deep else Check(name, "ok", detail)
+
+
+def _cjk_sample(conn: Connection, message_id: int, text: str, draw: random.Random) -> str:
+    """What is wrong with the CJK index about this message ("" when nothing)."""
+    runs = _UNSEGMENTED.findall(text)
+    held = bool(conn.scalar(sa.text(_CJK_HOLDS), {"id": message_id}))
+    if not runs:
+        # A text cut at 2,000 characters may have such characters further on: not judged.
+        return (
+            ""
+            if len(text) >= 2000 or not held
+            else (f"the CJK index holds message {message_id}, which has no such characters")
+        )
+    if not held:
+        return f"the CJK index misses message {message_id}"
+    piece = draw.choice(runs)
+    if not conn.scalar(sa.text(_CJK_LOOKUP), {"q": f'"{piece}"', "id": message_id}):
+        return f"message {message_id} is not found in the CJK index by {piece!r}"
+    return ""
 
 
 def _structure_check(conn: Connection) -> Check | str:
@@ -403,60 +640,103 @@ def _structure_check(conn: Connection) -> Check | str:
     )
 
 
-def _row_checks(conn: Connection) -> list[Check]:
-    orphan_messages = (
-        conn.scalar(
-            select(func.count())
-            .select_from(M)
-            .where(~select(S.c.id).where(S.c.id == M.c.session_id).exists())
-        )
-        or 0
+_ORPHAN_MESSAGES = (
+    select(func.count())
+    .select_from(M)
+    .where(~select(S.c.id).where(S.c.id == M.c.session_id).exists())
+)
+_PARENT = S.alias("parent")
+_ORPHAN_SESSIONS = (
+    select(func.count())
+    .select_from(S)
+    .where(
+        S.c.parent_session_id.is_not(None),
+        ~select(_PARENT.c.id).where(_PARENT.c.id == S.c.parent_session_id).exists(),
     )
-    parent = S.alias("parent")
-    orphan_sessions = (
-        conn.scalar(
-            select(func.count())
-            .select_from(S)
-            .where(
-                S.c.parent_session_id.is_not(None),
-                ~select(parent.c.id).where(parent.c.id == S.c.parent_session_id).exists(),
-            )
-        )
-        or 0
+)
+_DRIFTED = (
+    select(func.count())
+    .select_from(S)
+    .where(
+        func.coalesce(S.c.message_count, 0)
+        != select(func.count()).where(M.c.session_id == S.c.id).scalar_subquery()
     )
-    actual = select(func.count()).where(M.c.session_id == S.c.id).scalar_subquery()
-    drifted = (
-        conn.scalar(
-            select(func.count()).select_from(S).where(func.coalesce(S.c.message_count, 0) != actual)
-        )
-        or 0
-    )
-    return [
-        Check(
-            "orphan messages",
-            "error" if orphan_messages else "ok",
-            f"{orphan_messages} message(s) whose session is gone",
-        ),
-        Check(
-            "orphan sessions",
-            "error" if orphan_sessions else "ok",
-            f"{orphan_sessions} session(s) whose parent is gone",
-        ),
-        Check(
+)
+
+
+def _row_checks(conn: Connection, clock: _Clock | None = None) -> list[Check]:
+    """Orphan rows and drifted counters, each one statement (one snapshot), within the
+    time budget."""
+    checks = []
+    rows: tuple[tuple[str, Any, Status, str], ...] = (
+        ("orphan messages", _ORPHAN_MESSAGES, "error", "message(s) whose session is gone"),
+        ("orphan sessions", _ORPHAN_SESSIONS, "error", "session(s) whose parent is gone"),
+        (
             "message counters",
-            "warn" if drifted else "ok",
-            f"{drifted} session(s) whose message_count differs from their messages",
+            _DRIFTED,
+            "warn",
+            "session(s) whose message_count differs from their messages",
         ),
-    ]
+    )
+    for name, statement, status, what in rows:
+        try:
+            with clock.watching(conn) if clock is not None else _nothing():
+                found = int(conn.scalar(statement) or 0)
+        except _OutOfTime:
+            checks.append(Check(name, "warn", "not finished within the time budget (--budget)"))
+            continue
+        checks.append(Check(name, status if found else "ok", f"{found} {what}"))
+    return checks
 
 
-def run_doctor(url: URL) -> list[Check]:
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+#: Called with the name of each group of checks as it starts (progress on a terminal).
+Progress = Callable[[str], None]
+
+
+def _snapshot_check(engine: Engine, path: Path) -> Check:
+    """Every check, every entry, on a snapshot copy of the file (SQLite's backup API, which
+    never takes the write lock), in a private folder beside it, removed after."""
+    from hermes_store.ops import backup
+
+    name = "full check (snapshot)"
+    folder = Path(tempfile.mkdtemp(prefix=".hermes-doctor-", dir=path.parent))
+    try:
+        copy = folder / "snapshot.db"
+        backup.backup(engine, copy)
+        problems = backup.check_snapshot(copy)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if problems:
+        return Check(name, "error", "; ".join(problems[:5]))
+    return Check(
+        name,
+        "ok",
+        "integrity_check, foreign keys and every full-text entry on a copy: ok",
+    )
+
+
+def run_doctor(
+    url: URL,
+    *,
+    budget_s: float = DEFAULT_BUDGET_S,
+    full: bool = False,
+    progress: Progress | None = None,
+) -> list[Check]:
     """Every health check of ``url``, reading only (no migration, nothing written).
 
     A database that cannot be reached at all (server down, access denied, locked) raises, as
     every other call does: there is nothing to examine. What the checks find, an unusable file
-    included, is reported.
+    included, is reported. A SQLite file larger than :data:`SMALL_FILE_BYTES` is checked in
+    bounded time (``budget_s`` seconds for the slow checks, 0: no limit; what did not finish
+    is reported as a warning) by reads only; ``full`` adds every check of every entry on a
+    snapshot copy. ``progress(name)`` is called as each group of checks starts.
     """
+    say = progress or (lambda _name: None)
     try:
         state = read_state(url)
     except (DatabaseUnavailableError, AccessDeniedError, DatabaseLockedError):
@@ -470,15 +750,29 @@ def run_doctor(url: URL) -> list[Check]:
         return checks
     engine = migrate.read_engine(url)
     path = sqlite_file(url)
+    clock = _Clock(budget_s)
+    large = path is not None and _file_bytes(path) > SMALL_FILE_BYTES
     try:
-        with mapped_errors(), engine.connect() as conn:
+        with mapped_errors():
+            say("files")
+            with engine.connect() as conn:
+                if path is not None:
+                    checks += _sqlite_checks(conn, path)
+                else:
+                    checks += _postgresql_checks(conn)
+                    checks.append(replication_check(conn))
             if path is not None:
-                checks += _sqlite_checks(conn, path)
-            else:
-                checks += _postgresql_checks(conn)
-                checks.append(replication_check(conn))
-            checks.append(_index_check(conn))
-            checks += _row_checks(conn)
+                say("integrity")
+                checks.append(_integrity_check(engine, path, clock))
+            say("full-text index")
+            with engine.connect() as conn:
+                checks.append(_index_check(conn, clock if large else None))
+            say("rows")
+            with engine.connect() as conn:
+                checks += _row_checks(conn, clock if path is not None else None)
+            if full and path is not None:
+                say("snapshot")
+                checks.append(_snapshot_check(engine, path))
     finally:
         engine.dispose()
     if path is None:

@@ -20,39 +20,62 @@ only when no other connection has the database open, and refuses otherwise.
 
 from __future__ import annotations
 
+import os
+import secrets
 import sqlite3
-import time
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import sqlite_file
+from hermes_store.engine.factory import create_private_file, sqlite_file
 from hermes_store.errors import (
     DatabaseLockedError,
     InvalidInputError,
     NotADatabaseError,
+    UnsafePathError,
     mapped_errors,
 )
-from hermes_store.schema import fulltext
+from hermes_store.ops import backup, pacing
+from hermes_store.schema import ddl, fulltext
 from hermes_store.uow.unit import UnitOfWork
 
-T = TypeVar("T")
-
-#: FTS5 'merge' work per unit (leaf pages written); a few ms of lock each on a 2-core machine.
+#: FTS5 'merge' work of a first step (leaf pages written); later steps follow the pace.
 MERGE_PAGES = 64
-#: Freed pages handed back to the file system per unit (``PRAGMA incremental_vacuum``).
-VACUUM_PAGES = 2048
+#: Pages one 'merge' statement writes at most: a step looks at its clock between statements.
+MERGE_STATEMENT_PAGES = 32
+MIN_MERGE_PAGES = 8
+MAX_MERGE_PAGES = 16_384
+#: Freed pages handed back by a first step (``PRAGMA incremental_vacuum``), then paced.
+VACUUM_PAGES = 256
+#: Pages freed between two looks at the step's clock.
+VACUUM_STATEMENT_PAGES = 64
+MIN_VACUUM_PAGES = 16
+MAX_VACUUM_PAGES = 1 << 20
 #: ``PRAGMA secure_delete`` values by number (0 off, 1 on, 2 fast).
 SECURE_DELETE_VALUES = {0: "0", 1: "1", 2: "2"}
 #: A guard against an index that never reports "done": plenty for a multi-GB index.
-MAX_STEPS = 100_000
+MAX_STEPS = 1_000_000
+#: Rows ``PRAGMA optimize``'s ANALYZE reads per index: its statistics in milliseconds, where a
+#: full ANALYZE of a multi-GB file held the write lock for tens of seconds.
+ANALYSIS_LIMIT = "PRAGMA analysis_limit=1000"
+NO_ANALYSIS_LIMIT = "PRAGMA analysis_limit=0"
+#: The full-text tables merged, the main one first.
+FTS_TABLES = (ddl.FTS_TABLE, ddl.CJK_TABLE)
+_MERGE = {table: fulltext.merge_statement(table) for table in FTS_TABLES}
+_LEAVES = {
+    ddl.FTS_TABLE: f"SELECT count(*) FROM {ddl.FTS_TABLE}_data",
+    ddl.CJK_TABLE: f"SELECT count(*) FROM {ddl.CJK_TABLE}_data",
+}
+#: Called after each step with (kind, work done): "merge" (pages), "vacuum" (pages freed) or
+#: "analyze"; for progress bars.
+OnStep = Callable[[str, int], None]
 
 
 @dataclass
@@ -67,6 +90,12 @@ class Report:
     pages_freed: int = 0
     longest_step_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: The file's free pages left after the job (SQLite; 0 elsewhere): what a file whose
+    #: ``auto_vacuum`` is not INCREMENTAL keeps for reuse.
+    free_pages: int = 0
+
+    def record(self, step: pacing.Step) -> None:
+        self.longest_step_s = max(self.longest_step_s, step.seconds)
 
 
 def database_bytes(uow: UnitOfWork) -> int:
@@ -90,36 +119,25 @@ def database_bytes(uow: UnitOfWork) -> int:
     return 0
 
 
-def _timed(report: Report, fn: Callable[[Connection], T]) -> Callable[[Connection], T]:
-    """``fn`` recording how long it ran inside its unit (the lock is held that long)."""
-
-    def unit(conn: Connection) -> T:
-        started = time.monotonic()
-        try:
-            return fn(conn)
-        finally:
-            report.longest_step_s = max(report.longest_step_s, time.monotonic() - started)
-
-    return unit
-
-
-def _merge_step(conn: Connection, secure_delete: bool = False, *, start: bool = False) -> bool:
-    """One bounded FTS5 merge; True while it still found work (FTS5 says "done" by changing
-    fewer than two rows). ``start``: begin a merge of every segment, as 'optimize' does (a
-    negative count); otherwise continue the merge in progress, or merge a level that has
-    ``usermerge`` segments."""
+def _merge_step(
+    conn: Connection, pages: int, *, table: str = ddl.FTS_TABLE, secure: bool, start: bool
+) -> bool:
+    """One FTS5 merge of about ``pages`` leaf pages written; True while it still found work
+    (FTS5 says "done" by changing fewer than two rows). ``start``: begin a merge of every
+    segment, as 'optimize' does (a negative count); otherwise continue the merge in progress,
+    or merge a level that has ``usermerge`` segments."""
     driver: Any = conn.connection.driver_connection
     before = driver.total_changes
-    with secure_deletes(conn, secure_delete):
-        fulltext.SQLITE.merge_step(conn, -MERGE_PAGES if start else MERGE_PAGES)
+    with secure_deletes(conn, secure):
+        conn.execute(sa.text(_MERGE[table]), {"pages": -pages if start else pages})
     return bool(driver.total_changes - before >= 2)
 
 
-def index_shape(conn: Connection) -> fulltext.IndexShape | None:
+def index_shape(conn: Connection, table: str = ddl.FTS_TABLE) -> fulltext.IndexShape | None:
     """The full-text index's levels and segments; :class:`NotADatabaseError` when its
     structure record is damaged (FTS5 would fail every statement on the table)."""
     try:
-        return fulltext.structure(conn)
+        return fulltext.structure(conn, table)
     except ValueError as error:
         raise NotADatabaseError(
             f"the full-text index is damaged (its structure record: {error}): run "
@@ -143,89 +161,201 @@ def secure_deletes(conn: Connection, on: bool = True) -> Iterator[None]:
             conn.exec_driver_sql(f"PRAGMA secure_delete={SECURE_DELETE_VALUES[previous]}")
 
 
+def _present_tables(conn: Connection) -> list[str]:
+    found = set(
+        conn.scalars(
+            sa.text("SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (:a, :b)"),
+            {"a": ddl.FTS_TABLE, "b": ddl.CJK_TABLE},
+        )
+    )
+    return [table for table in FTS_TABLES if table in found]
+
+
 def merge_index(
-    uow: UnitOfWork, report: Report | None = None, *, secure_delete: bool = False
+    uow: UnitOfWork,
+    report: Report | None = None,
+    *,
+    secure_delete: bool = False,
+    step_seconds: float = pacing.STEP_SECONDS,
+    step_log: pacing.StepLog | None = None,
+    pause: float | None = None,
+    on_step: OnStep | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Merge the full-text index's segments in bounded steps until it is compact.
+    """Merge each full-text index's segments in paced steps until it is compact.
 
     Deleted rows only leave an FTS5 index when the segments holding them are merged, so this
-    is also what makes pruned text disappear from the index. Returns the number of steps.
-    PostgreSQL: one unit that flushes the GIN pending lists and refreshes statistics.
+    is also what makes pruned text disappear from the index (the main index and the CJK one).
+    Each step is one write unit of at most about ``step_seconds`` (see
+    :mod:`hermes_store.ops.pacing`); ``stop``, once set, ends it between two steps. Returns
+    the number of steps. PostgreSQL: one unit that flushes the GIN pending lists and refreshes
+    statistics.
     """
+    bound = pacing.check_bound(step_seconds)
     report = report or Report(uow.engine.dialect.name, 0)
+    log = step_log if step_log is not None else pacing.StepLog()
     if not uow.is_sqlite:
-        uow.run(_timed(report, fulltext.POSTGRESQL.optimize))
+        pace = pacing.Pace("merge", 1, 1, 1, bound)
+
+        def flush(conn: Connection, _: pacing.Budget) -> tuple[None, int]:
+            fulltext.POSTGRESQL.optimize(conn)
+            return None, 1
+
+        _, step = pacing.run_step(uow, pace, log, flush)
+        report.record(step)
         report.merge_steps += 1
         return 1
-    # Writers keep adding small segments, so "no work left" may never come under load: the
-    # budget is what merging the index as it stands would take.
     with uow.connect(write=False) as conn:
-        leaves = fulltext.SQLITE.leaf_pages(conn)
-        shape = index_shape(conn)
-    # One start per job (see the module's docstring); the steps after it continue that merge.
-    start = shape is not None and shape.levels + 2 <= fulltext.DEEP_LEVELS
-    if shape is not None and not start:
-        report.notes.append(
-            f"the full-text index has {shape.levels} levels, so no full merge was started "
-            f"(each start adds levels; FTS5 fails past {fulltext.FTS5_MAX_STRUCTURE:,}): "
-            "`hermes-store doctor "
-            "--rebuild-index` makes it shallow again"
-        )
+        tables = _present_tables(conn)
+        plans = [
+            (table, int(conn.exec_driver_sql(_LEAVES[table]).scalar() or 0), shape)
+            for table in tables
+            for shape in [index_shape(conn, table)]
+        ]
     steps = 0
-    for _ in range(min(MAX_STEPS, leaves // MERGE_PAGES + 16)):
-        first = start and steps == 0
-        steps += 1
-        step = _timed(report, partial(_merge_step, secure_delete=secure_delete, start=first))
-        if not uow.run(step):
-            break
+    for table, leaves, shape in plans:
+        # One start per job (see the module's docstring); the steps after it continue it.
+        start = shape is not None and shape.levels + 2 <= fulltext.DEEP_LEVELS
+        if shape is not None and not start:
+            report.notes.append(
+                f"the full-text index {table} has {shape.levels} levels, so no full merge was "
+                f"started (each start adds levels; FTS5 fails past "
+                f"{fulltext.FTS5_MAX_STRUCTURE:,}): `hermes-store doctor --rebuild-index` "
+                "makes it shallow again"
+            )
+        pace = pacing.Pace("merge", MERGE_PAGES, MIN_MERGE_PAGES, MAX_MERGE_PAGES, bound)
+        # Writers keep adding small segments, so "no work left" may never come under load:
+        # the budget is what merging the index as it stands would take.
+        budget = leaves + 16 * MERGE_PAGES
+        done = 0
+        first = start
+        while steps < MAX_STEPS and done <= budget:
+            if stop is not None and stop.is_set():
+                break
+
+            def body(
+                conn: Connection, budget: pacing.Budget, table: str = table, start: bool = first
+            ) -> tuple[bool, int]:
+                pages = 0
+                while True:
+                    piece = max(1, min(MERGE_STATEMENT_PAGES, budget.size - pages))
+                    found = _merge_step(
+                        conn, piece, table=table, secure=secure_delete, start=start and not pages
+                    )
+                    pages += piece
+                    if not found or pages >= budget.size or not budget.left():
+                        return found, pages
+
+            found, step = pacing.run_step(uow, pace, log, body)
+            first = False
+            steps += 1
+            done += step.work
+            report.record(step)
+            if on_step is not None:
+                on_step("merge", step.work)
+            pacing.between_steps(uow, step, pause)
+            if not found:
+                break
     report.merge_steps += steps
     return steps
 
 
-def _vacuum_step(conn: Connection) -> int:
-    """Up to ``VACUUM_PAGES`` freed pages handed back. The statement frees one page per step
-    of it, and Python's driver steps a statement that returns no columns once and resets it
-    (so one execution freed one page: a transaction per page): it is run once per page."""
+def _vacuum_step(conn: Connection, pages: int) -> int:
+    """Up to ``pages`` freed pages handed back. The statement frees one page per step of
+    it, and Python's driver steps a statement that returns no columns once and resets it (so
+    one execution freed one page: a transaction per page): it is run once per page."""
     before = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
     if before <= 0:
         return 0
     driver: Any = conn.connection.driver_connection
     cursor = driver.cursor()
     try:
-        cursor.executemany("PRAGMA incremental_vacuum", [()] * min(before, VACUUM_PAGES))
+        cursor.executemany("PRAGMA incremental_vacuum", [()] * min(before, pages))
     finally:
         cursor.close()
     after = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
     return before - after
 
 
-def optimize(uow: UnitOfWork) -> Report:
+def _analyze_step(conn: Connection, _: pacing.Budget) -> tuple[None, int]:
+    """``PRAGMA optimize`` with ANALYZE reading a sample of each index (bounded)."""
+    conn.exec_driver_sql(ANALYSIS_LIMIT)
+    try:
+        conn.exec_driver_sql("PRAGMA optimize")
+    finally:
+        conn.exec_driver_sql(NO_ANALYSIS_LIMIT)
+    return None, 1
+
+
+def free_space(uow: UnitOfWork) -> tuple[int, int, int]:
+    """(``auto_vacuum`` mode, free pages, page size) of a SQLite database."""
+    with uow.connect(write=False) as conn:
+        mode = int(conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() or 0)
+        free = int(conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
+        size = int(conn.exec_driver_sql("PRAGMA page_size").scalar() or 4096)
+    return mode, free, size
+
+
+def optimize(
+    uow: UnitOfWork,
+    *,
+    step_seconds: float = pacing.STEP_SECONDS,
+    step_log: pacing.StepLog | None = None,
+    pause: float | None = None,
+    on_step: OnStep | None = None,
+) -> Report:
     """Compact what can be compacted online, one short write unit at a time.
 
-    SQLite: merge the full-text index, ``PRAGMA optimize`` (statistics for the planner), give
-    freed pages back with ``incremental_vacuum`` when the file allows it (``auto_vacuum`` is
-    INCREMENTAL: :func:`vacuum_offline` turns it on), then a PASSIVE checkpoint. PostgreSQL:
-    the GIN pending lists and ``ANALYZE``; autovacuum returns the space.
+    SQLite: merge the full-text indexes, ``PRAGMA optimize`` (statistics for the planner, from
+    a sample), give freed pages back with ``incremental_vacuum`` when the file allows it
+    (``auto_vacuum`` is INCREMENTAL: :func:`vacuum_offline` turns it on), each step sized to
+    hold the write lock about ``step_seconds`` at most and followed by a PASSIVE checkpoint
+    (see :mod:`hermes_store.ops.pacing`). PostgreSQL: the GIN pending lists and ``ANALYZE``;
+    autovacuum returns the space.
     """
+    bound = pacing.check_bound(step_seconds)
+    log = step_log if step_log is not None else pacing.StepLog()
     report = Report(uow.engine.dialect.name, database_bytes(uow))
-    merge_index(uow, report)
+    merge_index(uow, report, step_seconds=bound, step_log=log, pause=pause, on_step=on_step)
     if uow.is_sqlite:
-        uow.run(_timed(report, lambda conn: conn.exec_driver_sql("PRAGMA optimize")))
-        with uow.connect(write=False) as conn:
-            auto_vacuum = int(conn.exec_driver_sql("PRAGMA auto_vacuum").scalar() or 0)
+        _, step = pacing.run_step(uow, pacing.Pace("analyze", 1, 1, 1, bound), log, _analyze_step)
+        report.record(step)
+        if on_step is not None:
+            on_step("analyze", 1)
+        pacing.between_steps(uow, step, pause)
+        auto_vacuum, free, page_size = free_space(uow)
         if auto_vacuum == 2:
-            for _ in range(MAX_STEPS):
-                freed = uow.run(_timed(report, _vacuum_step))
+            pace = pacing.Pace("vacuum", VACUUM_PAGES, MIN_VACUUM_PAGES, MAX_VACUUM_PAGES, bound)
+
+            def body(conn: Connection, budget: pacing.Budget) -> tuple[int, int]:
+                freed = 0
+                while True:
+                    piece = max(1, min(VACUUM_STATEMENT_PAGES, budget.size - freed))
+                    now = _vacuum_step(conn, piece)
+                    freed += now
+                    if now < piece or freed >= budget.size or not budget.left():
+                        return freed, freed
+
+            # Bounded by the free pages found now: writers beside the job free pages too.
+            while report.pages_freed < free + MAX_VACUUM_PAGES and report.vacuum_steps < MAX_STEPS:
+                freed, step = pacing.run_step(uow, pace, log, body)
                 report.vacuum_steps += 1
                 report.pages_freed += freed
+                report.record(step)
+                if on_step is not None:
+                    on_step("vacuum", freed)
+                pacing.between_steps(uow, step, pause)
                 if freed <= 0:
                     break
-        else:
+        elif free:
             report.notes.append(
-                "auto_vacuum is not INCREMENTAL, so freed pages stay in the file for reuse; "
-                "`hermes-store db optimize --vacuum` (with every other process stopped) "
-                "rewrites the file and turns it on"
+                f"{free * page_size:,} bytes of free pages stay in the file for reuse: its "
+                "auto_vacuum is not INCREMENTAL (it was created by the original store or an "
+                "older release), which only a full rewrite can change. Run `hermes-store db "
+                "optimize --vacuum` once, with every agent and gateway using the file stopped; "
+                "from then on `db optimize` returns freed pages online"
             )
+        report.free_pages = free_space(uow)[1]
         if not uow.checkpoint():
             report.notes.append("the WAL checkpoint did not run; it is retried by later writes")
     else:
@@ -279,15 +409,7 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     connection = files.connect_sqlite(path, timeout=0)
     try:
         with mapped_errors():
-            connection.execute("PRAGMA locking_mode=EXCLUSIVE")
-            try:
-                connection.execute("BEGIN EXCLUSIVE")
-            except sqlite3.OperationalError as error:
-                raise DatabaseLockedError(
-                    f"{path} is open in another process or connection: stop every agent, "
-                    "gateway and job using it before a full vacuum (or run `hermes-store db "
-                    "optimize` without --vacuum, which works online)"
-                ) from error
+            _take_alone(connection, path)
             connection.execute("COMMIT")
             damage = _damage(connection)
             if damage:
@@ -304,3 +426,101 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     finally:
         connection.close()
     return before, size()
+
+
+def _size(path: Path) -> int:
+    wal = Path(f"{path}-wal")
+    return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+
+def _take_alone(connection: sqlite3.Connection, path: Path) -> None:
+    """SQLite's exclusive lock on the file, in an open transaction; :class:`DatabaseLockedError`
+    at once when any other connection (any process) has the file open: in WAL mode each one
+    holds a shared lock on it for as long as it is open."""
+    connection.execute("PRAGMA locking_mode=EXCLUSIVE")
+    try:
+        connection.execute("BEGIN EXCLUSIVE")
+    except sqlite3.OperationalError as error:
+        raise DatabaseLockedError(
+            f"{path} is open in another process or connection: stop every agent, gateway and "
+            "job using it before a full vacuum (or run `hermes-store db optimize` without "
+            "--vacuum, which works online)"
+        ) from error
+
+
+def vacuum_swap(path: Path) -> tuple[int, int]:
+    """A compacted copy of a SQLite file swapped in for it: the file is never rewritten in
+    place. Turns on incremental vacuum in the copy.
+
+    ``VACUUM INTO`` writes the copy beside the file from one read snapshot while other
+    processes may still be writing; the copy is checked (:func:`backup.check_snapshot`). Then
+    the swap needs the file to itself: it takes SQLite's exclusive lock, which fails at once
+    while any other connection (any process) has the file open, and refuses with
+    :class:`DatabaseLockedError` then, or when anything was committed after the snapshot
+    (``PRAGMA data_version`` moved): nothing is changed, the copy is removed. Under the lock
+    the old file leaves WAL mode (its WAL checkpointed and removed, so nothing of it is left
+    under the names the new file's WAL and shared memory take) and the copy, flushed to disk,
+    is renamed over it: a crash leaves the old file or the new one, each whole. Returns bytes
+    before and after (the WAL included).
+    """
+    if not path.exists():
+        raise InvalidInputError(f"there is no database at {path}")
+    real = Path(os.path.realpath(path))  # a symlink stays a symlink to the new file
+    before = _size(real)
+    probe = files.connect_sqlite(real, timeout=0)
+    try:  # the cheap refusal first: a copy of a file in use would be made for nothing
+        with mapped_errors():
+            _take_alone(probe, path)
+            probe.execute("ROLLBACK")
+    finally:
+        probe.close()
+    partial = real.parent / f".{real.name}.compact-{secrets.token_hex(6)}"
+    if not create_private_file(partial):  # a random name: planted (a link?) or left
+        raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
+    connection = files.connect_sqlite(real, timeout=0)
+    try:
+        with mapped_errors():
+            version = connection.execute("PRAGMA data_version").fetchone()[0]
+            connection.execute("PRAGMA auto_vacuum=INCREMENTAL")  # the copy's mode
+            connection.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
+            problems = backup.check_snapshot(partial)
+            if problems:
+                raise NotADatabaseError(
+                    f"{path} was not swapped: its compacted copy failed the checks "
+                    f"({'; '.join(problems[:3])}). Run `hermes-store doctor`"
+                )
+            for sidecar in files.sidecars(partial):  # left by the checks' connection, if any
+                sidecar.unlink()
+            _take_alone(connection, path)
+            if connection.execute("PRAGMA data_version").fetchone()[0] != version:
+                connection.execute("ROLLBACK")
+                raise DatabaseLockedError(
+                    f"{path} was written while its compacted copy was made, so the copy is "
+                    "not swapped in: stop every process using it and run this again"
+                )
+            connection.execute("COMMIT")  # the exclusive lock stays (locking_mode)
+            connection.execute("PRAGMA journal_mode=DELETE")
+            for sidecar in files.sidecars(real):  # a stale -shm: nobody else has the file
+                sidecar.unlink()
+            copy = files.connect_sqlite(partial)
+            try:
+                copy.execute("PRAGMA journal_mode=WAL")
+            finally:
+                copy.close()
+            for sidecar in files.sidecars(partial):
+                sidecar.unlink()
+            descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                os.fsync(descriptor)  # our own copy, not yet the database: no lock to lose
+            finally:
+                os.close(descriptor)
+            os.replace(partial, real)
+            folder = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+    finally:
+        connection.close()  # the old inode, in rollback-journal mode: no side file by name
+        partial.unlink(missing_ok=True)
+    return before, _size(real)

@@ -4,36 +4,45 @@ One function, :func:`candidates`, says which sessions a policy selects; the stor
 ``prune_sessions``, the CLI's ``--dry-run`` preview and the periodic :func:`run` all use it, so a
 preview lists exactly what a prune deletes.
 
-:func:`run` deletes in chunks, each its own write unit (``BEGIN IMMEDIATE`` on SQLite), so a
-writer never waits behind more than one chunk. Each chunk re-selects its candidates inside the
-locked transaction, so two jobs racing (two cron entries, two machines on one PostgreSQL) delete
-every session once and their reported counts add up to what was deleted.
+:func:`run` deletes in steps, each its own write unit (``BEGIN IMMEDIATE`` on SQLite) sized to
+hold the write lock for a bounded time (:mod:`hermes_store.ops.pacing`), so a writer never waits
+behind more than one step. Each step re-selects its candidates inside the locked transaction, so
+two jobs racing (two cron entries, two machines on one PostgreSQL) delete every session once and
+their reported counts add up to what was deleted. :func:`maybe_run` runs a policy by itself, at
+most once a day across processes.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
+import stat
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import CompoundSelect, Select
 
-from hermes_store.errors import InvalidInputError
-from hermes_store.ops import maintenance
+from hermes_store.engine.factory import sqlite_file
+from hermes_store.errors import InvalidInputError, UnsafePathError
+from hermes_store.ops import maintenance, pacing
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
 from hermes_store.uow.unit import UnitOfWork
 
-#: Sessions per write unit: small enough that a chunk holds the write lock for milliseconds.
+log = logging.getLogger(__name__)
+
+#: The most sessions one step (write unit) considers; how much text it deletes is paced.
 DEFAULT_CHUNK = 200
-#: Pause after each chunk (SQLite): longer than a waiting writer's longest poll interval
-#: (SQLite's busy handler polls every 100 ms at most; the Unit of Work's jitter is <= 150 ms),
-#: so a writer queued behind a chunk gets the lock before the job's next chunk.
-YIELD_S = 0.16
 #: The largest chunk accepted: beyond it one unit would hold the write lock too long.
 MAX_CHUNK = 5000
 
@@ -151,13 +160,101 @@ def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
 
 @dataclass
 class Report:
-    """What a retention run did."""
+    """What a retention run did. ``chunks``: the steps (write units) that deleted something;
+    ``largest_chunk``: the most sessions one of them deleted; ``longest_step_s``: the longest
+    any step held the write lock (first statement to commit)."""
 
     sessions: int = 0
     messages: int = 0
     chunks: int = 0
     largest_chunk: int = 0
     index_merged: bool = False
+    longest_step_s: float = 0.0
+
+
+#: What deleting a message costs beside its text (its row, its index entries, the full-text
+#: delete record), counted as characters of text: a step's size is characters deleted.
+ROW_COST = 512
+#: A first step deletes this much (then the pace follows what steps measure).
+FIRST_STEP_CHARS = 256 * 1024
+#: The least a step deletes: a few milliseconds of work beside its commit, so a step that
+#: took long (a stalled machine) does not leave the job crawling at one message a step.
+MIN_STEP_CHARS = 64 * 1024
+MAX_STEP_CHARS = 1 << 30
+#: Messages read at a time while a step picks what fits in it.
+ROWS_PER_READ = 500
+#: Messages one DELETE statement removes at most (by count and by characters): the step
+#: looks at its clock between statements.
+GROUP_ROWS = 64
+GROUP_CHARS = 64 * 1024
+_SIZES = (
+    select(M.c.id, func.coalesce(func.length(M.c.content), 0))
+    .where(M.c.session_id == sa.bindparam("sid"))
+    .order_by(M.c.id)
+    .limit(sa.bindparam("rows"))
+)
+_DELETE_MESSAGES = delete(M).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
+_GONE = sa.bindparam("gone", type_=sa.Integer)
+_SHRINK_COUNT = (
+    update(S)
+    .where(S.c.id == sa.bindparam("sid"))
+    .values(message_count=sa.case((S.c.message_count > _GONE, S.c.message_count - _GONE), else_=0))
+)
+
+
+@dataclass
+class _Deleted:
+    sessions: int = 0
+    messages: int = 0
+    found: bool = False
+    characters: int = 0
+
+
+def _delete_within(conn: Connection, ids: Sequence[str], budget: pacing.Budget) -> _Deleted:
+    """Delete the sessions ``ids`` (oldest first) and their messages, up to ``budget.size``
+    characters of text and while the budget's clock allows (at least one message, so every
+    step progresses), a few dozen messages per statement. A session whose messages do not
+    all fit loses its oldest ones here and its ``message_count`` says so; the next step,
+    which selects it again, deletes the rest and it."""
+    done = _Deleted(found=bool(ids))
+
+    def spent() -> bool:
+        return bool(done.characters) and (done.characters >= budget.size or not budget.left())
+
+    for sid in ids:
+        gone = 0
+        while True:
+            rows = conn.execute(_SIZES, {"sid": sid, "rows": ROWS_PER_READ}).all()
+            group: list[int] = []
+            group_chars = 0
+            stopped = False
+            for message_id, size in rows:
+                if spent():
+                    stopped = True
+                    break
+                cost = int(size) + ROW_COST
+                group.append(int(message_id))
+                group_chars += cost
+                done.characters += cost
+                if len(group) >= GROUP_ROWS or group_chars >= GROUP_CHARS:
+                    gone += int(conn.execute(_DELETE_MESSAGES, {"ids": group}).rowcount)
+                    group, group_chars = [], 0
+            if group:
+                gone += int(conn.execute(_DELETE_MESSAGES, {"ids": group}).rowcount)
+            if stopped:  # the budget ends inside this session
+                done.messages += gone
+                if gone:
+                    conn.execute(_SHRINK_COUNT, {"sid": sid, "gone": gone})
+                return done
+            if len(rows) < ROWS_PER_READ:
+                break
+        sessions, messages = delete_sessions(conn, [sid])
+        done.sessions += sessions
+        done.messages += gone + messages
+        done.characters += ROW_COST
+        if spent():
+            break
+    return done
 
 
 def run(
@@ -170,46 +267,70 @@ def run(
     now: float | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
     pause: float | None = None,
+    step_seconds: float = pacing.STEP_SECONDS,
+    step_log: pacing.StepLog | None = None,
+    stop: threading.Event | None = None,
 ) -> Report:
-    """Delete what ``policy`` selects, ``chunk`` sessions per write unit, until none is left.
+    """Delete what ``policy`` selects, in steps that each hold the write lock for about
+    ``step_seconds`` at most (see :mod:`hermes_store.ops.pacing`), until none is left.
 
-    The cutoff is fixed when the run starts. ``secure_delete`` (SQLite) overwrites the freed
-    pages with zeros, so deleted text does not linger in the file's free pages; ``merge_index``
-    then compacts the full-text index in bounded steps so the deleted words leave its segments
-    too (see :func:`hermes_store.ops.maintenance.merge_index`). ``on_chunk(sessions, messages)``
-    is called after each committed chunk (progress bars). ``pause`` (default
-    :data:`YIELD_S` on SQLite, 0 on PostgreSQL, whose row locks queue nobody behind the whole
-    table) is slept between chunks so writers waiting for SQLite's one write lock go first.
+    A step re-selects at most ``chunk`` candidates inside its locked transaction and deletes
+    as much of their text as the pace says fits; a session with more than that loses its
+    oldest messages first and goes in a later step. The cutoff is fixed when the run starts.
+    ``secure_delete`` (SQLite) overwrites the freed pages with zeros, so deleted text does not
+    linger in the file's free pages; ``merge_index`` then compacts the full-text index in
+    bounded steps so the deleted words leave its segments too (see
+    :func:`hermes_store.ops.maintenance.merge_index`). ``on_chunk(sessions, messages)`` is
+    called after each committed step (progress bars). Between steps the WAL is checkpointed
+    and the job pauses (``pause`` seconds; default: half the step's hold on SQLite, none on
+    PostgreSQL) so waiting writers go first. ``step_log`` receives every step. ``stop``, once
+    set, ends the run after the step in progress (what was committed stays deleted).
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
         raise InvalidInputError(f"chunk must be a whole number from 1 to {MAX_CHUNK}")
-    if pause is None:
-        pause = YIELD_S if uow.is_sqlite else 0.0
+    bound = pacing.check_bound(step_seconds)
+    if pause is not None and (
+        isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause <= 10
+    ):
+        raise InvalidInputError("pause must be a number of seconds from 0 to 10")
+    steps = step_log if step_log is not None else pacing.StepLog()
     started = time.time() if now is None else now
     select_chunk = candidates(policy, started).limit(chunk)
     report = Report()
+    pace = pacing.Pace("prune", FIRST_STEP_CHARS, MIN_STEP_CHARS, MAX_STEP_CHARS, bound)
 
-    def unit(conn: Connection) -> tuple[list[str], int, int]:
+    def body(conn: Connection, budget: pacing.Budget) -> tuple[_Deleted, int]:
         with maintenance.secure_deletes(conn, secure_delete):
-            ids = list(conn.scalars(select_chunk))
-            sessions, messages = delete_sessions(conn, ids)
-        return ids, sessions, messages
+            done = _delete_within(conn, list(conn.scalars(select_chunk)), budget)
+        return done, done.characters
 
     while True:
-        ids, sessions, messages = uow.run(unit)
-        if not ids:
+        if stop is not None and stop.is_set():
+            return report
+        done, step = pacing.run_step(uow, pace, steps, body)
+        if not done.found:
             break
         report.chunks += 1
-        report.sessions += sessions
-        report.messages += messages
-        report.largest_chunk = max(report.largest_chunk, sessions)
+        report.sessions += done.sessions
+        report.messages += done.messages
+        report.largest_chunk = max(report.largest_chunk, done.sessions)
+        report.longest_step_s = max(report.longest_step_s, step.seconds)
         if on_chunk is not None:
-            on_chunk(sessions, messages)
-        if pause > 0:
-            time.sleep(pause)  # not synchronisation: leave the write lock to queued writers
-    if merge_index and report.sessions:
-        maintenance.merge_index(uow, secure_delete=secure_delete)
+            on_chunk(done.sessions, done.messages)
+        pacing.between_steps(uow, step, pause)
+    if merge_index and report.sessions and not (stop is not None and stop.is_set()):
+        merged = maintenance.Report(uow.engine.dialect.name, 0)
+        maintenance.merge_index(
+            uow,
+            merged,
+            secure_delete=secure_delete,
+            step_seconds=bound,
+            step_log=steps,
+            pause=pause,
+            stop=stop,
+        )
         report.index_merged = True
+        report.longest_step_s = max(report.longest_step_s, merged.longest_step_s)
     return report
 
 
@@ -218,3 +339,148 @@ def would_delete(uow: UnitOfWork, policy: Policy, now: float | None = None) -> l
     ``uow``: :func:`preview`'s rows, for a dry run or the question before a prune."""
     with uow.connect(write=False) as conn:
         return preview(conn, policy, now)
+
+
+# -- retention that runs by itself ---------------------------------------------------------------
+
+#: How often a policy runs by itself at most (seconds): once a day.
+EVERY_S = 86400.0
+#: Beside a SQLite database: when its policy last started, which process, what it deleted.
+MARKER_SUFFIX = "-retention"
+
+
+def marker_for(uow: UnitOfWork) -> Path:
+    """Where the last run of a database's policy is recorded: beside its SQLite file (the
+    file a symlink names). A server or an in-memory database has no such place: pass a path
+    (:class:`InvalidInputError` otherwise)."""
+    path = sqlite_file(uow.engine.url)
+    if path is None:
+        raise InvalidInputError(
+            "retention that runs by itself keeps its last run in a file beside the database: "
+            "pass marker=PATH for a server or an in-memory database (or schedule "
+            "`hermes-store sessions prune` with cron)"
+        )
+    return Path(f"{os.path.realpath(path)}{MARKER_SUFFIX}")
+
+
+def _read_marker(fd: int) -> dict[str, Any]:
+    raw = os.pread(fd, 64 * 1024, 0)
+    try:
+        record = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+    except (UnicodeDecodeError, ValueError):
+        log.warning("retention marker unreadable (%d bytes): taken as never run", len(raw))
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_marker(fd: int, record: dict[str, Any]) -> None:
+    data = json.dumps(record, sort_keys=True).encode("utf-8")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+@contextmanager
+def _locked_marker(marker: Path) -> Iterator[int]:
+    """The marker file, created owner-only, under an exclusive ``flock`` (held for the
+    microseconds a claim takes, so waiting is fine); never through a symbolic link."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(marker, flags, 0o600)
+    except OSError as error:
+        raise UnsafePathError(f"cannot open the retention marker {marker}: {error}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePathError(f"the retention marker {marker} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def claim(marker: Path, *, now: float | None = None, every: float = EVERY_S) -> bool:
+    """Record a run starting now unless one started less than ``every`` seconds ago: True
+    when this caller may run. Atomic across processes and threads (the check and the write
+    happen under one ``flock`` of the marker), so of many processes opening the database at
+    once exactly one runs the policy."""
+    now = time.time() if now is None else now
+    with _locked_marker(marker) as fd:
+        record = _read_marker(fd)
+        last = record.get("started_at")
+        if isinstance(last, int | float) and not isinstance(last, bool) and now - last < every:
+            return False
+        _write_marker(fd, {"started_at": now, "pid": os.getpid()})
+    return True
+
+
+def last_run(marker: Path) -> dict[str, Any]:
+    """What the marker records (empty: never run): ``started_at``, ``pid``, and once the run
+    ended ``finished_at``, ``sessions``, ``messages``."""
+    if not marker.exists():
+        return {}
+    with _locked_marker(marker) as fd:
+        return _read_marker(fd)
+
+
+def maybe_run(
+    uow: UnitOfWork,
+    policy: Policy,
+    *,
+    marker: Path | None = None,
+    now: float | None = None,
+    every: float = EVERY_S,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> Report | None:
+    """Run ``policy`` (:func:`run`, then the index merge) unless it started less than
+    ``every`` seconds ago in any process; None when it did not run. The start is recorded
+    before the run (:func:`claim`), so a run cut short (``stop`` set, the process ended)
+    waits for the next day like a finished one, having kept every step it committed."""
+    marker = marker_for(uow) if marker is None else marker
+    if not claim(marker, now=now, every=every):
+        return None
+    report = run(uow, policy, now=now, merge_index=True, stop=stop, **options)
+    with _locked_marker(marker) as fd:
+        record = _read_marker(fd)
+        record.update(
+            finished_at=time.time(),
+            sessions=report.sessions,
+            messages=report.messages,
+            stopped=bool(stop is not None and stop.is_set()),
+        )
+        _write_marker(fd, record)
+    return report
+
+
+class Background:
+    """:func:`maybe_run` in a daemon thread, for a store opened with a retention policy: the
+    agent's work goes on while old sessions go, a step at a time. :meth:`stop` ends it between
+    two steps and waits for it (the store's ``close``)."""
+
+    def __init__(self, uow: UnitOfWork, policy: Policy, marker: Path | None = None) -> None:
+        self.marker = marker_for(uow) if marker is None else marker
+        self.report: Report | None = None
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(uow, policy), name="hermes-retention", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, uow: UnitOfWork, policy: Policy) -> None:
+        try:
+            self.report = maybe_run(uow, policy, marker=self.marker, stop=self._stop)
+        except Exception as error:  # kept and logged: no caller is there to raise to
+            self.error = error
+            log.error("retention run failed: %s", error)
+        finally:
+            self.done.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the run to end after its current step; wait up to ``timeout`` seconds."""
+        self._stop.set()
+        self._thread.join(timeout)

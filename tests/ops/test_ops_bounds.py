@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 
 from hermes_store import SessionDB
 from hermes_store.cli import cli
-from hermes_store.ops import backup, maintenance, retention
+from hermes_store.ops import backup, maintenance, pacing, retention
 
 DEADLINE = 120.0  # a hang guard only
 
@@ -154,19 +154,17 @@ def test_writers_wait_for_one_optimize_step_then_get_in_before_the_next(
     with SessionDB(path) as store:
         _fill(store, 30, 5)
     freeze = _Freeze(2)
-    timed = maintenance._timed
+    run_step = pacing.run_step
 
-    def frozen_timed(report: maintenance.Report, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        unit = timed(report, fn)
-
-        def frozen(conn: Any) -> Any:
-            result = unit(conn)
+    def frozen_run_step(uow: Any, pace: Any, log: Any, body: Callable[..., Any]) -> Any:
+        def frozen(conn: Any, size: int) -> Any:
+            result = body(conn, size)
             freeze()  # inside the step's write unit, before it commits
             return result
 
-        return frozen
+        return run_step(uow, pace, log, frozen)
 
-    monkeypatch.setattr(maintenance, "_timed", frozen_timed)
+    monkeypatch.setattr(pacing, "run_step", frozen_run_step)
     job_store, writers = SessionDB(path), SessionDB(path)
     job = _Thread(lambda: maintenance.optimize(job_store.uow))
     writer = _Thread(lambda: writers.append_message("s0001", "user", "during optimize"))

@@ -63,8 +63,9 @@ class _Job(threading.Thread):
 
     def run(self) -> None:
         try:
+            # A generous step bound: each chunk is one session, however long it is frozen.
             self.report = retention.run(
-                self.store.uow, retention.Policy(-1), chunk=1, **self.options
+                self.store.uow, retention.Policy(-1), chunk=1, step_seconds=10, **self.options
             )
         except BaseException as error:
             self.error = error

@@ -91,10 +91,12 @@ def _damage_structure(path: Path) -> None:
 
 @pytest.mark.slow
 def test_merge_steps_interleaved_with_appends_keep_the_index_sound(
-    history: Path, tmp_path: Path
+    history: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Deterministic: another process appends one message through SessionDB after every step
-    of the job (lock-step over a pipe)."""
+    of the job (lock-step over a pipe). Every step merges ``MERGE_PAGES`` pages, as the job
+    did when it broke the index (its pace would otherwise make the steps larger and fewer)."""
+    monkeypatch.setattr(maintenance, "MAX_MERGE_PAGES", maintenance.MERGE_PAGES)
     path = _copy(history, tmp_path / "state.db")
     context = mp.get_context("spawn")
     pipe, child = context.Pipe()

@@ -286,6 +286,16 @@ FILE_ACCESS_ALLOWED = {
     "destination checked not to be the database, a sidecar, or a file with -wal/-shm beside it",
     ("app.py", "os.open"): "the CLI: os.devnull, standing in for a stdout whose reader left",
     ("files.py", "read_text"): "/proc/locks, the kernel's list of locks: whom a writer waits for",
+    ("maintenance.py", "os.open"): "vacuum_swap: a read-only descriptor on its own compacted "
+    "copy (0600, not yet the database) to fsync it, and the folder (O_DIRECTORY) to fsync the "
+    "rename; never the database",
+    ("maintenance.py", "os.replace"): "vacuum_swap: renames its own checked copy onto the "
+    "database while holding the database's exclusive lock (nobody else has it open) after the "
+    "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
+    ("retention.py", "os.open"): "<db>-retention, the retention policy's marker (0600, "
+    "O_NOFOLLOW, refused unless a regular file); never the database",
+    ("health.py", "shutil.rmtree"): "doctor --full: removes its own mkdtemp folder holding the "
+    "snapshot copy it checked; never the database's folder",
 }
 _FILE_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text"}
 _OS_CALLS = {"open", "replace", "rename", "link", "unlink", "remove", "truncate"}
