@@ -482,6 +482,10 @@ SQL_INTERPOLATION_ALLOWED = {
     ): "int from a setting (the env value or the argument)",
     ("ops/maintenance.py", "SECURE_DELETE_VALUES[previous]"): "a value of a constant table",
     ("schema/ddl.py", "name"): "loop over the constant FTS_TRIGGERS",
+    ("schema/ddl.py", "cjk_matches('?2')"): "the CJK condition over a literal placeholder",
+    ("schema/fulltext.py", "ddl.FTS_TRIGGERS[0]"): "a trigger name: a ddl constant",
+    ("schema/fulltext.py", "ddl.CJK_TRIGGERS[0]"): "a trigger name: a ddl constant",
+    ("schema/fulltext.py", "ddl.cjk_matches('m.content')"): "the CJK condition over a column",
     ("schema/steps.py", "name"): "index name read from sqlite_master, quoted",
     ("transfer.py", "sequence"): "pg_get_serial_sequence('messages', 'id'): a quoted catalog name",
     (
