@@ -23,7 +23,7 @@ Contenders:
 ``--ours LABEL=DIR`` (repeatable) runs hermes_store from other checkouts instead of this one:
 each run's process gets ``PYTHONPATH=DIR`` and imports that checkout's ``hermes_store`` before
 this checkout's ``bench`` and ``tests`` come into view, so two checkouts meet in the same
-interleaved rounds (``--ours main=/work/main --ours new=.``); the later ones also get ratios
+interleaved rounds (``--ours main=../main --ours new=.``); the later ones also get ratios
 to the first.
 
 Sets (``--ops`` = operations per thread at 8x4; every set does about as many writes):

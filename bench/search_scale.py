@@ -1,6 +1,6 @@
 """Search at scale: the 1M-message rows of the search issue, in one short run.
 
-    .venv/bin/python -m bench.search_scale --db /work/bench-cache/bench-1m.db [--pg URL]
+    .venv/bin/python -m bench.search_scale --db ~/bench-cache/bench-1m.db [--pg URL]
 
 ``--db`` is a database built by ``bench.run`` (or ``bench/build.py``) at the wanted size; it is
 reused, never rebuilt, so build it once (about 5 minutes for 1M messages on 2 cores) and keep
