@@ -539,6 +539,7 @@ class AsyncSessionDB:
         from hermes_store.engine.factory import (
             install_liveness_check,
             install_pooler_guard,
+            install_read_only_names,
             psycopg_options,
             register_origin,
         )
@@ -561,6 +562,8 @@ class AsyncSessionDB:
         sync_engine = self._engine.sync_engine
         install_liveness_check(sync_engine)
         install_pooler_guard(sync_engine)
+        # A transaction block's write refused by a standby says so, as SessionDB's do.
+        install_read_only_names(sync_engine)
         register_origin(sync_engine, url, kwargs.get("connect_args", {}))
         self._owns_engine = True
         return self._engine

@@ -14,6 +14,7 @@ primary stopped in immediate mode, then the standby promoted.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import logging
@@ -32,7 +33,13 @@ from click.testing import CliRunner
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from hermes_store import ReadOnlyDatabaseError, RetryPolicy, SchemaBehindError, SessionDB
+from hermes_store import (
+    AsyncSessionDB,
+    ReadOnlyDatabaseError,
+    RetryPolicy,
+    SchemaBehindError,
+    SessionDB,
+)
 from hermes_store.cli import cli as cli_main
 from hermes_store.schema import migrate
 from tests.conftest import url_string
@@ -281,7 +288,7 @@ def test_a_store_on_a_read_only_server_never_migrates_and_says_why_writes_fail(
     with SessionDB(pair.primary.url) as db:
         db.create_session("standby-read", "cli")
         db.append_message("standby-read", "user", "written on the primary")
-    pair.wait_received()
+    pair.wait_replayed()
     standby = pair.standby.url
     with caplog.at_level(logging.WARNING, logger="hermes_store"), SessionDB(standby) as db:
         assert "read-only standby" in caplog.text
@@ -302,7 +309,7 @@ def test_a_store_on_a_read_only_server_never_migrates_and_says_why_writes_fail(
     pair.query(pair.primary, "CREATE DATABASE behind")
     older = migrate.revision_for_version(5)
     migrate.upgrade(pair.primary.database_url("behind"), older)
-    pair.wait_received()
+    pair.wait_replayed()
     behind = pair.standby.database_url("behind")
     with pytest.raises(SchemaBehindError, match="read-only standby") as refused:
         SessionDB(behind)
@@ -318,6 +325,33 @@ def test_a_store_on_a_read_only_server_never_migrates_and_says_why_writes_fail(
         assert db.list_sessions_rich() == []
         with pytest.raises(ReadOnlyDatabaseError, match="default_transaction_read_only"):
             db.create_session("refused", "cli")
+
+
+@pytest.mark.slow
+def test_an_async_store_on_a_standby_says_why_its_writes_fail(pair: Pair) -> None:
+    """AsyncSessionDB's writes on a standby, transaction blocks included, name the cause as
+    SessionDB's do, not the server's "cannot execute ... in a read-only transaction"."""
+    with SessionDB(pair.primary.url) as db:
+        db.create_session("standby-async", "cli")
+    pair.wait_replayed()
+    standby_says = "the server is a read-only standby"
+
+    async def main() -> None:
+        async with AsyncSessionDB(pair.standby.url) as adb:
+            assert (await adb.get_session("standby-async")) is not None
+            with pytest.raises(ReadOnlyDatabaseError, match=standby_says):
+                async with adb.transaction():
+                    await adb.append_message("standby-async", "user", "refused")
+            with pytest.raises(ReadOnlyDatabaseError, match=standby_says):
+                async with adb.transaction():
+                    await adb.create_session("standby-async-new", "cli")
+            with pytest.raises(ReadOnlyDatabaseError, match=standby_says):
+                await adb.append_message("standby-async", "user", "refused")
+            with pytest.raises(ReadOnlyDatabaseError, match=standby_says):
+                await adb.update_token_counts("standby-async", input_tokens=1)
+            assert await adb.get_messages("standby-async") == []
+
+    asyncio.run(main())
 
 
 def test_doctor_on_a_server_without_standbys_says_a_failover_has_nothing_to_promote(

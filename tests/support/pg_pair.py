@@ -231,17 +231,20 @@ class Pair:
 
     def wait_received(self) -> None:
         """Until the standby has flushed every WAL record the primary wrote so far."""
+        self._wait_standby_at("flush_lsn", "flush")
+
+    def wait_replayed(self) -> None:
+        """Until the standby has applied every WAL record the primary wrote so far, so reads
+        on it see them (flushed is not yet visible: a database just created may be missing)."""
+        self._wait_standby_at("replay_lsn", "replay")
+
+    def _wait_standby_at(self, column: str, what: str) -> None:
         lsn = self.query(self.primary, "SELECT pg_current_wal_lsn()::text")[0][0]
+        # column is one of pg_stat_replication's own LSN columns, named by the callers above.
+        sql = f"SELECT count(*) FROM pg_stat_replication WHERE {column} >= %s::pg_lsn"
         wait_for(
-            lambda: (
-                self.query(
-                    self.primary,
-                    "SELECT count(*) FROM pg_stat_replication WHERE flush_lsn >= %s::pg_lsn",
-                    (lsn,),
-                )
-                == [(1,)]
-            ),
-            "the standby to flush the primary's WAL",
+            lambda: self.query(self.primary, sql, (lsn,)) == [(1,)],
+            f"the standby to {what} the primary's WAL",
         )
 
     def rebuild_standby_async(self) -> None:
