@@ -228,6 +228,25 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     return None
 
 
+#: A server's (or libpq's) refusal of a login that no wait cures: the database or role is
+#: missing, the credentials or pg_hba.conf refuse it. A server starting up, shutting down or
+#: in recovery also answers with FATAL, and that one passes.
+_LOGIN_REFUSED = (
+    "does not exist",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "no password supplied",
+    "is not permitted to log in",
+    "permission denied",
+)
+
+
+def login_refused(error: sa_exc.DBAPIError) -> bool:
+    """True when the server was reached and refused this login for good (see
+    :data:`_LOGIN_REFUSED`): waiting for it would only delay the same answer."""
+    return any(part in str(error.orig) for part in _LOGIN_REFUSED)
+
+
 def _connect_failure(text: str) -> str:
     """Says whether the server was reached: a refused login or a missing database is not an
     unreachable server."""

@@ -58,6 +58,7 @@ from hermes_store.schema.migrate import check_head, ensure_head
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
 from hermes_store.uow import shared
+from hermes_store.uow.retry import wait_for_server
 from hermes_store.uow.unit import RetryPolicy, StoreStats, UnitOfWork
 
 if TYPE_CHECKING:
@@ -247,6 +248,9 @@ class SessionDB:
         owns = not isinstance(target, Engine)
         try:
             if migrate is not None:
+                if migrate != "never" and engine.dialect.name != "sqlite":
+                    # During a restart or failover: wait for a server as calls do.
+                    wait_for_server(engine, options.retry)
                 _bring_to_head(engine, migrate, options.retry)
                 if owns and engine.dialect.name != "sqlite":
                     engine.pool.dispose()  # no server slot held for the open-time check

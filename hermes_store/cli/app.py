@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import URL
 
     from hermes_store.store import SessionDB
+    from hermes_store.uow.retry import RetryPolicy
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -196,7 +197,9 @@ class App:
                 raise NotADatabaseError(
                     f"there is no database at {path} (`hermes-store db upgrade` creates one)"
                 )
-            self._store = SessionDB(self.url, migrate="check" if read_only else "auto")
+            self._store = SessionDB(
+                self.url, migrate="check" if read_only else "auto", retry=retry_from_environment()
+            )
             if path is not None and not read_only and stderr_is_terminal():
                 self._lock_notice = LockWaitNotice(path)
         return self._store
@@ -208,6 +211,29 @@ class App:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+#: Seconds a command waits for a PostgreSQL server it cannot reach (at open and in each call)
+#: before it exits 3; unset: the store's default (``RetryPolicy.unavailable_timeout``).
+UNAVAILABLE_TIMEOUT_ENV = "HERMES_STORE_UNAVAILABLE_TIMEOUT"
+
+
+def retry_from_environment() -> RetryPolicy | None:
+    """The store's retry policy with ``$HERMES_STORE_UNAVAILABLE_TIMEOUT`` seconds of patience
+    for an unreachable server (a cron job during a failover waits longer, a person at a
+    terminal may want less); None when it is not set. A bad value is a usage error."""
+    raw = os.environ.get(UNAVAILABLE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return None
+    from hermes_store.uow.retry import RetryPolicy
+
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise BadArgument(f"{UNAVAILABLE_TIMEOUT_ENV}={raw!r}: give a number of seconds >= 0")
+    return RetryPolicy(unavailable_timeout=seconds)
 
 
 class LockWaitNotice:

@@ -19,8 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Engine
 
-from hermes_store.errors import DatabaseLockedError, DatabaseUnavailableError
+from hermes_store.errors import (
+    DatabaseLockedError,
+    DatabaseUnavailableError,
+    connection_lost,
+    login_refused,
+    mapped_errors,
+)
 from hermes_store.uow.counters import Counters
 
 log = logging.getLogger(__name__)
@@ -124,3 +131,24 @@ class Patience:
             )
         self.tries += 1
         sleep(delay)
+
+
+def wait_for_server(engine: Engine, policy: RetryPolicy) -> None:
+    """Opening's first connection to a server, waited for as a call waits (:class:`Patience`):
+    a store opened during a restart or failover (no primary reachable yet) opens once one is,
+    within ``unavailable_timeout``, instead of failing at once. A server that refuses the
+    login itself (a missing database or role, bad credentials) fails at once. The connection
+    goes back to the engine's pool for the open-time check that follows."""
+    patience = Patience(policy, Counters(0))
+    with mapped_errors():
+        while True:
+            try:
+                engine.connect().close()
+            except sa_exc.DBAPIError as error:
+                if not connection_lost(error) or login_refused(error):
+                    raise
+                patience.pause(error, write=False)
+                continue
+            if patience.tries:
+                log.info("database reached after %d retries; opening", patience.tries)
+            return

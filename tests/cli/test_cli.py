@@ -177,8 +177,16 @@ def test_schema_too_new_exits_3(runner: CliRunner, tmp_path: Path) -> None:
 
 
 def test_unreachable_server_and_unusable_folder_exit_3(runner: CliRunner, tmp_path: Path) -> None:
-    line = one_line_error(run(runner, "postgresql://nobody@127.0.0.1:1/db", "sessions", "list"), 3)
-    assert "cannot reach the database" in line
+    # Nothing listens on port 1: the command waits $HERMES_STORE_UNAVAILABLE_TIMEOUT seconds
+    # for the server (as the store waits during a failover), then says it stayed unreachable.
+    nowhere = "postgresql://nobody@127.0.0.1:1/db"
+    brief = {"HERMES_STORE_UNAVAILABLE_TIMEOUT": "0.2"}
+    line = one_line_error(run(runner, nowhere, "sessions", "list", env=brief), 3)
+    assert "stayed unreachable for" in line and "Connection refused" in line
+    bad = {"HERMES_STORE_UNAVAILABLE_TIMEOUT": "soon"}
+    assert "HERMES_STORE_UNAVAILABLE_TIMEOUT" in one_line_error(
+        run(runner, nowhere, "sessions", "list", env=bad), 2
+    )
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     one_line_error(run(runner, blocker / "state.db", "db", "upgrade"), 3)
