@@ -66,6 +66,21 @@ JOURNAL_SIZE_LIMIT_ENV = "HERMES_STORE_JOURNAL_SIZE_LIMIT"
 IDLE_PING_AFTER_S = 30.0
 #: Seconds a connection attempt may take per host, unless the URL says (``connect_timeout``).
 CONNECT_TIMEOUT_S = 10
+#: TCP settings of every PostgreSQL connection the store opens, unless the URL or the
+#: connect arguments say: a host that vanishes without a word (powered off, cut off by the
+#: network: no RST) would otherwise leave an idle pooled connection looking alive and a call
+#: waiting on it for the kernel's retransmission limit (about 15 minutes). Keepalive probes
+#: after 10 s idle, every 5 s, 3 unanswered: such a connection fails within about 25 s; sent
+#: data unacknowledged for 20 s (``tcp_user_timeout``, ms) fails it too, then the call's
+#: patience waits for a server that answers. A server that is only slow still acknowledges
+#: both. libpq ignores them on Unix-domain sockets.
+TCP_KEEPALIVE_DEFAULTS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,
+}
 #: psycopg's default: a statement is prepared server-side from its 5th execution on.
 PSYCOPG_PREPARE_THRESHOLD = 5
 #: The startup option asking the server for a plan per execution (see ``psycopg_options``).
@@ -559,6 +574,8 @@ def psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict[
     write again costs microseconds; unprepared statements (PgBouncer) always get custom plans.
 
     The client encoding is UTF-8 (:data:`CLIENT_ENCODING`, a startup parameter: no round trip).
+    ``connect_timeout`` and the TCP keepalives (:data:`TCP_KEEPALIVE_DEFAULTS`) are set unless
+    the URL or ``connect_args`` set them.
     """
     connect_args = dict(engine_kwargs.get("connect_args", {}))
     # Credentials (?sslpassword=...) go to the driver as they would from the URL, but leave
@@ -569,10 +586,14 @@ def psycopg_options(url: URL, engine_kwargs: dict[str, Any]) -> tuple[URL, dict[
         connect_args.setdefault(key, value if isinstance(value, str) else value[-1])
     url = url.difference_update_query(secrets)
     connect_args["client_encoding"] = CLIENT_ENCODING
-    if "connect_timeout" not in url.query:
-        # A host that accepts and never answers (a dead standby behind a load balancer) would
-        # block opening for good; per host, so a multi-host URL moves on to the next.
-        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    # connect_timeout: a host that accepts and never answers (a dead standby behind a load
+    # balancer) would block opening for good; per host, so a multi-host URL moves on to the
+    # next. The keepalives notice a host that vanished silently. What the URL or connect_args
+    # give wins.
+    tcp_defaults = {"connect_timeout": CONNECT_TIMEOUT_S, **TCP_KEEPALIVE_DEFAULTS}
+    for setting, default in tcp_defaults.items():
+        if setting not in url.query:
+            connect_args.setdefault(setting, default)
     raw = url.query.get("prepare_threshold")
     if raw is not None:
         value = raw if isinstance(raw, str) else raw[-1]

@@ -3,19 +3,29 @@ is refused (never a SQLite file of that name), and no host can block opening for
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from sqlalchemy import event
 from sqlalchemy.engine import URL
 
-from hermes_store import InvalidInputError, SessionDB
+from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB
 from hermes_store.cli import cli
-from hermes_store.engine.factory import CONNECT_TIMEOUT_S, create_engine, to_url
+from hermes_store.engine.factory import (
+    CONNECT_TIMEOUT_S,
+    TCP_KEEPALIVE_DEFAULTS,
+    autocommit_engine,
+    create_engine,
+    to_url,
+)
 from tests.conftest import url_string
 
 
@@ -83,6 +93,69 @@ def test_every_connection_has_a_connect_timeout(pg_url: URL, query: str, expecte
     finally:
         engine.dispose()
     assert str(seen[0]["connect_timeout"]) == str(expected)
+
+
+def _tcp_settings(dbapi_connection: Any) -> dict[str, object]:
+    """The keepalive settings libpq applied to a connection: its parameters and, on Linux,
+    its socket's own options (what the kernel will do)."""
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    found: dict[str, object] = {
+        key: value
+        for key, value in driver.info.get_parameters().items()
+        if key.startswith("keepalives") or key == "tcp_user_timeout"
+    }
+    if sys.platform == "linux":
+        with socket.socket(fileno=os.dup(driver.pgconn.socket)) as sock:
+            found["SO_KEEPALIVE"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+            found["TCP_KEEPIDLE"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            found["TCP_USER_TIMEOUT"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+    return found
+
+
+def _expected_tcp(**given: int) -> dict[str, object]:
+    settings = {**TCP_KEEPALIVE_DEFAULTS, **given}
+    expected: dict[str, object] = {key: str(value) for key, value in settings.items()}
+    if sys.platform == "linux":
+        expected["SO_KEEPALIVE"] = 1
+        expected["TCP_KEEPIDLE"] = settings["keepalives_idle"]
+        expected["TCP_USER_TIMEOUT"] = settings["tcp_user_timeout"]
+    return expected
+
+
+def test_every_connection_has_tcp_keepalives_and_a_url_or_connect_args_win(pg_url: URL) -> None:
+    """A host that vanishes without a word is noticed: the store's engine, its autocommit twin
+    (one-statement calls) and the asyncio store's engine all connect with the keepalive
+    defaults; a value in the URL or in connect_args is kept."""
+    plain = url_string(pg_url).split("?")[0]
+    engine = create_engine(plain)
+    try:
+        with engine.connect() as conn:
+            assert _tcp_settings(conn.connection.dbapi_connection) == _expected_tcp()
+        with autocommit_engine(engine).connect() as conn:
+            assert _tcp_settings(conn.connection.dbapi_connection) == _expected_tcp()
+    finally:
+        engine.dispose()
+    own = create_engine(
+        f"{plain}?keepalives_idle=7&tcp_user_timeout=9000",
+        connect_args={"keepalives_count": 9},
+    )
+    try:
+        with own.connect() as conn:
+            assert _tcp_settings(conn.connection.dbapi_connection) == _expected_tcp(
+                keepalives_idle=7, tcp_user_timeout=9000, keepalives_count=9
+            )
+    finally:
+        own.dispose()
+
+    def settings_of(db: SessionDB) -> dict[str, object]:
+        with db.uow.connect(write=False) as conn:
+            return _tcp_settings(conn.connection.dbapi_connection)
+
+    async def main() -> dict[str, object]:
+        async with AsyncSessionDB(plain) as adb:
+            return await adb.run_sync(settings_of)
+
+    assert asyncio.run(main()) == _expected_tcp()
 
 
 def test_a_host_that_never_answers_is_passed_over(silent_host: int, pg_url: URL) -> None:
