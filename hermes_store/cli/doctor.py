@@ -61,10 +61,11 @@ def doctor(
       hermes-store doctor --format tsv | grep -v "	ok	"
     """
     from hermes_store.ops import health
+    from hermes_store.schema import migrate
 
     chosen = chosen_format(fmt, as_json, piped="table")
     if rebuild_index:
-        state = health.read_state(app.url)
+        state = migrate.state_of(app.url)
         if state is None or state.is_empty:
             raise DatabaseProblem(f"there is no schema at {app.where} (`hermes-store db upgrade`)")
         health.rebuild_index(app.url)

@@ -34,7 +34,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import URL, Connection, Engine
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import display_url, sqlite_file
+from hermes_store.engine.factory import sqlite_file
 from hermes_store.errors import (
     AccessDeniedError,
     DatabaseLockedError,
@@ -42,7 +42,6 @@ from hermes_store.errors import (
     HermesStoreError,
     SchemaTooNewError,
     mapped_errors,
-    open_errors,
 )
 from hermes_store.schema import ddl, fulltext, migrate
 from hermes_store.tables import messages_table as M
@@ -54,26 +53,6 @@ def one_line(error: object) -> str:
     text = str(error).strip()
     first = text.splitlines()[0] if text else type(error).__name__
     return first if len(first) <= 500 else first[:497] + "..."
-
-
-def read_state(url: URL, *, adoptable: bool = True) -> migrate.DatabaseState | None:
-    """The database's tables and versions, read without locking (None: no such file).
-
-    Refuses a schema this release cannot open unless ``adoptable`` is False.
-    """
-    path = sqlite_file(url)
-    if path is not None:
-        with open_errors(path):  # a full disk is not "an unreadable file"
-            return migrate.preflight_sqlite(path, adoptable=adoptable)
-    engine = migrate.read_engine(url)
-    try:
-        with mapped_errors(), engine.connect() as conn:
-            state = migrate.read_state(conn)
-    finally:
-        engine.dispose()
-    if adoptable:
-        migrate.check_adoptable(state, display_url(url))
-    return state
 
 
 @dataclass(frozen=True)
@@ -95,11 +74,11 @@ def schema_status(url: URL) -> SchemaStatus:
     not refused."""
     too_new = False
     try:
-        state = read_state(url)
+        state = migrate.state_of(url)
     except SchemaTooNewError:
-        state = read_state(url, adoptable=False)
+        state = migrate.state_of(url, adoptable=False)
         too_new = True
-    revision = revision_of(state)
+    revision = migrate.revision_of(state)
     head = migrate.head_revision()
     return SchemaStatus(
         exists=state is not None and not state.is_empty,
@@ -110,17 +89,6 @@ def schema_status(url: URL) -> SchemaStatus:
         legacy=bool(state and state.is_legacy),
         too_new=too_new,
     )
-
-
-def revision_of(state: migrate.DatabaseState | None) -> str | None:
-    """The Alembic revision a database is at (a legacy file: its schema_version's revision)."""
-    if state is None:
-        return None
-    if state.revision is not None:
-        return state.revision
-    if state.is_legacy and state.schema_version is not None:
-        return migrate.revision_for_version(state.schema_version)
-    return None
 
 
 Status = Literal["ok", "info", "warn", "error"]
@@ -138,7 +106,7 @@ class Check:
 
 def _schema_check(state: migrate.DatabaseState) -> Check:
     head = migrate.head_revision()
-    revision = revision_of(state)
+    revision = migrate.revision_of(state)
     version = state.schema_version
     if state.is_legacy:
         return Check(
@@ -738,7 +706,7 @@ def run_doctor(
     """
     say = progress or (lambda _name: None)
     try:
-        state = read_state(url)
+        state = migrate.state_of(url)
     except (DatabaseUnavailableError, AccessDeniedError, DatabaseLockedError):
         raise
     except HermesStoreError as error:
