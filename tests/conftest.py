@@ -1,4 +1,6 @@
 """Fixtures: every backend test runs on a SQLite file in tmp_path and on a real PostgreSQL.
+Test modules import the helpers the fixtures share from tests/support (``backends``,
+``clock``), never from here.
 
 PostgreSQL runs when ``HERMES_STORE_TEST_PG_URL`` is set (one database per xdist worker);
 without it those tests skip, unless ``HERMES_STORE_REQUIRE_PG=1`` (CI), where they fail.
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,22 +22,16 @@ from hermes_store import SessionDB
 from hermes_store.engine.factory import to_url
 from hermes_store.schema import migrate
 from tests.support import disks
-
-PG_ENV = "HERMES_STORE_TEST_PG_URL"
-#: PgBouncer in transaction pooling mode in front of the same server (host, port and options
-#: are taken from it; the database is the worker's), e.g.
-#: ``postgresql+psycopg://postgres@127.0.0.1:6432/test?prepare_threshold=none``.
-PGBOUNCER_ENV = "HERMES_STORE_TEST_PGBOUNCER_URL"
-BACKENDS = ("sqlite", "postgresql")
-#: The contract suites also run through PgBouncer.
-CONTRACT_BACKENDS = (*BACKENDS, "pgbouncer")
-#: A SQLite file at head without the CJK trigram index, as on a SQLite older than 3.34 (where
-#: the revision creates nothing): the search contract must hold with and without it.
-NO_CJK_INDEX = "sqlite-no-cjk-index"
-SEARCH_BACKENDS = (*CONTRACT_BACKENDS, NO_CJK_INDEX)
-#: The contract suites run through ``SessionDB`` and through ``AsyncSessionDB``.
-FLAVORS = ("sync", "async")
-
+from tests.support.backends import (
+    BACKENDS,
+    NO_CJK_INDEX,
+    PG_ENV,
+    PGBOUNCER_ENV,
+    reset_pg,
+    through_pgbouncer,
+    url_string,
+)
+from tests.support.clock import FakeClock
 
 #: Modules whose tests run in-process in well under a second each: their SQLite cases (and
 #: tests without a backend) form the unit tier, ``pytest -m unit``. PostgreSQL and PgBouncer
@@ -135,21 +130,6 @@ def pg_worker_url(worker_id: str, testrun_uid: str) -> Iterator[URL | None]:
     admin.dispose()
 
 
-def reset_pg(url: URL) -> None:
-    """Drop everything in the worker's database: a fresh public schema, and no schema an
-    earlier test placed a store in (``SessionDB(schema=...)``, the README's example)."""
-    engine = sa.create_engine(url, poolclass=NullPool)
-    with engine.begin() as conn:
-        schemas = conn.exec_driver_sql(
-            "SELECT nspname FROM pg_namespace WHERE left(nspname, 3) <> 'pg_' "
-            "AND nspname <> 'information_schema'"
-        ).scalars()
-        for name in list(schemas):
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-        conn.exec_driver_sql("CREATE SCHEMA public")
-    engine.dispose()
-
-
 def _require_backend(backend: str, pg_worker_url: URL | None) -> None:
     if backend in ("postgresql", "pgbouncer") and pg_worker_url is None:
         pytest.skip(f"PostgreSQL tests need {PG_ENV}")
@@ -157,12 +137,6 @@ def _require_backend(backend: str, pg_worker_url: URL | None) -> None:
         if os.environ.get("HERMES_STORE_REQUIRE_PG") == "1":
             pytest.fail(f"{PGBOUNCER_ENV} is not set but HERMES_STORE_REQUIRE_PG=1")
         pytest.skip(f"PostgreSQL-through-PgBouncer tests need {PGBOUNCER_ENV}")
-
-
-def through_pgbouncer(url: URL) -> URL:
-    """The worker's database, reached through PgBouncer."""
-    bouncer = to_url(os.environ[PGBOUNCER_ENV])
-    return url.set(host=bouncer.host, port=bouncer.port, query=bouncer.query)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -207,25 +181,6 @@ def pg_url(pg_worker_url: URL | None) -> URL:
     return pg_worker_url
 
 
-class FakeClock:
-    """A clock for ``SessionDB(clock=...)``: starts at the real time (so prune cutoffs and
-    "recent" still mean what they say) and moves only by ``tick`` per reading and by
-    :meth:`advance`, so tests order events without sleeping."""
-
-    def __init__(self, start: float | None = None, tick: float = 1e-6) -> None:
-        self.now = time.time() if start is None else start
-        self.tick = tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-    def advance(self, seconds: float = 1.0) -> float:
-        """Move the clock forward; returns the new time."""
-        self.now += seconds
-        return self.now
-
-
 @pytest.fixture
 def tiny_disk() -> Iterator[Path]:
     """A real 4 MB tmpfs, mounted for this test and unmounted afterwards (skipped where it
@@ -266,11 +221,3 @@ def sqlite_store(tmp_path: Path, clock: FakeClock) -> Iterator[SessionDB]:
     db = SessionDB(tmp_path / "state.db", clock=clock)
     yield db
     db.close()
-
-
-def url_string(url: URL | str) -> str:
-    return url.render_as_string(hide_password=False) if isinstance(url, URL) else url
-
-
-def is_sqlite(url: URL | str) -> bool:
-    return make_url(url_string(url)).get_backend_name() == "sqlite"

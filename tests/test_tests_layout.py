@@ -32,3 +32,15 @@ def test_no_test_module_imports_another() -> None:
         if module.startswith("tests.") and module.rpartition(".")[2].startswith("test_")
     ]
     assert reaches == []
+
+
+def test_no_module_imports_a_conftest() -> None:
+    """A conftest.py holds fixtures and hooks (pytest loads it); what tests share besides is
+    in tests/support, so importing a conftest never runs its hooks a second time."""
+    reaches = [
+        f"{path.relative_to(TESTS.parent)} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for module in sorted(_imported_modules(path))
+        if module.startswith("tests.") and "conftest" in module.split(".")
+    ]
+    assert reaches == []

@@ -26,8 +26,8 @@ from hermes_store.cli import cli
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.schema import migrate
-from tests.conftest import is_sqlite, reset_pg, url_string
 from tests.support import legacy
+from tests.support.backends import is_sqlite, reset_pg, url_string
 
 ROOT = "7f3c9a2e-1b4d-4c8e-9f01-a1b2c3d4e5f6"
 CHILD = "7f3c9a2e-2c5e-4d9f-8a12-b2c3d4e5f607"

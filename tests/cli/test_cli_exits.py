@@ -18,8 +18,8 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
 from hermes_store.cli import cli
-from tests.conftest import url_string
 from tests.support import legacy
+from tests.support.backends import url_string
 
 
 @pytest.fixture

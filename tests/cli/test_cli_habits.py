@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL
 from hermes_store import SessionDB, analytics
 from hermes_store.cli import cli
 from hermes_store.schema import migrate
-from tests.conftest import url_string
+from tests.support.backends import url_string
 from tests.support.cli_process import RUN_CLI
 
 

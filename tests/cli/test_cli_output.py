@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL
 from hermes_store import SessionDB
 from hermes_store.cli import cli
 from hermes_store.models import sessions_table as S
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 ROOT = Path(__file__).resolve().parents[2]
 TITLE = "Discord moderation policy for the weekend raid team"

@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from sqlalchemy.engine import URL
 
 from hermes_store.cli import cli
-from tests.conftest import reset_pg, url_string
 from tests.support import legacy
+from tests.support.backends import reset_pg, url_string
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hermes_store import InvalidInputError, SessionDB
-from tests.conftest import FakeClock
+from tests.support.clock import FakeClock
 
 
 def test_every_written_timestamp_comes_from_the_clock(store: SessionDB, clock: FakeClock) -> None:

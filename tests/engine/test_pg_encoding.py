@@ -35,7 +35,7 @@ from hermes_store.engine.factory import autocommit_engine
 from hermes_store.repo.postgresql import append_statement, message_id
 from hermes_store.schema import migrate
 from hermes_store.uow.pggroup import Grouped, rowcount
-from tests.conftest import PGBOUNCER_ENV, through_pgbouncer, url_string
+from tests.support.backends import PGBOUNCER_ENV, through_pgbouncer, url_string
 from tests.support.latency_proxy import LatencyProxy
 from tests.support.pg_row_locks import queued_behind_a_locked_write
 

@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from hermes_store import AsyncSessionDB, SessionDB
 from hermes_store.engine.factory import AUTOCOMMIT_POOL_SIZE, autocommit_engine
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 RARE = "quetzalcoatlus"
 

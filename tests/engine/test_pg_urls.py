@@ -26,7 +26,7 @@ from hermes_store.engine.factory import (
     create_engine,
     to_url,
 )
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from hermes_store import InvalidInputError, SessionDB, transfer
 from hermes_store.engine.factory import create_engine
 from hermes_store.engine.placement import Placement
 from hermes_store.schema import migrate
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 SCHEMAS = ("hermes_a", "hermes_b", "hermes_x")
 SERVERS = ["postgresql", "pgbouncer"]

@@ -8,7 +8,7 @@ from sqlalchemy.engine import URL
 
 from hermes_store import DatabaseUnavailableError, HermesStoreError, SessionDB
 from hermes_store.engine.factory import create_engine
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 
 def test_an_exhausted_pool_is_a_package_error(pg_url: URL) -> None:

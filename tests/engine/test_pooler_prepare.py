@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from hermes_store import AsyncSessionDB, SessionDB
-from tests.conftest import PGBOUNCER_ENV, through_pgbouncer, url_string
+from tests.support.backends import PGBOUNCER_ENV, through_pgbouncer, url_string
 
 GATEWAYS = 4
 ROUNDS = 40

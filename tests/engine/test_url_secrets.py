@@ -16,7 +16,7 @@ from hermes_store import SessionDB, create_engine
 from hermes_store.cli import cli
 from hermes_store.errors import HermesStoreError
 from hermes_store.schema import migrate
-from tests.conftest import reset_pg, url_string
+from tests.support.backends import reset_pg, url_string
 
 SECRET = "S3cr3tValue"
 

@@ -42,7 +42,7 @@ from hermes_store import (
 )
 from hermes_store.cli import cli as cli_main
 from hermes_store.schema import migrate
-from tests.conftest import url_string
+from tests.support.backends import url_string
 from tests.support.failover_workers import THREADS, session_of
 from tests.support.pg_pair import DEADLINE_S, Pair, binaries
 

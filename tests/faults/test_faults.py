@@ -37,8 +37,8 @@ from hermes_store import (
 )
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.search.pipeline import check_index
-from tests.conftest import url_string
 from tests.support import proc_workers
+from tests.support.backends import url_string
 
 COMMITTED = 30
 

@@ -20,8 +20,8 @@ from bench import load
 from hermes_store import SessionDB
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.search.pipeline import check_index
-from tests.conftest import url_string
 from tests.support import proc_workers
+from tests.support.backends import url_string
 from tests.support.proc_workers import MARK, Shape
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store import DatabaseUnavailableError, HermesStoreError, SessionDB
 from hermes_store.engine.factory import IDLE_SINCE_KEY, autocommit_engine
-from tests.conftest import url_string
+from tests.support.backends import url_string
 from tests.support.latency_proxy import LatencyProxy
 
 STEPS = ("idle", "before_statement", "after_begin", "after_first_statement", "before_commit")

@@ -24,8 +24,8 @@ from hermes_store.engine.factory import JOURNAL_SIZE_LIMIT_ENV
 from hermes_store.errors import DatabaseLockedError, InvalidInputError
 from hermes_store.ops import backup, maintenance, retention
 from hermes_store.schema import migrate
-from tests.conftest import is_sqlite, url_string
 from tests.support import legacy
+from tests.support.backends import is_sqlite, url_string
 
 CTX = mp.get_context("fork")
 DEADLINE = 120.0  # a hang guard only: every wait below is on a pipe, an event or a join

@@ -7,7 +7,8 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
 from hermes_store.ops import retention
-from tests.conftest import FakeClock, url_string
+from tests.support.backends import url_string
+from tests.support.clock import FakeClock
 
 DAY = 86400.0
 

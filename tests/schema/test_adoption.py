@@ -29,8 +29,8 @@ from hermes_store import (
     UnrecognizedSchemaError,
 )
 from hermes_store.search.query import unsegmented
-from tests.conftest import reset_pg, url_string
 from tests.support import legacy, proc_workers
+from tests.support.backends import reset_pg, url_string
 from tests.support.migration_checks import (
     CJK_OBJECTS,
     FTS_TRIGGERS,

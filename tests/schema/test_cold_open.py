@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
 from hermes_store.schema import migrate, revisions
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Modules an open at head must not import: Alembic (and its Mako templates), the shared

@@ -13,8 +13,8 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store.errors import SchemaTooNewError
 from hermes_store.schema import migrate
-from tests.conftest import url_string
 from tests.support import legacy
+from tests.support.backends import url_string
 
 HEAD = migrate.head_revision()
 

@@ -27,7 +27,7 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store.schema import migrate
 from hermes_store.schema.revisions import script_location
-from tests.conftest import PG_ENV, reset_pg, url_string
+from tests.support.backends import PG_ENV, reset_pg, url_string
 from tests.support.migration_checks import HEAD, REVISIONS
 
 PINNED = Path(__file__).resolve().parent / "revisions"

@@ -14,8 +14,8 @@ from hermes_store import InvalidInputError, SessionDB
 from hermes_store.cli import cli
 from hermes_store.errors import NotADatabaseError, SchemaBehindError
 from hermes_store.schema import migrate
-from tests.conftest import url_string
 from tests.support import legacy
+from tests.support.backends import url_string
 
 
 def _fingerprint(folder: Path) -> dict[str, str]:

@@ -26,8 +26,8 @@ from hermes_store.schema import ddl, migrate
 from hermes_store.schema import steps as schema_ops
 from hermes_store.schema.revisions import script_location
 from hermes_store.search.query import unsegmented
-from tests.conftest import is_sqlite, url_string
 from tests.support import legacy
+from tests.support.backends import is_sqlite, url_string
 from tests.support.migration_checks import (
     CJK_OBJECTS,
     FTS_TRIGGERS,

@@ -29,7 +29,7 @@ from hermes_store.search.query import (
     well_formed,
 )
 from hermes_store.search.tsvector import tsquery
-from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.support.backends import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
 from tests.support.query_plans import captured_selects, explain
 from tests.support.search_corpus import CORPUS
 from tests.support.search_rows import T0, add, ids

@@ -18,7 +18,7 @@ from hermes_store.errors import InvalidInputError
 from hermes_store.schema import ddl
 from hermes_store.search import hits, snippets
 from hermes_store.search.query import parse_query
-from tests.conftest import SEARCH_BACKENDS
+from tests.support.backends import SEARCH_BACKENDS
 from tests.support.query_plans import captured_selects, explain
 from tests.support.search_rows import T0, add, ids
 from tests.support.seed_store import SeedSessionDB

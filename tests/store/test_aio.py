@@ -23,7 +23,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB
 from hermes_store.uow import retry
 from hermes_store.uow.unit import RetryPolicy
-from tests.conftest import is_sqlite, url_string
+from tests.support.backends import is_sqlite, url_string
 
 #: Generous bound for waits that only end early when something is broken (a deadlock).
 STUCK = 120.0

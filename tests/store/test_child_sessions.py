@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hermes_store import InvalidInputError, SessionDB
-from tests.conftest import FLAVORS, FakeClock
+from tests.support.backends import FLAVORS
+from tests.support.clock import FakeClock
 
 
 @pytest.fixture(params=FLAVORS)

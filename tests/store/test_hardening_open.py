@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store import DatabaseLockedError, SessionDB
 from hermes_store.errors import UnrecognizedSchemaError
 from hermes_store.schema import ddl, migrate
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 WARNED = "hermes_store.schema.migrate"
 

@@ -18,7 +18,7 @@ from sqlalchemy.engine import URL
 
 from hermes_store import HermesStoreError, InvalidInputError, SessionDB
 from hermes_store.validate import DEFAULT_MAX_MESSAGE_BYTES
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)

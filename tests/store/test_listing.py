@@ -10,7 +10,8 @@ from hermes_store import SessionDB
 from hermes_store.engine import fastpath
 from hermes_store.models import ChatSession
 from hermes_store.repo import dialects, listing
-from tests.conftest import FLAVORS, SEARCH_BACKENDS, FakeClock
+from tests.support.backends import FLAVORS, SEARCH_BACKENDS
+from tests.support.clock import FakeClock
 from tests.support.query_plans import captured_selects, explain
 
 

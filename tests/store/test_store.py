@@ -18,7 +18,8 @@ from hermes_store import (
     UnknownSessionError,
 )
 from hermes_store.models import ChatSession, Message
-from tests.conftest import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS, FakeClock
+from tests.support.backends import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.support.clock import FakeClock
 
 
 @pytest.fixture(params=FLAVORS)

@@ -20,8 +20,8 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.schema import ddl
-from tests.conftest import is_sqlite
 from tests.support import legacy
+from tests.support.backends import is_sqlite
 
 REPO = Path(__file__).resolve().parents[2]
 #: The revisions matching the original's schema_version 1..6, then hermes_store's own (which keep

@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL, Connection
 from sqlalchemy.pool import NullPool
 
 from hermes_store import SessionDB
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 GUARD = 120.0  # a hang guard only
 

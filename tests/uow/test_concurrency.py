@@ -28,8 +28,8 @@ from hermes_store import (
     UnitOfWork,
 )
 from hermes_store.errors import is_retryable
-from tests.conftest import url_string
 from tests.support import proc_workers
+from tests.support.backends import url_string
 from tests.support.proc_workers import Shape
 
 FAST_RETRY = RetryPolicy(attempts=400, min_wait=0.002, max_wait=0.005)

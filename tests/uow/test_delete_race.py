@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB, UnknownSessionError
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 ROUNDS = 40
 GUARD = 120.0  # a hang guard only: every wait is on a barrier or a join

@@ -36,7 +36,7 @@ from hermes_store import (
 )
 from hermes_store.cli import cli
 from hermes_store.engine.factory import to_url
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 #: A deadlock guard only: the calls under test answer at once.
 STUCK = 60.0

@@ -19,8 +19,8 @@ from sqlalchemy.engine import URL, Connection
 
 from hermes_store import DatabaseUnavailableError, SessionDB, UnknownSessionError
 from hermes_store.uow.unit import StoreStats
-from tests.conftest import url_string
 from tests.support import proc_workers
+from tests.support.backends import url_string
 from tests.support.pg_row_locks import GUARD, queued_behind_a_locked_write
 
 

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
-from tests.conftest import url_string
+from tests.support.backends import url_string
 from tests.support.latency_proxy import LatencyProxy
 
 Call = Callable[[SessionDB, int], object]

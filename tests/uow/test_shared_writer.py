@@ -29,7 +29,7 @@ from hermes_store import (
 from hermes_store.engine.factory import install_sqlite_hooks
 from hermes_store.uow import shared
 from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S
-from tests.conftest import is_sqlite, url_string
+from tests.support.backends import is_sqlite, url_string
 
 TIMEOUT = 120  # deadlock guards only
 

@@ -32,7 +32,7 @@ from hermes_store import (
 )
 from hermes_store.uow import writequeue
 from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S
-from tests.conftest import is_sqlite, url_string
+from tests.support.backends import is_sqlite, url_string
 
 FAST_RETRY = RetryPolicy(attempts=400, min_wait=0.002, max_wait=0.005)
 TIMEOUT = 60  # a deadlock guard only

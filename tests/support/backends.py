@@ -1,0 +1,59 @@
+"""Which databases the tests run on and how they reach them: the environment variables naming
+the PostgreSQL server (and PgBouncer in front of it), the backend parameter values, and the
+helpers tests and fixtures share (``url_string``, ``is_sqlite``, ``reset_pg``,
+``through_pgbouncer``). The fixtures themselves are in tests/conftest.py."""
+
+from __future__ import annotations
+
+import os
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import NullPool
+
+from hermes_store.engine.factory import to_url
+
+PG_ENV = "HERMES_STORE_TEST_PG_URL"
+#: PgBouncer in transaction pooling mode in front of the same server (host, port and options
+#: are taken from it; the database is the worker's), e.g.
+#: ``postgresql+psycopg://postgres@127.0.0.1:6432/test?prepare_threshold=none``.
+PGBOUNCER_ENV = "HERMES_STORE_TEST_PGBOUNCER_URL"
+BACKENDS = ("sqlite", "postgresql")
+#: The contract suites also run through PgBouncer.
+CONTRACT_BACKENDS = (*BACKENDS, "pgbouncer")
+#: A SQLite file at head without the CJK trigram index, as on a SQLite older than 3.34 (where
+#: the revision creates nothing): the search contract must hold with and without it.
+NO_CJK_INDEX = "sqlite-no-cjk-index"
+SEARCH_BACKENDS = (*CONTRACT_BACKENDS, NO_CJK_INDEX)
+#: The contract suites run through ``SessionDB`` and through ``AsyncSessionDB``.
+FLAVORS = ("sync", "async")
+
+
+def url_string(url: URL | str) -> str:
+    """A URL as text with its password (what a store or a subprocess is given)."""
+    return url.render_as_string(hide_password=False) if isinstance(url, URL) else url
+
+
+def is_sqlite(url: URL | str) -> bool:
+    return make_url(url_string(url)).get_backend_name() == "sqlite"
+
+
+def reset_pg(url: URL) -> None:
+    """Drop everything in the worker's database: a fresh public schema, and no schema an
+    earlier test placed a store in (``SessionDB(schema=...)``, the README's example)."""
+    engine = sa.create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        schemas = conn.exec_driver_sql(
+            "SELECT nspname FROM pg_namespace WHERE left(nspname, 3) <> 'pg_' "
+            "AND nspname <> 'information_schema'"
+        ).scalars()
+        for name in list(schemas):
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+
+
+def through_pgbouncer(url: URL) -> URL:
+    """The worker's database, reached through PgBouncer."""
+    bouncer = to_url(os.environ[PGBOUNCER_ENV])
+    return url.set(host=bouncer.host, port=bouncer.port, query=bouncer.query)
