@@ -228,11 +228,13 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     return None
 
 
-#: A server's (or libpq's) refusal of a login that no wait cures: the database or role is
-#: missing, the credentials or pg_hba.conf refuse it. A server starting up, shutting down or
-#: in recovery also answers with FATAL, and that one passes.
+#: A server's (or libpq's, or PgBouncer's) refusal of a login that no wait cures: the
+#: database or role is missing, the credentials or pg_hba.conf refuse it. A server starting
+#: up, shutting down or in recovery also answers with FATAL, and that one passes.
 _LOGIN_REFUSED = (
     "does not exist",
+    "no such database",
+    "no such user",
     "authentication failed",
     "no pg_hba.conf entry",
     "no password supplied",

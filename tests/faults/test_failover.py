@@ -44,6 +44,8 @@ from hermes_store.cli import cli as cli_main
 from hermes_store.schema import migrate
 from tests.support.backends import url_string
 from tests.support.failover_workers import THREADS, session_of
+from tests.support.log_events import LogSays
+from tests.support.opening import Opening
 from tests.support.pg_pair import DEADLINE_S, Pair, binaries
 
 PROCESSES = 2
@@ -352,6 +354,31 @@ def test_an_async_store_on_a_standby_says_why_its_writes_fail(pair: Pair) -> Non
             assert await adb.get_messages("standby-async") == []
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_store_opened_before_the_promotion_waits_for_the_new_primary(pair: Pair) -> None:
+    """A gateway started during a failover: on the multi-host URL no host takes writes (the
+    primary is gone, the standby read-only), so opening waits, as a call would, and opens on
+    the standby once it is promoted."""
+    with SessionDB(pair.primary.url) as db:
+        db.create_session("opened-in-failover", "cli")
+    pair.wait_replayed()
+    pair.stop_primary()
+    try:
+        with LogSays("hermes_store.uow.retry", "unreachable") as waiting:
+            opening = Opening(pair.fleet_url, ended=waiting.said)
+            assert waiting.said.wait(DEADLINE_S), "the opening never said it waits"
+            assert opening.outcome() is None  # waiting (said so), not ended
+            pair.promote()
+            with opening.store(DEADLINE_S) as store:
+                assert store.get_session("opened-in-failover") is not None
+                store.append_message("opened-in-failover", "user", "on the new primary")
+                assert store.message_count("opened-in-failover") == 1
+    finally:
+        if not pair.primary.running:
+            pair.promote()
+        pair.resync()
 
 
 def test_doctor_on_a_server_without_standbys_says_a_failover_has_nothing_to_promote(

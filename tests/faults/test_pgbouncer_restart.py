@@ -11,7 +11,6 @@ import collections
 import contextlib
 import glob
 import json
-import logging
 import os
 import shutil
 import signal
@@ -39,6 +38,8 @@ from hermes_store import (
 )
 from hermes_store.cli import cli as cli_main
 from hermes_store.schema import migrate
+from tests.support.log_events import LogSays
+from tests.support.opening import Opening
 from tests.support.pgbouncer_workers import THREADS
 
 PROCESSES = 2
@@ -359,18 +360,6 @@ def test_an_async_store_waits_for_a_restarting_server_without_blocking_its_loop(
     assert ticked >= 50  # the loop ran all along (a blocked loop would not tick)
 
 
-class _Waiting(logging.Handler):
-    """Set when a store says it is waiting for an unreachable server (its first retry)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.said = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "unreachable" in record.getMessage():
-            self.said.set()
-
-
 @pytest.mark.slow
 def test_a_store_opened_while_the_server_is_down_waits_for_it(cluster: Cluster) -> None:
     """Opening, as a call, waits up to ``unavailable_timeout`` for a server it cannot reach (a
@@ -378,11 +367,6 @@ def test_a_store_opened_while_the_server_is_down_waits_for_it(cluster: Cluster) 
     async; the default one opens once the server is started during the wait."""
     with SessionDB(cluster.direct_url) as db:
         db.create_session("opened-late", "cli")
-    retry_log = logging.getLogger("hermes_store.uow.retry")
-    waiting = _Waiting()
-    level = retry_log.level
-    retry_log.addHandler(waiting)
-    retry_log.setLevel(logging.INFO)
     brief = RetryPolicy(unavailable_timeout=0.3)
     async_url = cluster.direct_url.replace("+psycopg:", "+psycopg_async:")
     cluster.pg_ctl("stop", "-m", "immediate")
@@ -398,29 +382,14 @@ def test_a_store_opened_while_the_server_is_down_waits_for_it(cluster: Cluster) 
         with pytest.raises(DatabaseUnavailableError, match="stayed unreachable for"):
             asyncio.run(open_async())
 
-        waiting.said.clear()
-        opened: list[SessionDB | BaseException] = []
-
-        def open_patiently() -> None:
-            try:
-                opened.append(SessionDB(cluster.direct_url))
-            except BaseException as error:  # handed to the test's thread
-                opened.append(error)
-
-        opener = threading.Thread(target=open_patiently)
-        opener.start()
-        assert waiting.said.wait(PATIENCE_S), "the opening never said it waits for the server"
-        assert opened == []  # still waiting, not failed
-        cluster.pg_ctl("start")
-        opener.join(PATIENCE_S)
-        assert len(opened) == 1
-        store = opened[0]
-        assert isinstance(store, SessionDB), store
-        with store:
-            assert store.get_session("opened-late") is not None
+        with LogSays("hermes_store.uow.retry", "unreachable") as waiting:
+            opening = Opening(cluster.direct_url, ended=waiting.said)
+            assert waiting.said.wait(PATIENCE_S), "the opening never said it waits"
+            assert opening.outcome() is None  # waiting (said so), not ended
+            cluster.pg_ctl("start")
+            with opening.store(PATIENCE_S) as store:
+                assert store.get_session("opened-late") is not None
     finally:
-        retry_log.removeHandler(waiting)
-        retry_log.setLevel(level)
         if not (cluster.folder / "data" / "postmaster.pid").exists():
             cluster.pg_ctl("start")
 
