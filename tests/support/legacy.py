@@ -451,9 +451,7 @@ def _ignored_table(name: str) -> bool:
     (not the original store's schema: the CJK index's presence is checked on its own, see
     ``migration_checks.cjk_objects``; the keys' by the revision's pinned SQL)."""
     ignored = ("alembic_version", "sqlite_sequence", "messages_cjk", "write_keys")
-    return name in ignored or name.startswith(
-        ("messages_fts_", "messages_cjk_", "sqlite_stat")
-    )
+    return name in ignored or name.startswith(("messages_fts_", "messages_cjk_", "sqlite_stat"))
 
 
 def _norm_sql(sql: str) -> str:
