@@ -171,6 +171,7 @@ def create_child_statement() -> Select[Any]:
 
 class PostgresqlStatements(Statements):
     holds_nul = False
+    keys_race = True
     insert_session: ClassVar[Insert] = postgresql.insert(S).on_conflict_do_nothing(
         index_elements=["id"]
     )

@@ -209,6 +209,10 @@ class Statements(abc.ABC):
 
     #: Whether the backend's text columns may hold a NUL character (PostgreSQL's cannot).
     holds_nul: ClassVar[bool]
+    #: Whether another transaction can record a key between this unit's look-up and its
+    #: insert (PostgreSQL; SQLite's write lock excludes it): a keyed append inside a block
+    #: then writes in a savepoint, and a key taken meanwhile answers with its message.
+    keys_race: ClassVar[bool] = False
     #: ``INSERT`` of a session row that leaves an existing id as it is (first write wins),
     #: in the backend's own ``ON CONFLICT DO NOTHING``.
     insert_session: ClassVar[Insert]
@@ -305,17 +309,30 @@ class Statements(abc.ABC):
         session_id = values["session_id"]
         bump = bump_params(session_id, 1, tool_calls)
 
-        def unit(conn: Connection) -> int:
-            if key is not None:
-                known = conn.execute(KEY_LOOKUP, {"key": key.key}).first()
-                if known is not None:
-                    return known_message(key, known.session_id, known.message_id)
+        def write(conn: Connection) -> int:
             if conn.execute(BUMP_COUNTERS, bump).rowcount != 1:
                 raise missing_session(session_id)
             message_id = int(conn.execute(INSERT_MESSAGE, values).scalar_one())
             if key is not None:
                 conn.execute(K.insert(), key.row(message_id))
             return message_id
+
+        def unit(conn: Connection) -> int:
+            if key is None:
+                return write(conn)
+            known = conn.execute(KEY_LOOKUP, {"key": key.key}).first()
+            if known is not None:
+                return known_message(key, known.session_id, known.message_id)
+            if not self.keys_race:
+                return write(conn)
+            try:  # another transaction may record the same key meanwhile
+                with conn.begin_nested():
+                    return write(conn)
+            except sa.exc.IntegrityError:
+                known = conn.execute(KEY_LOOKUP, {"key": key.key}).first()
+                if known is None:
+                    raise
+                return known_message(key, known.session_id, known.message_id)
 
         return uow.run(unit)
 

@@ -411,7 +411,7 @@ class UnitOfWork:
         with (
             backend.turn() if write else _NO_TURN as turn,
             mapped_errors(write=write),
-            _write_outcome(stage) if write else _NO_TURN,
+            _write_outcome(stage) if write and not backend.serialises_writers else _NO_TURN,
         ):
             conn = backend.begin(write, waits, turn)
             unit = Unit(conn, write)

@@ -10,13 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
 from hermes_store import InvalidInputError, SessionDB, UnknownSessionError
 from hermes_store.ops import retention
 from hermes_store.uow import groupcommit
 from hermes_store.validate import MAX_IDEMPOTENCY_KEY_LENGTH
 from tests.conftest import CONTRACT_BACKENDS, FLAVORS, FakeClock, url_string
+from tests.support.pg_row_locks import GUARD, waiting_writer
 from tests.support.seed_store import SeedSessionDB
 
 
@@ -242,3 +245,49 @@ def test_the_original_store_uses_a_file_with_keys(tmp_path: Path) -> None:
         assert db.append_message("s", "user", "ours", idempotency_key="k") == first
         assert db.message_count("s") == 0
         assert db.append_message("s", "user", "new", idempotency_key="k2") > theirs
+
+
+def test_a_same_key_append_in_a_concurrent_block_returns_the_first_id(pg_url: URL) -> None:
+    """PostgreSQL: two transaction() blocks append with one key; the second looked the key up
+    before the first committed, so it writes in a savepoint, meets the key at its insert and
+    answers with the first block's message."""
+    admin_engine = sa.create_engine(pg_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    first_in = threading.Event()
+    let_first_commit = threading.Event()
+    ids: dict[str, int] = {}
+    errors: list[BaseException] = []
+    with SessionDB(url_string(pg_url)) as db, admin_engine.connect() as admin:
+        db.create_session("s", "cli")
+
+        def first() -> None:
+            try:
+                with db.transaction():
+                    ids["first"] = db.append_message("s", "user", "x", idempotency_key="k")
+                    first_in.set()
+                    assert let_first_commit.wait(timeout=GUARD)
+            except BaseException as error:  # reported below
+                errors.append(error)
+                first_in.set()
+
+        def second() -> None:
+            try:
+                assert first_in.wait(timeout=GUARD)
+                with db.transaction():
+                    ids["second"] = db.append_message("s", "user", "x", idempotency_key="k")
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        workers = [threading.Thread(target=first), threading.Thread(target=second)]
+        for worker in workers:
+            worker.start()
+        try:
+            waiting_writer(admin, besides=0)  # the second block waits on the first's locks
+        finally:
+            let_first_commit.set()
+            for worker in workers:
+                worker.join(timeout=GUARD)
+        assert errors == []
+        assert ids["second"] == ids["first"]
+        assert [m["id"] for m in db.get_messages("s")] == [ids["first"]]
+        assert db.get_session("s")["message_count"] == 1  # type: ignore[index]
+    admin_engine.dispose()
