@@ -10,6 +10,7 @@ and a re-sent keyed append returns the same id.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import pytest
 from sqlalchemy.engine import URL
 
 from hermes_store import (
+    AsyncSessionDB,
     DatabaseUnavailableError,
     RetryPolicy,
     SessionDB,
@@ -201,3 +203,31 @@ def test_an_idempotent_write_that_landed_is_never_reported_not_landed(
             first = brief.get_messages("s")[0]["id"]
             assert brief.append_message("s", "user", "x", idempotency_key="k") == first
             assert brief.message_count("s") == 1
+
+
+def test_async_store_cut_after_landing(scene: Scene) -> None:
+    """The same outcomes through AsyncSessionDB (its own asyncio engine and pools)."""
+    url = url_string(scene.store.engine.url)
+
+    async def scenario() -> None:
+        adb = AsyncSessionDB(url)
+        try:
+            scene.proxy.arm(b"INSERT INTO messages")
+            with pytest.raises(WriteOutcomeUnknownError, match="may have landed"):
+                await adb.append_message("s", "user", "unkeyed")
+            assert scene.proxy.fired.is_set()
+            scene.proxy.arm(b"INSERT INTO messages")
+            first = await adb.append_message("s", "user", "keyed", idempotency_key="a-1")
+            assert scene.proxy.fired.is_set()
+            assert await adb.append_message("s", "user", "keyed", idempotency_key="a-1") == first
+            scene.proxy.arm(b"UPDATE sessions SET ended_at")
+            await adb.end_session("s", "done")
+            assert scene.proxy.fired.is_set()
+            messages = await adb.get_messages("s")
+            assert [m["content"] for m in messages] == ["unkeyed", "keyed"]
+            assert messages[1]["id"] == first
+            assert (await adb.get_session("s"))["end_reason"] == "done"  # type: ignore[index]
+        finally:
+            await adb.close()
+
+    asyncio.run(scenario())
