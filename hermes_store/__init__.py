@@ -46,6 +46,8 @@ if TYPE_CHECKING:
         UnsafePathError,
         UnsupportedEngineError,
         WalDeletedError,
+        WriteNotLandedError,
+        WriteOutcomeUnknownError,
     )
     from hermes_store.models import Base, ChatSession, Message, SchemaVersion
     from hermes_store.schema.migrate import current, downgrade, upgrade
@@ -93,6 +95,8 @@ _LAZY = {
             "StoreMisuseError",
             "TransactionMisuseError",
             "DatabaseAliasError",
+            "WriteNotLandedError",
+            "WriteOutcomeUnknownError",
         ),
         "errors",
     ),
@@ -167,6 +171,8 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedEngineError",
     "WalDeletedError",
+    "WriteNotLandedError",
+    "WriteOutcomeUnknownError",
     "convert_scratchpad_to_think",
     "create_engine",
     "current",

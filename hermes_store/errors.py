@@ -101,7 +101,22 @@ class AccessDeniedError(ReadOnlyDatabaseError):
 
 
 class DatabaseUnavailableError(HermesStoreError):
-    """The database server cannot be reached (or went away mid-transaction)."""
+    """The database server cannot be reached (or went away mid-transaction). A write's error
+    says which of its two outcomes it had: :class:`WriteNotLandedError` or
+    :class:`WriteOutcomeUnknownError`."""
+
+
+class WriteNotLandedError(DatabaseUnavailableError):
+    """The write did not land, and the store knows it: the connection failed before the
+    statement was sent, the server refused it, or its transaction ended without a COMMIT ever
+    being sent. Running the call again cannot apply it twice."""
+
+
+class WriteOutcomeUnknownError(DatabaseUnavailableError):
+    """The write may have landed: the connection broke after the statement (or the COMMIT)
+    was sent and before the server's answer arrived. Not retried by the store, so it is never
+    applied twice; a call given an ``idempotency_key`` can be sent again safely (it lands
+    once and returns what the first one returned)."""
 
 
 class SchemaError(HermesStoreError):
@@ -348,6 +363,14 @@ _POOLER_NOT_SENT = (
 )
 
 
+def server_connection_lost(error: BaseException) -> bool:
+    """A PostgreSQL connection broke (:func:`connection_lost`, on psycopg's errors only: a
+    SQLite error without a SQLSTATE is a lock or a file error, never a lost server)."""
+    if not isinstance(error, sa_exc.DBAPIError):
+        return False
+    return type(error.orig).__module__.startswith("psycopg") and connection_lost(error)
+
+
 def connection_lost(error: sa_exc.DBAPIError) -> bool:
     """The connection broke (server gone, backend terminated, network down)."""
     sqlstate = getattr(error.orig, "sqlstate", None) or ""
@@ -366,8 +389,9 @@ def never_sent(error: sa_exc.DBAPIError) -> bool:
 
 
 @contextmanager
-def mapped_errors() -> Iterator[None]:
-    """Re-raise driver errors that have a package name as that package error."""
+def mapped_errors(*, write: bool = False) -> Iterator[None]:
+    """Re-raise driver errors that have a package name as that package error (``write``: a
+    pool that had no connection to give says the write did not land)."""
     try:
         yield
     except sa_exc.DBAPIError as error:
@@ -378,7 +402,8 @@ def mapped_errors() -> Iterator[None]:
     except UnicodeEncodeError as error:  # a lone surrogate reached the driver's encoder
         raise InvalidInputError(f"a text argument is not valid Unicode: {error.reason}") from None
     except sa_exc.TimeoutError as error:  # the pool: every connection busy for pool_timeout
-        raise DatabaseUnavailableError(
+        unsent = WriteNotLandedError if write else DatabaseUnavailableError
+        raise unsent(
             "no database connection came free in time (every one of the pool's connections "
             f"stayed busy); nothing was sent, so nothing was written: {error}"
         ) from error

@@ -542,9 +542,16 @@ class SessionDB:
         billing_base_url: str | None = None,
         billing_mode: str | None = None,
         absolute: bool = False,
+        *,
+        idempotency_key: str | None = None,
     ) -> None:
-        """Add to (or with ``absolute``, set) the counters and costs in one atomic statement."""
+        """Add to (or with ``absolute``, set) the counters and costs in one atomic statement.
+
+        ``idempotency_key``: an increment sent again with the same key (after a
+        :class:`~hermes_store.errors.WriteOutcomeUnknownError`) adds once in all; an absolute
+        set is idempotent already and records no key."""
         validate.text("session_id", session_id)
+        validate.idempotency_key(idempotency_key)
         counts = dict(
             zip(
                 statements.COUNTERS,
@@ -577,7 +584,10 @@ class SessionDB:
         params = statements.token_params(
             session_id, counts, texts, estimated_cost_usd, actual_cost_usd
         )
-        self._statements.update_token_counts(self.uow, session_id, params, bool(absolute))
+        key = None
+        if idempotency_key is not None and not absolute:
+            key = statements.WriteKey(idempotency_key, session_id, self.clock())
+        self._statements.update_token_counts(self.uow, session_id, params, bool(absolute), key)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -594,8 +604,15 @@ class SessionDB:
         reasoning: str | None = None,
         reasoning_details: Any = None,
         codex_reasoning_items: Any = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> int:
-        """Append one message and bump the session's counters in the same transaction."""
+        """Append one message and bump the session's counters in the same transaction.
+
+        ``idempotency_key``: a call sent again with the same key (after a
+        :class:`~hermes_store.errors.WriteOutcomeUnknownError`) lands once and returns the
+        first call's message id; the key is recorded in the append's own transaction."""
+        validate.idempotency_key(idempotency_key)
         values = self._message_values(
             session_id,
             role,
@@ -609,8 +626,11 @@ class SessionDB:
             reasoning_details,
             codex_reasoning_items,
         )
+        key = None
+        if idempotency_key is not None:
+            key = statements.WriteKey(idempotency_key, session_id, values["timestamp"])
         return self._statements.append_message(
-            self.uow, values, _tool_call_increment(role, tool_calls)
+            self.uow, values, _tool_call_increment(role, tool_calls), key
         )
 
     def append_messages(self, session_id: str, messages: Iterable[Mapping[str, Any]]) -> list[int]:

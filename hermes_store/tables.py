@@ -119,3 +119,18 @@ messages_table = Table(
     Index("idx_messages_session", "session_id", "timestamp"),
     sqlite_autoincrement=True,
 )
+
+#: Idempotency keys (revision h9): one row per keyed write (``append_message``, an incrementing
+#: ``update_token_counts``), written in the write's own transaction, so a re-sent call finds it
+#: and returns ``message_id`` instead of writing again. Not one of the original store's tables
+#: (no foreign key: that store deletes sessions without knowing it).
+write_keys_table = Table(
+    "write_keys",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("session_id", Text, nullable=False),
+    Column("message_id", MessageId),
+    Column("created_at", Real, nullable=False),
+    Index("ix_write_keys_session_id", "session_id"),
+    Index("ix_write_keys_created_at", "created_at"),
+)

@@ -71,6 +71,33 @@ def text(name: str, value: object, *, optional: bool = False) -> None:
         raise InvalidInputError(f"{name} must be a string, not {_kind(value)}")
 
 
+#: The longest idempotency key accepted (characters): room for a UUID with a prefix, far
+#: below what would make its index entry costly.
+MAX_IDEMPOTENCY_KEY_LENGTH = 200
+
+
+def idempotency_key(value: object) -> None:
+    """``None`` or a non-empty ``str`` of at most :data:`MAX_IDEMPOTENCY_KEY_LENGTH`
+    characters, without NUL or lone surrogates (every backend stores it as given)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidInputError(f"idempotency_key must be a string or None, not {_kind(value)}")
+    if not value:
+        raise InvalidInputError("idempotency_key must not be empty (pass None for no key)")
+    if len(value) > MAX_IDEMPOTENCY_KEY_LENGTH:
+        raise InvalidInputError(
+            f"idempotency_key is {len(value)} characters; at most "
+            f"{MAX_IDEMPOTENCY_KEY_LENGTH} are accepted"
+        )
+    if "\x00" in value:
+        raise InvalidInputError("idempotency_key contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidInputError(f"idempotency_key is not valid Unicode: {error.reason}") from None
+
+
 def integer(
     name: str,
     value: object,

@@ -37,6 +37,7 @@ from hermes_store.errors import InvalidInputError, UnsafePathError
 from hermes_store.ops import maintenance, pacing
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
+from hermes_store.tables import write_keys_table as K
 from hermes_store.uow.unit import UnitOfWork
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,8 @@ def preview(conn: Connection, policy: Policy, now: float | None = None) -> list[
 
 
 def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
-    """Delete these sessions and their messages on ``conn``; their children are orphaned.
+    """Delete these sessions, their messages and their writes' idempotency keys on ``conn``;
+    their children are orphaned.
 
     Returns (sessions, messages) actually deleted: rows another job removed first count 0.
     """
@@ -154,6 +156,7 @@ def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
     conn.execute(select(S.c.id).where(S.c.id.in_(chunk)).with_for_update())
     conn.execute(update(S).where(S.c.parent_session_id.in_(chunk)).values(parent_session_id=None))
     messages = conn.execute(delete(M).where(M.c.session_id.in_(chunk))).rowcount
+    conn.execute(delete(K).where(K.c.session_id.in_(chunk)))  # a re-send finds no session
     sessions = conn.execute(delete(S).where(S.c.id.in_(chunk))).rowcount
     return int(sessions), int(messages)
 
@@ -318,6 +321,8 @@ def run(
         if on_chunk is not None:
             on_chunk(done.sessions, done.messages)
         pacing.between_steps(uow, step, pause)
+    if not (stop is not None and stop.is_set()):
+        expire_write_keys(uow, now=started)
     if merge_index and report.sessions and not (stop is not None and stop.is_set()):
         merged = maintenance.Report(uow.engine.dialect.name, 0)
         maintenance.merge_index(
@@ -332,6 +337,39 @@ def run(
         report.index_merged = True
         report.longest_step_s = max(report.longest_step_s, merged.longest_step_s)
     return report
+
+
+#: How long an idempotency key is kept (seconds): a re-send comes within minutes of the call
+#: it repeats; a week leaves room for a gateway that was down for days, and no more.
+WRITE_KEY_LIFETIME_S = 7 * 86400.0
+#: Keys one expiry unit deletes at most (each unit is short).
+WRITE_KEY_CHUNK = 1000
+
+
+def expire_write_keys(
+    uow: UnitOfWork, *, now: float | None = None, lifetime_s: float = WRITE_KEY_LIFETIME_S
+) -> int:
+    """Delete idempotency keys recorded more than ``lifetime_s`` ago, in short units of
+    :data:`WRITE_KEY_CHUNK` keys; how many were deleted. A call re-sent after that lands anew.
+    Every :func:`run` of a policy ends with it."""
+    before = (time.time() if now is None else now) - lifetime_s
+    oldest = (
+        select(K.c.key)
+        .where(K.c.created_at < before)
+        .order_by(K.c.created_at)
+        .limit(WRITE_KEY_CHUNK)
+        .scalar_subquery()
+    )
+    statement = delete(K).where(K.c.key.in_(oldest))
+    total = 0
+    while True:
+        gone = uow.run(lambda conn: int(conn.execute(statement).rowcount))
+        total += gone
+        if gone < WRITE_KEY_CHUNK:
+            break
+    if total:
+        log.info("retention: expired %d idempotency keys older than %.0f s", total, lifetime_s)
+    return total
 
 
 def would_delete(uow: UnitOfWork, policy: Policy, now: float | None = None) -> list[dict[str, Any]]:

@@ -17,25 +17,31 @@ from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert
 
-from hermes_store.errors import TitleInUseError
+from hermes_store.errors import HermesStoreError, TitleInUseError
 from hermes_store.repo import listing, pgstream
 from hermes_store.repo.statements import (
     CREATE_COLUMNS,
     Statements,
+    WriteKey,
+    known_message,
     missing_parent,
     missing_session,
     title_holder,
     token_statement,
 )
 from hermes_store.rows import ExportRecord
-from hermes_store.tables import Counter
+from hermes_store.tables import Counter, Real
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
+from hermes_store.tables import write_keys_table as K
 from hermes_store.uow import pggroup
 from hermes_store.uow.unit import UnitOfWork
 
 FOREIGN_KEY_VIOLATION = "23503"
 UNIQUE_VIOLATION = "23505"
+#: A keyed append whose key another call recorded concurrently is run again this often: each
+#: rerun sees the key the winner committed, so one is enough unless keys are being deleted.
+KEY_RACE_ATTEMPTS = 5
 
 
 def sqlstate(error: sa.exc.DBAPIError) -> str | None:
@@ -60,6 +66,82 @@ def append_statement() -> Select[Any]:
         .cte("bumped")
     )
     return select(inserted.c.id).add_cte(bumped)
+
+
+@functools.cache
+def keyed_append_statement() -> sa.CompoundSelect[Any]:
+    """``append_message`` with an idempotency key as one statement: the message is inserted
+    only when the key is not recorded yet, the key is recorded with its id and the session's
+    counters are bumped; the rows read are the new message's or, for a key already recorded,
+    the recorded one (id, session). All of it sees one snapshot: a concurrent same-key append
+    that commits first makes this statement's key insert fail its primary key, which rolls the
+    whole statement back (the caller runs it again and finds the key)."""
+    key = sa.bindparam("write_key", type_=sa.Text)
+    names = [c.name for c in M.columns if c.name != "id"]
+    # Cast: a bare parameter in a SELECT list has no type of its own (NULL would be text).
+    row = select(*(sa.cast(sa.bindparam(n, type_=M.c[n].type), M.c[n].type) for n in names))
+    unknown_key = ~sa.exists().where(K.c.key == key)
+    inserted = (
+        M.insert().from_select(names, row.where(unknown_key)).returning(M.c.id).cte("inserted")
+    )
+    record = select(
+        key,
+        sa.cast(sa.bindparam("session_id", type_=sa.Text), sa.Text),
+        inserted.c.id,
+        sa.cast(sa.bindparam("key_created_at", type_=Real), Real),
+    )
+    claimed = (
+        K.insert()
+        .from_select(["key", "session_id", "message_id", "created_at"], record)
+        .cte("claimed")
+    )
+    bumped = (
+        update(S)
+        .where(S.c.id == sa.bindparam("session_id"), sa.exists(select(inserted.c.id)))
+        .values(
+            message_count=S.c.message_count + sa.bindparam("bump_messages", type_=Counter),
+            tool_call_count=S.c.tool_call_count + sa.bindparam("bump_tool_calls", type_=Counter),
+        )
+        .cte("bumped")
+    )
+    fresh = select(
+        inserted.c.id.label("message_id"),
+        sa.cast(sa.bindparam("session_id", type_=sa.Text), sa.Text).label("session_id"),
+    )
+    known = select(K.c.message_id, K.c.session_id).where(K.c.key == key)
+    return sa.union_all(fresh, known).add_cte(claimed).add_cte(bumped)
+
+
+def keyed_message(cursor: Any) -> tuple[int | None, str] | None:
+    """The (message id, session id) row :func:`keyed_append_statement` returns, if any."""
+    found = cursor.fetchone()
+    return (found[0], found[1]) if found is not None else None
+
+
+@functools.cache
+def keyed_tokens_statement() -> sa.Update:
+    """An incrementing ``update_token_counts`` with an idempotency key as one statement: the
+    key is recorded (when the session exists) unless it already is, and the counters move only
+    when it was recorded now. A concurrent same-key call waits on the key's unique index
+    entry, then finds it taken and adds nothing: once, whatever the interleaving."""
+    record = select(
+        sa.bindparam("write_key", type_=sa.Text),
+        sa.cast(sa.bindparam("p_sid", type_=sa.Text), sa.Text),
+        sa.null(),
+        sa.cast(sa.bindparam("key_created_at", type_=Real), Real),
+    ).where(sa.exists().where(S.c.id == sa.bindparam("p_sid")))
+    claimed = (
+        postgresql.insert(K)
+        .from_select(["key", "session_id", "message_id", "created_at"], record)
+        .on_conflict_do_nothing(index_elements=["key"])
+        .returning(K.c.key)
+        .cte("claimed")
+    )
+    return (
+        token_statement(False, checked=False)
+        .where(sa.exists(select(claimed.c.key)))
+        .add_cte(claimed)
+    )
 
 
 def message_id(cursor: Any) -> int:
@@ -89,6 +171,7 @@ def create_child_statement() -> Select[Any]:
 
 class PostgresqlStatements(Statements):
     holds_nul = False
+    keys_race = True
     insert_session: ClassVar[Insert] = postgresql.insert(S).on_conflict_do_nothing(
         index_elements=["id"]
     )
@@ -160,19 +243,37 @@ class PostgresqlStatements(Statements):
         )
 
     def update_token_counts(
-        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+        self,
+        uow: UnitOfWork,
+        session_id: str,
+        params: dict[str, Any],
+        absolute: bool,
+        key: WriteKey | None = None,
     ) -> None:
-        # One UPDATE; adding twice is not setting twice: only absolute is retried.
-        statement = token_statement(absolute, checked=False)
+        # One UPDATE; adding twice is not setting twice: only absolute is retried, and an
+        # increment with a key (which lands once per key).
+        if key is not None and not absolute:
+            statement: sa.Update = keyed_tokens_statement()
+            params = {**params, "write_key": key.key, "key_created_at": key.created_at}
+        else:
+            statement = token_statement(absolute, checked=False)
         uow.run_statement(
             lambda conn: int(conn.execute(statement, params).rowcount),
-            idempotent=absolute,
+            idempotent=absolute or key is not None,
             grouped=pggroup.Grouped(statement, params, session_id, pggroup.rowcount),
         )
 
-    def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
+    def append_message(
+        self,
+        uow: UnitOfWork,
+        values: dict[str, Any],
+        tool_calls: int,
+        key: WriteKey | None = None,
+    ) -> int:
         if uow.current() is not None:
-            return super().append_message(uow, values, tool_calls)
+            return super().append_message(uow, values, tool_calls, key)
+        if key is not None:
+            return self._append_once(uow, values, tool_calls, key)
         session_id = values["session_id"]
         params = {**values, "bump_messages": 1, "bump_tool_calls": tool_calls}
         statement = append_statement()
@@ -186,6 +287,44 @@ class PostgresqlStatements(Statements):
             if sqlstate(error) != FOREIGN_KEY_VIOLATION:
                 raise
             raise missing_session(session_id) from error
+
+    def _append_once(
+        self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int, key: WriteKey
+    ) -> int:
+        """A keyed append: one statement (:func:`keyed_append_statement`), idempotent, so a
+        lost connection is retried and a re-sent call returns the recorded id."""
+        session_id = values["session_id"]
+        params = {
+            **values,
+            "bump_messages": 1,
+            "bump_tool_calls": tool_calls,
+            "write_key": key.key,
+            "key_created_at": key.created_at,
+        }
+        statement = keyed_append_statement()
+
+        def run(conn: Connection) -> tuple[int | None, str] | None:
+            found = conn.execute(statement, params).first()
+            return (found[0], found[1]) if found is not None else None
+
+        for _ in range(KEY_RACE_ATTEMPTS):
+            try:
+                found = uow.run_statement(
+                    run,
+                    idempotent=True,
+                    grouped=pggroup.Grouped(statement, params, session_id, keyed_message),
+                )
+            except sa.exc.IntegrityError as error:
+                if sqlstate(error) == FOREIGN_KEY_VIOLATION:
+                    raise missing_session(session_id) from error
+                if sqlstate(error) != UNIQUE_VIOLATION:
+                    raise
+                continue  # a concurrent same-key append committed first: look again
+            if found is not None:
+                return known_message(key, found[1], found[0])
+        raise HermesStoreError(  # only while the key's session is deleted again and again
+            f"idempotency_key {key.key!r}: no outcome after {KEY_RACE_ATTEMPTS} attempts"
+        )
 
     def iter_export(
         self, uow: UnitOfWork, source: str | None, page_size: int

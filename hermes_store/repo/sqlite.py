@@ -19,25 +19,32 @@ from sqlalchemy.sql.dml import Insert
 from hermes_store.engine import fastpath
 from hermes_store.repo.statements import (
     BUMP_COUNTERS,
+    KEY_LOOKUP,
     Statements,
+    WriteKey,
     bump_params,
+    known_message,
     missing_session,
     token_statement,
 )
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
+from hermes_store.tables import write_keys_table as K
 from hermes_store.uow.unit import UnitOfWork
 
 
 @functools.cache
 def driver_sql(name: str) -> tuple[str, tuple[str, ...]]:
     """SQL text and positional parameter names of a hot write (``bump``, ``insert``,
-    ``tokens``, ``tokens_absolute``), compiled for SQLite once per process."""
+    ``tokens``, ``tokens_absolute``, ``key_lookup``, ``key_insert``), compiled for SQLite once
+    per process."""
     statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
         "bump": (BUMP_COUNTERS, None),
         "insert": (M.insert(), [c.name for c in M.columns if c.name != "id"]),
         "tokens": (token_statement(False), None),
         "tokens_absolute": (token_statement(True), None),
+        "key_lookup": (KEY_LOOKUP, None),
+        "key_insert": (K.insert(), [c.name for c in K.columns]),
     }
     statement, column_keys = statements[name]
     compiled = statement.compile(dialect=sqlite.dialect(), column_keys=column_keys)
@@ -65,23 +72,64 @@ class SqliteStatements(Statements):
     )
 
     def update_token_counts(
-        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+        self,
+        uow: UnitOfWork,
+        session_id: str,
+        params: dict[str, Any],
+        absolute: bool,
+        key: WriteKey | None = None,
     ) -> None:
         sql, values = _bound("tokens_absolute" if absolute else "tokens", params)
-        uow.run(
-            lambda conn: int(fastpath.driver_execute(conn, sql, values).rowcount), driver_only=True
-        )
+        if key is None or absolute:
+            uow.run(
+                lambda conn: int(fastpath.driver_execute(conn, sql, values).rowcount),
+                driver_only=True,
+            )
+            return
+        lookup = _bound("key_lookup", {"key": key.key})
+        record = _bound("key_insert", key.row(None))
 
-    def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
+        def unit(conn: Connection) -> None:
+            # One write unit: no other writer runs between the look-up and the insert.
+            if fastpath.driver_execute(conn, *lookup).fetchone() is not None:
+                return
+            if fastpath.driver_execute(conn, sql, values).rowcount:
+                fastpath.driver_execute(conn, *record)
+
+        uow.run(unit, driver_only=True)
+
+    def append_message(
+        self,
+        uow: UnitOfWork,
+        values: dict[str, Any],
+        tool_calls: int,
+        key: WriteKey | None = None,
+    ) -> int:
         session_id = values["session_id"]
         bump = _bound("bump", bump_params(session_id, 1, tool_calls))
         sql, row = _bound("insert", values)
+        if key is None:
 
-        def unit(conn: Connection) -> int:
+            def unit(conn: Connection) -> int:
+                _bump(conn, session_id, bump)
+                return int(fastpath.driver_execute(conn, sql, row).lastrowid)
+
+            return uow.run(unit, driver_only=True)
+        lookup = _bound("key_lookup", {"key": key.key})
+        record_sql, record_keys = driver_sql("key_insert")
+
+        def keyed(conn: Connection) -> int:
+            # One write unit: no other writer runs between the look-up and the insert.
+            known = fastpath.driver_execute(conn, *lookup).fetchone()
+            if known is not None:
+                return known_message(key, known[0], known[1])
             _bump(conn, session_id, bump)
-            return int(fastpath.driver_execute(conn, sql, row).lastrowid)
+            message_id = int(fastpath.driver_execute(conn, sql, row).lastrowid)
+            record = key.row(message_id)
+            fastpath.driver_execute(conn, record_sql, tuple(record[k] for k in record_keys))
+            return message_id
 
-        return uow.run(unit, driver_only=True)
+        return uow.run(keyed, driver_only=True)
 
     def append_messages(
         self, uow: UnitOfWork, session_id: str, rows: list[dict[str, Any]], tool_calls: int

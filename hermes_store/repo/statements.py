@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import sqlalchemy as sa
@@ -23,13 +24,14 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 
-from hermes_store.errors import TitleInUseError, UnknownSessionError
+from hermes_store.errors import InvalidInputError, TitleInUseError, UnknownSessionError
 from hermes_store.repo import listing
 from hermes_store.repo.messages import fetch_messages
 from hermes_store.rows import ExportRecord
 from hermes_store.tables import Counter
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
+from hermes_store.tables import write_keys_table as K
 from hermes_store.uow.unit import UnitOfWork
 
 #: The token counters of a session, in ``update_token_counts``' order.
@@ -144,6 +146,45 @@ def bump_params(session_id: str, messages: int, tool_calls: int) -> dict[str, An
     return {"sid": session_id, "messages": messages, "tool_calls": tool_calls}
 
 
+@dataclass(frozen=True)
+class WriteKey:
+    """A write's idempotency key as recorded beside it: the key, the session written and
+    when (the store's clock; retention expires old keys)."""
+
+    key: str
+    session_id: str
+    created_at: float
+
+    def row(self, message_id: int | None) -> dict[str, Any]:
+        """The ``write_keys`` row of this key for the write's ``message_id`` (None: tokens)."""
+        return {
+            "key": self.key,
+            "session_id": self.session_id,
+            "message_id": message_id,
+            "created_at": self.created_at,
+        }
+
+
+#: The session and message of a recorded key.
+KEY_LOOKUP = select(K.c.session_id, K.c.message_id).where(K.c.key == sa.bindparam("key"))
+
+
+def known_message(key: WriteKey, session_id: str, message_id: int | None) -> int:
+    """The message id a re-sent append returns: the one its key recorded. A key recorded for
+    another session's write, or for a token update, names another write: refused."""
+    if session_id != key.session_id:
+        raise InvalidInputError(
+            f"idempotency_key {key.key!r} was already used for a write to session "
+            f"{session_id!r}, not {key.session_id!r}: a key names one write"
+        )
+    if message_id is None:
+        raise InvalidInputError(
+            f"idempotency_key {key.key!r} was already used for a token update, not an append: "
+            "a key names one write"
+        )
+    return int(message_id)
+
+
 def exists(conn: Connection, session_id: str) -> bool:
     return conn.execute(select(S.c.id).where(S.c.id == session_id)).first() is not None
 
@@ -168,6 +209,10 @@ class Statements(abc.ABC):
 
     #: Whether the backend's text columns may hold a NUL character (PostgreSQL's cannot).
     holds_nul: ClassVar[bool]
+    #: Whether another transaction can record a key between this unit's look-up and its
+    #: insert (PostgreSQL; SQLite's write lock excludes it): a keyed append inside a block
+    #: then writes in a savepoint, and a key taken meanwhile answers with its message.
+    keys_race: ClassVar[bool] = False
     #: ``INSERT`` of a session row that leaves an existing id as it is (first write wins),
     #: in the backend's own ``ON CONFLICT DO NOTHING``.
     insert_session: ClassVar[Insert]
@@ -239,22 +284,55 @@ class Statements(abc.ABC):
 
     @abc.abstractmethod
     def update_token_counts(
-        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+        self,
+        uow: UnitOfWork,
+        session_id: str,
+        params: dict[str, Any],
+        absolute: bool,
+        key: WriteKey | None = None,
     ) -> None:
-        """Run :func:`token_statement` with ``params`` (:func:`token_params`)."""
+        """Run :func:`token_statement` with ``params`` (:func:`token_params`); an increment
+        with ``key`` lands once per key."""
 
     # -- messages ---------------------------------------------------------------------------
 
-    def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
+    def append_message(
+        self,
+        uow: UnitOfWork,
+        values: dict[str, Any],
+        tool_calls: int,
+        key: WriteKey | None = None,
+    ) -> int:
         """Insert one message (``values``: its columns) and count it (and its ``tool_calls``)
-        on its session, in one unit; the message's id."""
+        on its session, in one unit; the message's id. With ``key``: a key already recorded
+        returns its message's id and writes nothing; else the key is recorded in the unit."""
         session_id = values["session_id"]
         bump = bump_params(session_id, 1, tool_calls)
 
-        def unit(conn: Connection) -> int:
+        def write(conn: Connection) -> int:
             if conn.execute(BUMP_COUNTERS, bump).rowcount != 1:
                 raise missing_session(session_id)
-            return int(conn.execute(INSERT_MESSAGE, values).scalar_one())
+            message_id = int(conn.execute(INSERT_MESSAGE, values).scalar_one())
+            if key is not None:
+                conn.execute(K.insert(), key.row(message_id))
+            return message_id
+
+        def unit(conn: Connection) -> int:
+            if key is None:
+                return write(conn)
+            known = conn.execute(KEY_LOOKUP, {"key": key.key}).first()
+            if known is not None:
+                return known_message(key, known.session_id, known.message_id)
+            if not self.keys_race:
+                return write(conn)
+            try:  # another transaction may record the same key meanwhile
+                with conn.begin_nested():
+                    return write(conn)
+            except sa.exc.IntegrityError:
+                known = conn.execute(KEY_LOOKUP, {"key": key.key}).first()
+                if known is None:
+                    raise
+                return known_message(key, known.session_id, known.message_id)
 
         return uow.run(unit)
 

@@ -63,6 +63,7 @@ from hermes_store.errors import (
     open_errors,
 )
 from hermes_store.schema import ddl, fulltext, revisions
+from hermes_store.tables import write_keys_table
 from hermes_store.uow import writequeue
 from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S, RetryPolicy
 
@@ -527,6 +528,8 @@ def find_damage(state: DatabaseState, dialect: str, where: str) -> list[str]:
     damage: list[str] = []
     if state.schema_version != ddl.HEAD_VERSION:
         damage.append(f"schema_version {state.schema_version} (Alembic is at head)")
+    if write_keys_table.name not in state.tables:
+        damage.append(f"the {write_keys_table.name} table is missing (idempotency keys)")
     damage += fulltext.for_dialect(dialect).damage(
         state.tables, state.triggers, state.indexes, state.columns["messages"]
     )
@@ -555,6 +558,10 @@ def repair_at_head(conn: Connection) -> list[str]:
             sa.text("INSERT INTO schema_version (version) VALUES (:v)"), {"v": ddl.HEAD_VERSION}
         )
         done.append(f"set schema_version from {state.schema_version} to {ddl.HEAD_VERSION}")
+    if write_keys_table.name not in state.tables:
+        # Recreated empty: the keys it held only stopped re-sent writes.
+        write_keys_table.create(conn)
+        done.append(f"created the missing {write_keys_table.name} table")
     done += fulltext.of(conn).repair(
         conn, state.tables, state.triggers, state.indexes, state.columns["messages"]
     )

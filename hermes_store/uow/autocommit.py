@@ -5,8 +5,10 @@ statement is the whole round trip: no BEGIN, no COMMIT. A deadlock or serializat
 (the server rolled the statement back) is retried by the retry policy; a server that cannot be
 reached is waited for (:class:`~hermes_store.uow.retry.Patience`). A lost connection is retried
 only when the statement provably never reached the server (connecting failed, or the driver
-failed to send it) or when it is idempotent; otherwise :class:`DatabaseUnavailableError` says
-the write may or may not have landed: an unacknowledged write is never applied twice.
+failed to send it) or when it is idempotent; otherwise :class:`WriteOutcomeUnknownError` says
+the write may have landed: an unacknowledged write is never applied twice. A write whose
+server stayed unreachable past the patience gets :class:`WriteNotLandedError` when no attempt
+was ever sent, :class:`WriteOutcomeUnknownError` when one was lost in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from hermes_store.engine.factory import autocommit_engine
 from hermes_store.errors import (
-    DatabaseUnavailableError,
+    WriteOutcomeUnknownError,
     connection_lost,
     is_retryable,
     mapped_errors,
@@ -56,15 +58,25 @@ class Autocommit:
         """The autocommit twin of the engine (made once, kept by the engine factory)."""
         return autocommit_engine(self.base)
 
-    def run(self, fn: Callable[[Connection], T], *, write: bool, idempotent: bool) -> T:
-        """``fn(connection)``, one statement, with its retries; driver errors named."""
-        with mapped_errors():
-            return self._attempts(fn, write=write, idempotent=idempotent)
+    def run(
+        self,
+        fn: Callable[[Connection], T],
+        *,
+        write: bool,
+        idempotent: bool,
+        maybe_landed: bool = False,
+    ) -> T:
+        """``fn(connection)``, one statement, with its retries; driver errors named.
+        ``maybe_landed``: an earlier attempt (a lost group) may have landed already."""
+        with mapped_errors(write=write):
+            return self._attempts(fn, write=write, idempotent=idempotent, maybe_landed=maybe_landed)
 
-    def _attempts(self, fn: Callable[[Connection], T], *, write: bool, idempotent: bool) -> T:
+    def _attempts(
+        self, fn: Callable[[Connection], T], *, write: bool, idempotent: bool, maybe_landed: bool
+    ) -> T:
         engine = self.engine
         waits = self.policy.waits()
-        patience = retry.Patience(self.policy, self.counters)
+        patience = retry.Patience(self.policy, self.counters, maybe_landed=maybe_landed)
         while True:
             try:
                 conn = engine.connect()
@@ -72,7 +84,7 @@ class Autocommit:
                 # Nothing was sent: retrying cannot apply anything twice.
                 if not (is_retryable(error) or connection_lost(error)):
                     raise
-                patience.pause(error, write=False)
+                patience.pause(error, write=write)
                 continue
             try:
                 result = fn(conn)
@@ -84,12 +96,16 @@ class Autocommit:
                     continue
                 if not connection_lost(error):
                     raise
-                if idempotent or never_sent(error):
+                if never_sent(error):
                     patience.pause(error, write=write)
                     continue
-                raise DatabaseUnavailableError(
-                    "lost the database connection while the write was in flight: it may or may "
-                    f"not have landed (not retried, so it is never applied twice): {error.orig}"
+                if idempotent:  # sent, maybe run: running it again equals running it once
+                    patience.maybe_landed = True
+                    patience.pause(error, write=write)
+                    continue
+                raise WriteOutcomeUnknownError(
+                    "lost the database connection while the write was in flight: it may have "
+                    f"landed (not retried, so it is never applied twice): {error.orig}"
                 ) from error
             except BaseException:
                 close_quietly(conn)

@@ -363,7 +363,7 @@ class PostgresBackend:
                 if not connection_lost(error):
                     raise
                 patience = patience or retry.Patience(self.policy, self.counters)
-                patience.pause(error, write=False)
+                patience.pause(error, write=write)
                 continue
             try:
                 conn.begin()
@@ -410,7 +410,10 @@ class PostgresBackend:
         if grouped is not None and group is not None:
             grouped.idempotent = idempotent
             return group.run(
-                grouped, lambda: self.autocommit.run(fn, write=True, idempotent=idempotent)
+                grouped,
+                lambda: self.autocommit.run(
+                    fn, write=True, idempotent=idempotent, maybe_landed=grouped.maybe_landed
+                ),
             )
         return self.autocommit.run(fn, write=True, idempotent=idempotent)
 

@@ -28,9 +28,9 @@ When a group fails:
 - the group never left this process (the driver says so), or the connection broke before
   its COMMIT was sent: nothing landed; as above;
 - the connection broke while the group was on its way or running: the outcome is unknown.
-  Idempotent statements run again; the others raise :class:`DatabaseUnavailableError` ("may
-  or may not have landed"), as a lone statement lost in flight does: an unacknowledged write
-  is never applied twice.
+  Idempotent statements run again; the others raise :class:`WriteOutcomeUnknownError` ("may
+  have landed"), as a lone statement lost in flight does: an unacknowledged write is never
+  applied twice.
 
 Only the store's hot one-statement writes outside ``transaction()`` blocks are grouped, and not
 under ``AsyncSessionDB`` (one thread serves all its calls). ``HERMES_STORE_GROUP_COMMIT=0``
@@ -54,8 +54,8 @@ from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
 from hermes_store.engine.factory import autocommit_engine, connection_key
 from hermes_store.errors import (
-    DatabaseUnavailableError,
     HermesStoreError,
+    WriteOutcomeUnknownError,
     connection_lost,
     never_sent,
     wrap_driver_error,
@@ -85,7 +85,7 @@ class Grouped(Queued, Generic[T]):
     how its result is read from the cursor. ``idempotent`` (running it twice equals running it
     once) is set by :meth:`UnitOfWork.run_statement` from its own argument."""
 
-    __slots__ = ("idempotent", "key", "outlet", "params", "read", "statement")
+    __slots__ = ("idempotent", "key", "maybe_landed", "outlet", "params", "read", "statement")
 
     def __init__(
         self,
@@ -100,6 +100,8 @@ class Grouped(Queued, Generic[T]):
         self.key = key
         self.read = read
         self.idempotent = False
+        #: Its group was lost in flight and it runs again alone: it may have landed already.
+        self.maybe_landed = False
         self.outlet: Outlet | None = None  # the caller's: a group it leads runs through it
 
 
@@ -303,8 +305,8 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             return
         self._unknown(
             batch,
-            "lost the database connection while the write's group was in flight: it may or may "
-            f"not have landed (not retried, so it is never applied twice): {orig}",
+            "lost the database connection while the write's group was in flight: it may have "
+            f"landed (not retried, so it is never applied twice): {orig}",
             cause=error,
         )
 
@@ -312,15 +314,15 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         self, batch: list[Grouped[Any]], message: str, cause: BaseException | None = None
     ) -> None:
         """The group may or may not have committed: idempotent units run again, the others
-        fail with :class:`DatabaseUnavailableError`."""
-        unknown = DatabaseUnavailableError(message)
+        fail with :class:`WriteOutcomeUnknownError`."""
+        unknown = WriteOutcomeUnknownError(message)
         unknown.__cause__ = cause
         with self._cond:
             for unit in batch:
                 if unit.state != QUEUED:
                     continue
                 if unit.idempotent:
-                    unit.state = RERUN
+                    unit.state, unit.maybe_landed = RERUN, True
                 else:
                     unit.state, unit.error = FAILED, unknown
 

@@ -24,6 +24,8 @@ from sqlalchemy.engine import Engine
 from hermes_store.errors import (
     DatabaseLockedError,
     DatabaseUnavailableError,
+    WriteNotLandedError,
+    WriteOutcomeUnknownError,
     connection_lost,
     login_refused,
     mapped_errors,
@@ -92,29 +94,43 @@ class Patience:
     fleet does not reconnect in lockstep), progress logged. The pauses go through
     :func:`sleep`, so an asyncio store's loop keeps running."""
 
-    __slots__ = ("counters", "logged", "policy", "started", "tries", "wait")
+    __slots__ = ("counters", "logged", "maybe_landed", "policy", "started", "tries", "wait")
 
-    def __init__(self, policy: RetryPolicy, counters: Counters) -> None:
+    def __init__(
+        self, policy: RetryPolicy, counters: Counters, *, maybe_landed: bool = False
+    ) -> None:
         self.policy = policy
         self.counters = counters
         self.started: float | None = None
         self.logged = 0.0
         self.tries = 0
         self.wait = UNAVAILABLE_FIRST_WAIT_S
+        #: An earlier attempt of this write was lost after it was sent (an idempotent write,
+        #: retried): past the deadline its outcome is unknown, not "did not land".
+        self.maybe_landed = maybe_landed
 
     def pause(self, error: sa_exc.DBAPIError, *, write: bool) -> None:
-        """Wait before the next attempt; past the deadline, report the server unreachable
-        (with nothing written: the call never got through)."""
+        """Wait before the next attempt; past the deadline, report the server unreachable: a
+        write says whether it may have landed (an attempt was lost in flight) or did not."""
         now = time.monotonic()
         if self.started is None:
             self.started = self.logged = now
         waited = now - self.started
         timeout = self.policy.unavailable_timeout
         if waited >= timeout:
-            raise DatabaseUnavailableError(
+            unreachable = (
                 f"the database stayed unreachable for {waited:.1f} s ({self.tries} retries)"
-                f"{' (the write did not land)' if write else ''}: {error.orig}"
-            ) from error
+            )
+            if write and self.maybe_landed:
+                raise WriteOutcomeUnknownError(
+                    f"{unreachable}; an attempt was lost after it was sent, so the write may "
+                    f"have landed: {error.orig}"
+                ) from error
+            if write:
+                raise WriteNotLandedError(
+                    f"{unreachable}; the write did not land: {error.orig}"
+                ) from error
+            raise DatabaseUnavailableError(f"{unreachable}: {error.orig}") from error
         delay = min(random.uniform(0.5, 1.0) * self.wait, timeout - waited)
         self.wait = min(self.wait * 2, UNAVAILABLE_MAX_WAIT_S)
         self.counters.record_retry()

@@ -48,13 +48,17 @@ from hermes_store.engine.factory import (
 from hermes_store.errors import (
     SQLITE_READONLY,
     DatabaseLockedError,
+    DatabaseUnavailableError,
     ForkedProcessError,
     HermesStoreError,
     ReadOnlyUnitError,
     StoreMisuseError,
     TransactionMisuseError,
+    WriteNotLandedError,
+    WriteOutcomeUnknownError,
     is_retryable,
     mapped_errors,
+    server_connection_lost,
     wrap_driver_error,
 )
 from hermes_store.uow import fork, groupcommit, pggroup, retry, uncontended, writequeue
@@ -403,7 +407,12 @@ class UnitOfWork:
         self, write: bool, waits: Iterator[float], *, publish: bool = True
     ) -> Iterator[Unit]:
         backend = self.backend
-        with backend.turn() if write else _NO_TURN as turn, mapped_errors():
+        stage = _Stage()
+        with (
+            backend.turn() if write else _NO_TURN as turn,
+            mapped_errors(write=write),
+            _write_outcome(stage) if write and not backend.serialises_writers else _NO_TURN,
+        ):
             conn = backend.begin(write, waits, turn)
             unit = Unit(conn, write)
             current = self._current  # a forked child gets a new variable: reset this one
@@ -415,6 +424,7 @@ class UnitOfWork:
                 if forks != fork.generation:
                     inherited = True
                     raise fork.left_in_child(write)
+                stage.committing = True
                 conn.commit()
             except BaseException as error:
                 if inherited or forks != fork.generation:
@@ -651,6 +661,39 @@ class UnitOfWork:
 
 #: The turn of a read unit (none).
 _NO_TURN: AbstractContextManager[None] = nullcontext()
+
+
+class _Stage:
+    """How far a write unit got: whether its COMMIT was handed to the driver."""
+
+    __slots__ = ("committing",)
+
+    def __init__(self) -> None:
+        self.committing = False
+
+
+@contextmanager
+def _write_outcome(stage: _Stage) -> Iterator[None]:
+    """A write unit whose server connection broke says what became of it: before its COMMIT
+    was sent the server could only roll the transaction back (:class:`WriteNotLandedError`);
+    once the COMMIT was on its way it may have run (:class:`WriteOutcomeUnknownError`)."""
+    try:
+        yield
+    except (sa_exc.DBAPIError, DatabaseUnavailableError) as error:
+        if isinstance(error, WriteNotLandedError | WriteOutcomeUnknownError):
+            raise
+        if isinstance(error, sa_exc.DBAPIError) and not server_connection_lost(error):
+            raise
+        detail = getattr(error, "orig", None) or error
+        if stage.committing:
+            raise WriteOutcomeUnknownError(
+                "lost the database connection while the transaction's COMMIT was in flight: "
+                f"it may have landed (not retried, so it is never applied twice): {detail}"
+            ) from error
+        raise WriteNotLandedError(
+            "lost the database connection before the transaction's COMMIT was sent: the "
+            f"server rolled it back, so nothing of it landed: {detail}"
+        ) from error
 
 
 def _refuse_outside_greenlet() -> None:

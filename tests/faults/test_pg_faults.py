@@ -17,7 +17,12 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.pool import NullPool
 
-from hermes_store import DatabaseUnavailableError, HermesStoreError, SessionDB
+from hermes_store import (
+    DatabaseUnavailableError,
+    HermesStoreError,
+    SessionDB,
+    WriteOutcomeUnknownError,
+)
 from hermes_store.engine.factory import IDLE_SINCE_KEY, autocommit_engine
 from tests.support.backends import url_string
 from tests.support.latency_proxy import LatencyProxy
@@ -375,14 +380,14 @@ def test_pg_write_that_never_left_is_retried_and_lands_once(pg_url: URL) -> None
 
 
 def test_pg_write_lost_in_flight_is_reported_not_repeated(pg_url: URL, admin: Connection) -> None:
-    """The backend dies while an append is on its way: the caller gets DatabaseUnavailableError
-    (it may or may not have landed), the store does not send it again, and keeps working."""
+    """The backend dies while an append is on its way: the caller gets WriteOutcomeUnknownError
+    (it may have landed), the store does not send it again, and keeps working."""
     store = SessionDB(url_string(pg_url))
     try:
         store.create_session("s", "cli")
         killer = Killer(store, admin)
         killer.arm("before_statement")
-        with pytest.raises(DatabaseUnavailableError, match="may or may not have landed"):
+        with pytest.raises(WriteOutcomeUnknownError, match="may have landed"):
             store.append_message("s", "user", "in flight")
         assert killer.fired
         killer.arm("")

@@ -15,7 +15,11 @@ import time
 from collections.abc import Callable
 
 from hermes_store import SessionDB
-from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
+from hermes_store.errors import (
+    DatabaseUnavailableError,
+    HermesStoreError,
+    WriteNotLandedError,
+)
 
 THREADS = 4
 
@@ -44,7 +48,7 @@ def main(url: str, tag: str) -> None:
         try:
             call()
         except DatabaseUnavailableError as error:
-            landed = "may or may not" in str(error)
+            landed = not isinstance(error, WriteNotLandedError)
             say("unknown" if landed else "failed", thread, op, content, started, str(error))
             return
         except HermesStoreError as error:

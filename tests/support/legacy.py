@@ -447,11 +447,11 @@ SIGNATURE_TABLES = ("schema_version", "sessions", "messages")
 
 
 def _ignored_table(name: str) -> bool:
-    """Bookkeeping tables, FTS shadow tables, and hermes_store's CJK index (not the original store's
-    schema: its presence is checked on its own, see ``migration_checks.cjk_objects``)."""
-    return name in ("alembic_version", "sqlite_sequence", "messages_cjk") or name.startswith(
-        ("messages_fts_", "messages_cjk_", "sqlite_stat")
-    )
+    """Bookkeeping tables, FTS shadow tables, hermes_store's CJK index and its idempotency keys
+    (not the original store's schema: the CJK index's presence is checked on its own, see
+    ``migration_checks.cjk_objects``; the keys' by the revision's pinned SQL)."""
+    ignored = ("alembic_version", "sqlite_sequence", "messages_cjk", "write_keys")
+    return name in ignored or name.startswith(("messages_fts_", "messages_cjk_", "sqlite_stat"))
 
 
 def _norm_sql(sql: str) -> str:

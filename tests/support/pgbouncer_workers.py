@@ -10,7 +10,11 @@ import threading
 import time
 
 from hermes_store import SessionDB
-from hermes_store.errors import DatabaseUnavailableError, HermesStoreError
+from hermes_store.errors import (
+    DatabaseUnavailableError,
+    HermesStoreError,
+    WriteNotLandedError,
+)
 
 THREADS = 4
 
@@ -35,7 +39,7 @@ def main(url: str, session: str, tag: str) -> None:
             try:
                 db.append_message(session, "user", content)
             except DatabaseUnavailableError as error:
-                landed = "may or may not" in str(error)
+                landed = not isinstance(error, WriteNotLandedError)
                 say("unknown" if landed else "failed", thread, content, str(error)[-200:])
                 continue
             except HermesStoreError as error:

@@ -18,7 +18,19 @@ Call = Callable[[SessionDB, int], object]
 #: Each call and its round trips once warm (connections open, statements prepared).
 CALLS: dict[str, tuple[Call, int]] = {
     "append_message": (lambda db, i: db.append_message("s", "user", f"message {i}"), 1),
+    "append_message_keyed": (
+        lambda db, i: db.append_message("s", "user", f"keyed {i}", idempotency_key=f"k{i}"),
+        1,
+    ),
+    "append_message_resent": (  # a key already recorded: the recorded id, same one trip
+        lambda db, i: db.append_message("s", "user", "again", idempotency_key="resent"),
+        1,
+    ),
     "update_token_counts": (lambda db, i: db.update_token_counts("s", input_tokens=i), 1),
+    "update_token_counts_keyed": (
+        lambda db, i: db.update_token_counts("s", input_tokens=i, idempotency_key=f"t{i}"),
+        1,
+    ),
     "update_token_counts_absolute": (
         lambda db, i: db.update_token_counts("s", input_tokens=i, absolute=True),
         1,
