@@ -27,6 +27,7 @@ REVISIONS = (
     "v6_reasoning_columns",
     "h7_cjk_index",
     "h8_pg_bigint_counters",
+    "h10_pg_long_text",
 )
 #: The revision a database is at once every migration has run.
 HEAD = REVISIONS[-1]
