@@ -9,9 +9,9 @@ bytes on into the next so a phrase across a cut is whole in one chunk), each chu
 insert (``COPY`` included), update and delete; their ``WHEN`` reads only the stored value's
 length, so a short message costs nothing. The search unions the two indexes.
 
-The upgrade indexes the long messages already stored, in batches of BATCH messages (each
-batch one statement, logged). SQLite indexes every character already: there this revision only
-moves the Alembic version. Offline (``--sql``) the backfill is one statement.
+The upgrade indexes the long messages already stored, in batches (``schema_ops.BACKFILL_BATCH``
+messages per statement, each logged). SQLite indexes every character already: there this
+revision only moves the Alembic version. Offline (``--sql``) the backfill is one statement.
 
 Revision ID: h10_pg_long_text
 Revises: h8_pg_bigint_counters
@@ -35,8 +35,6 @@ depends_on: str | Sequence[str] | None = None
 
 log = logging.getLogger(__name__)
 
-#: Long messages indexed per backfill statement (at most 16 MiB each).
-BATCH = 50
 TABLE = """CREATE TABLE IF NOT EXISTS message_text_chunks (
     message_id BIGINT NOT NULL,
     chunk_no INTEGER NOT NULL,
@@ -124,15 +122,13 @@ FILL_ALL = (
     "SELECT count(hermes_index_message_text(id, content)) FROM messages"
     " WHERE octet_length(content) > 200000"
 )
-#: The next BATCH long messages after :after, by id (the primary key's order: each batch
+#: The next batch of long messages after :after, by id (the primary key's order: each batch
 #: resumes where the last one stopped).
 NEXT_BATCH = (
     "SELECT id FROM messages WHERE id > :after AND octet_length(content) > 200000"
     " ORDER BY id LIMIT :batch"
 )
-FILL_BATCH = (
-    "SELECT count(hermes_index_message_text(id, content)) FROM messages WHERE id = ANY(:ids)"
-)
+FILL_BATCH = "SELECT sum(hermes_index_message_text(id, content)) FROM messages WHERE id = ANY(:ids)"
 DROP = (
     "DROP TRIGGER IF EXISTS messages_text_chunks_insert ON messages",
     "DROP TRIGGER IF EXISTS messages_text_chunks_update ON messages",
@@ -145,14 +141,15 @@ DROP = (
 
 
 def _backfill() -> None:
-    """Index the long messages already stored, BATCH at a time."""
+    """Index the long messages already stored, a bounded batch per statement."""
     if schema_ops.offline():
         op.execute(sa.text(FILL_ALL))
         return
     bind = op.get_bind()
     after, messages, chunks = 0, 0, 0
     while True:
-        ids = bind.execute(sa.text(NEXT_BATCH), {"after": after, "batch": BATCH}).scalars().all()
+        batch = {"after": after, "batch": schema_ops.BACKFILL_BATCH}
+        ids = bind.execute(sa.text(NEXT_BATCH), batch).scalars().all()
         if not ids:
             break
         chunks += int(bind.execute(sa.text(FILL_BATCH), {"ids": list(ids)}).scalar_one())
