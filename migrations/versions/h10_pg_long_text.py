@@ -10,8 +10,13 @@ insert (``COPY`` included), update and delete; their ``WHEN`` reads only the sto
 length, so a short message costs nothing. The search unions the two indexes.
 
 The upgrade indexes the long messages already stored, in batches (``schema_ops.BACKFILL_BATCH``
-messages per statement, each logged). SQLite indexes every character already: there this
-revision only moves the Alembic version. Offline (``--sql``) the backfill is one statement.
+messages per statement, each logged), BEFORE it puts the triggers on ``messages``: creating a
+trigger locks the table against writes until the migration commits, so writers wait only for
+a second pass that indexes the long messages committed during the first (with h8's
+``lock_timeout``: a transaction holding ``messages`` longer than that fails the upgrade
+cleanly, to be re-run, instead of queueing every gateway behind it). SQLite indexes every
+character already: there this revision only moves the Alembic version. Offline (``--sql``)
+the triggers come first and the backfill is one statement.
 
 Revision ID: h10_pg_long_text
 Revises: h8_pg_bigint_counters
@@ -122,12 +127,14 @@ FILL_ALL = (
     "SELECT count(hermes_index_message_text(id, content)) FROM messages"
     " WHERE octet_length(content) > 200000"
 )
-#: The next batch of long messages after :after, by id (the primary key's order: each batch
-#: resumes where the last one stopped).
+#: The next batch of long messages not indexed yet after :after, by id (the primary key's
+#: order: each batch resumes where the last one stopped).
 NEXT_BATCH = (
     "SELECT id FROM messages WHERE id > :after AND octet_length(content) > 200000"
+    " AND NOT EXISTS (SELECT 1 FROM message_text_chunks c WHERE c.message_id = messages.id)"
     " ORDER BY id LIMIT :batch"
 )
+LOCK_TIMEOUT = "SET LOCAL lock_timeout = '30s'"
 FILL_BATCH = "SELECT sum(hermes_index_message_text(id, content)) FROM messages WHERE id = ANY(:ids)"
 DROP = (
     "DROP TRIGGER IF EXISTS messages_text_chunks_insert ON messages",
@@ -141,10 +148,7 @@ DROP = (
 
 
 def _backfill() -> None:
-    """Index the long messages already stored, a bounded batch per statement."""
-    if schema_ops.offline():
-        op.execute(sa.text(FILL_ALL))
-        return
+    """Index the long messages stored and not indexed yet, a bounded batch per statement."""
     bind = op.get_bind()
     after, messages, chunks = 0, 0, 0
     while True:
@@ -161,9 +165,16 @@ def _backfill() -> None:
 def upgrade() -> None:
     if schema_ops.dialect_name() != "postgresql":
         return
-    for statement in (TABLE, INDEX, CUT, FILL, SYNC, *TRIGGERS):
+    for statement in (TABLE, INDEX, CUT, FILL, SYNC):
         op.execute(sa.text(statement))
-    _backfill()
+    if schema_ops.offline():
+        for statement in (LOCK_TIMEOUT, *TRIGGERS, FILL_ALL):
+            op.execute(sa.text(statement))
+        return
+    _backfill()  # writers go on meanwhile
+    for statement in (LOCK_TIMEOUT, *TRIGGERS):
+        op.execute(sa.text(statement))
+    _backfill()  # what they committed before the triggers could see it
 
 
 def downgrade() -> None:

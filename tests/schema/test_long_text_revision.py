@@ -155,3 +155,58 @@ def test_the_revision_changes_nothing_but_the_version_on_sqlite(tmp_path: Path) 
         assert migrate.current(path) == BEFORE
     finally:
         engine.dispose()
+
+
+class _WriteOnFirstBatch(logging.Handler):
+    """At the backfill's first progress line, another program commits a long message whose id
+    is below the batches' position (its id was taken before the batch passed it)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(logging.INFO)
+        self.engine = engine
+        self.written = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.written or not record.getMessage().startswith("indexed "):
+            return
+        self.written = True
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO messages (id, session_id, role, content, timestamp)"
+                    " VALUES (1, 's', 'user', :c, 0)"
+                ),
+                {"c": f"{FILLER} latecomer"},
+            )
+
+
+def test_a_long_message_committed_during_the_backfill_is_indexed(
+    before_url: URL, plain: Engine, small_batches: int
+) -> None:
+    """The first pass runs before the triggers exist (writers are not held up); the second,
+    after them, indexes what was committed meanwhile."""
+    with plain.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO sessions (id, source, started_at) VALUES ('s', 'cli', 1)")
+        )
+        for n in range(1001, 1005):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO messages (id, session_id, role, content, timestamp)"
+                    " VALUES (:id, 's', 'user', :c, 1)"
+                ),
+                {"id": n, "c": f"{FILLER} early{n}"},
+            )
+    handler = _WriteOnFirstBatch(plain)
+    logging.getLogger().addHandler(handler)
+    previous = logging.getLogger().level
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        migrate.upgrade(before_url, REVISION)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger().setLevel(previous)
+    assert handler.written
+    assert sorted(_chunked(plain)) == [1, 1001, 1002, 1003, 1004]
+    with SessionDB(url_string(before_url)) as db:
+        assert [hit["id"] for hit in db.search_messages("latecomer")] == [1]

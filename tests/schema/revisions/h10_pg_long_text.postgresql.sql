@@ -76,6 +76,8 @@ BEGIN
 END
 $fn$;
 
+SET LOCAL lock_timeout = '30s';
+
 CREATE TRIGGER messages_text_chunks_insert AFTER INSERT ON messages FOR EACH ROW WHEN (octet_length(NEW.content) > 200000) EXECUTE FUNCTION hermes_message_text_chunks_sync();
 
 CREATE TRIGGER messages_text_chunks_update AFTER UPDATE OF id, content ON messages FOR EACH ROW WHEN (octet_length(OLD.content) > 200000 OR octet_length(NEW.content) > 200000) EXECUTE FUNCTION hermes_message_text_chunks_sync();
