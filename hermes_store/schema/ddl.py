@@ -200,10 +200,13 @@ $fn$"""
 #: Index one message's whole text as chunks (returns how many). It works on the text's UTF-8
 #: bytes: a byte offset is found in constant time, where ``substr`` of text counts characters
 #: from the start (quadratic over a 16 MiB message). Notices (a word over 2,047 bytes) are
-#: kept from the client: a blob would send one per chunk.
+#: kept from the client: a blob would send one per chunk. It and the trigger function keep
+#: the search_path they were created with (the store's schema): a write through the
+#: store's one-statement path names its tables by schema and sets no search_path.
 PG_CHUNK_FILL_CREATE = (
     (f"CREATE OR REPLACE FUNCTION {PG_CHUNK_FILL_FUNCTION}(message bigint, content text)\n")
-    + f"""RETURNS integer LANGUAGE plpgsql SET client_min_messages = warning AS $fn$
+    + f"""RETURNS integer LANGUAGE plpgsql
+SET client_min_messages = warning SET search_path FROM CURRENT AS $fn$
 DECLARE
     body bytea := convert_to(content, 'UTF8');
     total integer := octet_length(body);
@@ -226,7 +229,7 @@ END
 $fn$"""
 )
 PG_CHUNK_SYNC_CREATE = f"""CREATE OR REPLACE FUNCTION {PG_CHUNK_SYNC_FUNCTION}()
-RETURNS trigger LANGUAGE plpgsql AS $fn$
+RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
 BEGIN
     IF TG_OP <> 'INSERT' THEN
         DELETE FROM {PG_CHUNK_TABLE} WHERE message_id = OLD.id;

@@ -43,12 +43,15 @@ _PG_CONFIG: ColumnClause[Any] = sa.literal_column("'simple'::regconfig")
 _PG_VECTOR: ColumnClause[Any] = sa.literal_column(f"{M.name}.{ddl.PG_TSV_COLUMN}")
 #: The same column of the message a long match joins, to leave it to the stored column's side.
 _HEAD_VECTOR: ColumnClause[Any] = sa.literal_column(f"head.{ddl.PG_TSV_COLUMN}")
-#: The chunks of long messages (the migrations own the table, like the column above).
-_CHUNKS = sa.table(
+#: The chunks of long messages (the migrations own the table, like the column above). A Table
+#: of its own MetaData, not the models': a placement's schema_translate_map names it by schema
+#: like the others (a lightweight ``sa.table`` would stay unqualified).
+_CHUNKS = sa.Table(
     ddl.PG_CHUNK_TABLE,
-    sa.column("message_id", sa.BigInteger),
-    sa.column("chunk_no", sa.Integer),
-    sa.column("tsv"),
+    sa.MetaData(),
+    sa.Column("message_id", sa.BigInteger, primary_key=True),
+    sa.Column("chunk_no", sa.Integer, primary_key=True),
+    sa.Column("tsv", postgresql.TSVECTOR),
 )
 _PG_HEADLINE = "StartSel=>>>, StopSel=<<<, MaxWords=35, MinWords=15"
 _PG_EDGE_CHARS = 400  # how much of each end of the content tells whether the headline is cut

@@ -78,7 +78,8 @@ BEGIN
 END
 $fn$"""
 FILL = """CREATE OR REPLACE FUNCTION hermes_index_message_text(message bigint, content text)
-RETURNS integer LANGUAGE plpgsql SET client_min_messages = warning AS $fn$
+RETURNS integer LANGUAGE plpgsql
+SET client_min_messages = warning SET search_path FROM CURRENT AS $fn$
 DECLARE
     body bytea := convert_to(content, 'UTF8');
     total integer := octet_length(body);
@@ -100,7 +101,7 @@ BEGIN
 END
 $fn$"""
 SYNC = """CREATE OR REPLACE FUNCTION hermes_message_text_chunks_sync()
-RETURNS trigger LANGUAGE plpgsql AS $fn$
+RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
 BEGIN
     IF TG_OP <> 'INSERT' THEN
         DELETE FROM message_text_chunks WHERE message_id = OLD.id;

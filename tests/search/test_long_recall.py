@@ -238,3 +238,39 @@ def test_chunks_fit_postgresql_limits(store: SessionDB, raw_engine: Engine | Non
     assert size < 256 * 1024 and position < 16_383
     for word in (words[0], words[19_999], words[20_000], words[-1], words[12_345]):
         assert _hits(store, word) == {message_id}, word
+
+
+def test_long_messages_in_two_schemas_of_one_database(pg_url: URL) -> None:
+    """Stores placed in schemas of one database: each one's triggers index into its own chunk
+    table (the store's one-statement writes name tables by schema and set no search_path),
+    and each one's search finds only its own messages."""
+    url = url_string(pg_url)
+    with SessionDB(url, schema="recall_a") as a, SessionDB(url, schema="recall_b") as b:
+        found: dict[str, set[int]] = {}
+        for db, word in ((a, "alphaword"), (b, "betaword")):
+            long_id = _long_message(db, tail=word)
+            short_id = _short(db, f"short {word}")
+            found[word] = {long_id, short_id}
+        assert _hits(a, "alphaword") == found["alphaword"]
+        assert _hits(b, "betaword") == found["betaword"]
+        assert _hits(a, "betaword") == set() and _hits(b, "alphaword") == set()
+    engine = sa.create_engine(pg_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            counts = [
+                conn.execute(
+                    sa.text(f"SELECT count(*) FROM {schema}.{ddl.PG_CHUNK_TABLE}")
+                ).scalar()
+                for schema in ("recall_a", "recall_b")
+            ]
+            assert (
+                conn.execute(sa.text(f"SELECT to_regclass('public.{ddl.PG_CHUNK_TABLE}')")).scalar()
+                is not None
+            )
+            assert (
+                conn.execute(sa.text(f"SELECT count(*) FROM public.{ddl.PG_CHUNK_TABLE}")).scalar()
+                == 0
+            )
+    finally:
+        engine.dispose()
+    assert counts[0] == counts[1] and counts[0] > 1
