@@ -493,14 +493,33 @@ class PostgresFullText:
         if ddl.PG_FTS_INDEX not in status:
             log.error("full-text index %s is missing", ddl.PG_FTS_INDEX)
             return False
-        if ddl.PG_CHUNK_INDEX not in status and long_text_expected(conn):
-            log.error("the index of long messages %s is missing", ddl.PG_CHUNK_INDEX)
-            return False
+        if long_text_expected(conn):
+            missing = self.missing_long_text(conn)
+            if missing:
+                log.error("the index of long messages lacks %s", ", ".join(missing))
+                return False
         broken = sorted(name for name, ok in status.items() if not ok)
         if broken:
             log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
             return False
         return True
+
+    def missing_long_text(self, conn: Connection) -> list[str]:
+        """What the index of long messages lacks: its table, its GIN index, a trigger on
+        ``messages`` (without one, long messages written since are not indexed)."""
+        found = conn.execute(
+            _LONG_TEXT_OBJECTS,
+            {
+                "table": ddl.PG_CHUNK_TABLE,
+                "index": ddl.PG_CHUNK_INDEX,
+                "triggers": list(ddl.PG_CHUNK_TRIGGERS),
+            },
+        ).one()
+        missing = [
+            name for name, there in zip(_LONG_TEXT_NAMES, found[:2], strict=True) if not there
+        ]
+        present = set(found[2] or ())
+        return missing + [name for name in ddl.PG_CHUNK_TRIGGERS if name not in present]
 
     def has_trigram_index(self, conn: Connection) -> bool:
         return (
@@ -535,6 +554,13 @@ class PostgresFullText:
             done.append(f"recreated the {ddl.PG_FTS_INDEX} index")
         return done
 
+
+_LONG_TEXT_OBJECTS = sa.text(
+    "SELECT to_regclass(:table) IS NOT NULL, to_regclass(:index) IS NOT NULL,"
+    " (SELECT array_agg(tgname::text) FROM pg_trigger"
+    "  WHERE tgrelid = to_regclass('messages') AND tgname = ANY(:triggers))"
+)
+_LONG_TEXT_NAMES = (ddl.PG_CHUNK_TABLE, ddl.PG_CHUNK_INDEX)
 
 SQLITE = SqliteFullText()
 POSTGRESQL = PostgresFullText()

@@ -210,3 +210,33 @@ def test_a_long_message_committed_during_the_backfill_is_indexed(
     assert sorted(_chunked(plain)) == [1, 1001, 1002, 1003, 1004]
     with SessionDB(url_string(before_url)) as db:
         assert [hit["id"] for hit in db.search_messages("latecomer")] == [1]
+
+
+def test_the_check_sees_a_missing_trigger_and_a_rebuild_restores_it(
+    pg_worker_url: URL | None,
+) -> None:
+    """Without its insert trigger the index of long messages silently misses what is written
+    since: the index check says so, and a rebuild recreates the trigger and indexes those."""
+    if pg_worker_url is None:
+        pytest.skip(f"PostgreSQL tests need {PG_ENV}")
+    reset_pg(pg_worker_url)
+    with SessionDB(url_string(pg_worker_url)) as db:
+        db.create_session("s", "cli")
+        db.append_message("s", "tool", f"{FILLER} before")
+        assert db.check_search_index()
+        engine = sa.create_engine(pg_worker_url, poolclass=NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DROP TRIGGER {ddl.PG_CHUNK_TRIGGERS[0]} ON messages"))
+        finally:
+            engine.dispose()
+        missed = db.append_message("s", "tool", f"{FILLER} unindexedword")
+        db.append_message("s", "user", "short unindexedword")
+        assert missed not in {hit["id"] for hit in db.search_messages("unindexedword")}
+        assert not db.check_search_index()
+        db.rebuild_search_index()
+        assert db.check_search_index()
+        assert missed in {hit["id"] for hit in db.search_messages("unindexedword")}
+        later = db.append_message("s", "tool", f"{FILLER} laterword")
+        db.append_message("s", "user", "short laterword")
+        assert later in {hit["id"] for hit in db.search_messages("laterword")}
