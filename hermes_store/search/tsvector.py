@@ -152,6 +152,7 @@ def full_text_rows(
     params = {
         "tsquery": tsquery(query_items),
         "pg_window": page.window(),
+        "pg_upto": page.limit + page.offset,
         **long_text_params(query_items),
         **page.params("pg"),
         **filters.params("pg"),
@@ -237,31 +238,47 @@ def _full_text_statement(
         long_rows = long_rows.join(S, S.c.id == M.c.session_id)
     limit = sa.bindparam("pg_limit", type_=sa.BigInteger)
     offset = sa.bindparam("pg_offset", type_=sa.BigInteger)
+    # Each side is cut to what the page can use before the union (the stored column's side
+    # exactly as a plain search would be: ts_rank computed after its top-N sort), so the union
+    # carries at most twice that, never every match of a common word.
     if sort == "rank":
-        # ts_rank in the window itself: computed for its rows only, from the row just read.
+        window_size = sa.bindparam("pg_window", type_=sa.BigInteger)
         both = sa.union_all(
             select(M.c.id, func.ts_rank(_PG_VECTOR, query).label("rank"), M.c.timestamp)
             .select_from(matching)
-            .where(*criteria),
+            .where(*criteria)
+            .order_by(M.c.id.desc())
+            .limit(window_size),
             select(M.c.id, long_matches.c.rank, M.c.timestamp)
             .select_from(long_rows)
-            .where(*filtering),
+            .where(*filtering)
+            .order_by(M.c.id.desc())
+            .limit(window_size),
         ).subquery("matches")
         window = (
             select(both.c.id, both.c.rank, both.c.timestamp)
             .order_by(both.c.id.desc())
-            .limit(sa.bindparam("pg_window", type_=sa.BigInteger))
+            .limit(window_size)
             .subquery("window")
         )
         found = select(window.c.id, window.c.rank, window.c.timestamp).order_by(
             window.c.rank.desc(), window.c.id.desc()
         )
     else:
-        both = sa.union_all(
-            select(M.c.id, M.c.timestamp).select_from(matching).where(*criteria),
-            select(M.c.id, M.c.timestamp).select_from(long_rows).where(*filtering),
-        ).subquery("matches")
         direction = sa.desc if sort == "newest" else sa.asc
+        upto = sa.bindparam("pg_upto", type_=sa.BigInteger)
+        both = sa.union_all(
+            select(M.c.id, M.c.timestamp)
+            .select_from(matching)
+            .where(*criteria)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
+            .limit(upto),
+            select(M.c.id, M.c.timestamp)
+            .select_from(long_rows)
+            .where(*filtering)
+            .order_by(direction(M.c.timestamp), direction(M.c.id))
+            .limit(upto),
+        ).subquery("matches")
         found = select(both.c.id, both.c.timestamp).order_by(
             direction(both.c.timestamp), direction(both.c.id)
         )
