@@ -274,3 +274,17 @@ def test_long_messages_in_two_schemas_of_one_database(pg_url: URL) -> None:
     finally:
         engine.dispose()
     assert counts[0] == counts[1] and counts[0] > 1
+
+
+def test_a_phrase_across_a_chunk_cut_is_found(store: SessionDB) -> None:
+    """Chunks are cut at whitespace every ~16,000 bytes and each reads 1,000 bytes on into
+    the next: a phrase that straddles a cut (here the one after byte 208,001, past the
+    stored column's 200,000 characters) is whole in the chunk before it."""
+    cut = 13 * ddl.PG_CHUNK_BYTES + 1  # "x " repeated: cuts fall after every 16,000th byte
+    before = "x " * ((cut - 3) // 2)  # the phrase's first word covers the cut
+    assert len(before) > ddl.PG_INDEXED_CHARS and len(before) < cut < len(before) + 5
+    store.create_session("phrase", "cli")
+    long_id = int(store.append_message("phrase", "tool", f"{before}alpha bravo {'x ' * 500}"))
+    short_id = _short(store, "alpha bravo in short")
+    _short(store, "bravo alpha the other way")
+    assert _hits(store, '"alpha bravo"') == {long_id, short_id}
