@@ -76,20 +76,28 @@ def tsquery(items: list[Item]) -> str:
 
 def long_text_params(items: list[Item]) -> dict[str, Any]:
     """What the chunk side of the statement binds: ``pg_terms``, each term's own tsquery (in
-    the query's order); ``pg_shape``, the query over markers standing for them (``'t1' &
-    !'t2'``), held against the markers of the terms a message's chunks contain; and
-    ``pg_positive``, the terms not negated ORed, which a matching message must contain (every
-    alternative of a query starts with a term that is not negated)."""
+    the query's order) and ``pg_negated``, whether a NOT precedes it; ``pg_shape``, the query
+    over markers standing for them (``'t1' & !'t2'``), held against the markers of the terms
+    a message's chunks contain; and ``pg_positive``, the terms not negated ORed, which a
+    matching message must contain (every alternative of a query starts with a term that is
+    not negated)."""
     terms: list[str] = []
+    negated = _negated_terms(items)
+    flags: list[bool] = []
 
     def marker(term: Term) -> str:
         terms.append(_operand(term))
+        flags.append(id(term) in negated)
         return f"'t{len(terms)}'"
 
     shape = fold(items, marker, _group(" & "), _group(" | "), lambda part: "!" + part)
-    negated = _negated_terms(items)
     wanted = [_operand(t) for t in items if isinstance(t, Term) and id(t) not in negated]
-    return {"pg_terms": terms, "pg_shape": shape, "pg_positive": " | ".join(wanted)}
+    return {
+        "pg_terms": terms,
+        "pg_negated": flags,
+        "pg_shape": shape,
+        "pg_positive": " | ".join(wanted),
+    }
 
 
 def _negated_terms(items: list[Item]) -> set[int]:
@@ -174,21 +182,31 @@ def _long_matches(query: ColumnElement[Any], negating: bool, ranked: bool) -> Su
     )
     chunk = _CHUNKS.alias("chunk")
     terms = (
-        sa.func.unnest(sa.bindparam("pg_terms", type_=postgresql.ARRAY(sa.Text)))
-        .table_valued("term", with_ordinality="n")
+        sa.func.unnest(
+            sa.bindparam("pg_terms", type_=postgresql.ARRAY(sa.Text)),
+            sa.bindparam("pg_negated", type_=postgresql.ARRAY(sa.Boolean)),
+        )
+        .table_valued("term", "negated", with_ordinality="n")
         .render_derived(name="terms")
     )
+    term_query = func.to_tsquery(_PG_CONFIG, terms.c.term)
+    in_a_chunk = (
+        select(chunk.c.message_id)
+        .where(chunk.c.message_id == candidates.c.message_id, chunk.c.tsv.op("@@")(term_query))
+        .correlate(candidates, terms)
+        .exists()
+    )
+    # A term the parser finds no word in ('²') is dropped from the stored column's query
+    # (an AND without it): its marker is one that makes its place true.
+    wordless = func.numnode(term_query) == 0
     held = (
         select(sa.literal("t") + sa.cast(terms.c.n, sa.Text))
         .select_from(terms)
         .where(
-            select(chunk.c.message_id)
-            .where(
-                chunk.c.message_id == candidates.c.message_id,
-                chunk.c.tsv.op("@@")(func.to_tsquery(_PG_CONFIG, terms.c.term)),
+            sa.or_(
+                sa.and_(wordless, sa.not_(terms.c.negated)),
+                sa.and_(sa.not_(wordless), in_a_chunk),
             )
-            .correlate(candidates, terms)
-            .exists()
         )
     )
     markers = func.array_to_tsvector(sa.func.array(held.correlate(candidates).scalar_subquery()))
