@@ -109,9 +109,9 @@ SQLITE_FTS_REBUILD = "INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')"
 # --- PostgreSQL: a tsvector expression index (GIN) and a trigram index for substrings ---
 
 #: The tsvector of a message: 'simple' keeps every word unstemmed, like FTS5's unicode61.
-#: Only the first 200,000 characters are indexed: a tsvector cannot exceed 1 MB, and a longer
-#: message of distinct words (a big log dump) could not be stored at all; words past the cap
-#: are still found by the substring fallback, which runs when the full-text match is empty.
+#: This column holds the first 200,000 characters: a tsvector cannot exceed 1 MB, and a longer
+#: message of distinct words (a big log dump) could not be stored at all. The whole text of a
+#: longer message is indexed in chunks too, in the side table PG_CHUNK_TABLE (``h10``).
 PG_INDEXED_CHARS = 200_000
 PG_TSVECTOR = f"to_tsvector('simple'::regconfig, left(COALESCE(content, ''), {PG_INDEXED_CHARS}))"
 #: Stored, so ranking reads the vector instead of re-parsing every matching message's text
@@ -127,6 +127,146 @@ PG_FTS_CREATE = f"CREATE INDEX IF NOT EXISTS {PG_FTS_INDEX} ON messages USING gi
 PG_TRGM_CREATE = (
     f"CREATE INDEX IF NOT EXISTS {PG_TRGM_INDEX} ON messages USING gin (content gin_trgm_ops)"
 )
+
+# --- PostgreSQL: the whole text of long messages, in chunks (revision h10_pg_long_text) ---
+
+#: A message of more bytes than this may hold more than PG_INDEXED_CHARS characters: its whole
+#: text is indexed in PG_CHUNK_TABLE as well (the octet length of a stored value is read from
+#: its header, without decompressing it, so the test costs nothing on short messages).
+PG_LONG_BYTES = PG_INDEXED_CHARS
+#: Bytes of text per chunk (plus the overlap): few enough that a chunk's tsvector stays far
+#: below 1 MB (at most ~6 bytes of tsvector per byte of text) and its word positions below the
+#: 16,383 where PostgreSQL stops counting, so phrases and ranks inside a chunk stay exact.
+PG_CHUNK_BYTES = 16_000
+#: Each chunk reads on this many bytes into the next one, so a phrase of up to ~1,000 bytes
+#: that straddles a cut is whole in one chunk.
+PG_CHUNK_OVERLAP_BYTES = 1_000
+#: A cut moves forward to the next ASCII space, newline, tab or carriage return within this
+#: many bytes (no token spans one), else to the next character boundary.
+PG_CHUNK_SEEK_BYTES = 1_024
+PG_CHUNK_TABLE = "message_text_chunks"
+PG_CHUNK_INDEX = "ix_message_text_chunks_tsv"
+PG_CHUNK_CUT_FUNCTION = "hermes_text_cut"
+PG_CHUNK_FILL_FUNCTION = "hermes_index_message_text"
+PG_CHUNK_SYNC_FUNCTION = "hermes_message_text_chunks_sync"
+PG_CHUNK_TRIGGERS = (
+    "messages_text_chunks_insert",
+    "messages_text_chunks_update",
+    "messages_text_chunks_delete",
+)
+PG_CHUNK_TABLE_CREATE = f"""CREATE TABLE IF NOT EXISTS {PG_CHUNK_TABLE} (
+    message_id BIGINT NOT NULL,
+    chunk_no INTEGER NOT NULL,
+    tsv TSVECTOR NOT NULL,
+    PRIMARY KEY (message_id, chunk_no)
+)"""
+PG_CHUNK_INDEX_CREATE = (
+    f"CREATE INDEX IF NOT EXISTS {PG_CHUNK_INDEX} ON {PG_CHUNK_TABLE} USING gin (tsv)"
+)
+#: Where to cut ``body`` (UTF-8 bytes) at or after byte ``at``: before the first ASCII
+#: whitespace byte within PG_CHUNK_SEEK_BYTES (UTF-8 never has those bytes inside a character),
+#: else at the next character start (a run that long without whitespace is one token the
+#: parser drops anyway, or a blob).
+PG_CHUNK_CUT_CREATE = (
+    (f"CREATE OR REPLACE FUNCTION {PG_CHUNK_CUT_FUNCTION}(body bytea, at integer)\n")
+    + rf"""RETURNS integer LANGUAGE plpgsql IMMUTABLE STRICT AS $fn$
+DECLARE
+    total integer := octet_length(body);
+    seek bytea;
+    best integer := 0;
+    found integer;
+    separator bytea;
+BEGIN
+    IF at >= total THEN
+        RETURN total;
+    END IF;
+    seek := substring(body FROM at + 1 FOR {PG_CHUNK_SEEK_BYTES});
+    FOREACH separator IN ARRAY ARRAY['\x20', '\x0a', '\x09', '\x0d']::bytea[] LOOP
+        found := position(separator IN seek);
+        IF found > 0 AND (best = 0 OR found < best) THEN
+            best := found;
+        END IF;
+    END LOOP;
+    IF best > 0 THEN
+        RETURN at + best - 1;
+    END IF;
+    WHILE at < total AND get_byte(body, at) BETWEEN 128 AND 191 LOOP
+        at := at + 1;
+    END LOOP;
+    RETURN at;
+END
+$fn$"""
+)
+#: Index one message's whole text as chunks (returns how many). It works on the text's UTF-8
+#: bytes: a byte offset is found in constant time, where ``substr`` of text counts characters
+#: from the start (quadratic over a 16 MiB message). Notices (a word over 2,047 bytes) are
+#: kept from the client: a blob would send one per chunk. It and the trigger function keep
+#: the search_path they were created with (the store's schema): a write through the
+#: store's one-statement path names its tables by schema and sets no search_path.
+PG_CHUNK_FILL_CREATE = (
+    (f"CREATE OR REPLACE FUNCTION {PG_CHUNK_FILL_FUNCTION}(message bigint, content text)\n")
+    + f"""RETURNS integer LANGUAGE plpgsql
+SET client_min_messages = warning SET search_path FROM CURRENT AS $fn$
+DECLARE
+    body bytea := convert_to(content, 'UTF8');
+    total integer := octet_length(body);
+    chunk_start integer := 0;
+    cut integer;
+    stop integer;
+    chunk integer := 0;
+BEGIN
+    WHILE chunk_start < total LOOP
+        cut := {PG_CHUNK_CUT_FUNCTION}(body, chunk_start + {PG_CHUNK_BYTES});
+        stop := {PG_CHUNK_CUT_FUNCTION}(body, cut + {PG_CHUNK_OVERLAP_BYTES});
+        INSERT INTO {PG_CHUNK_TABLE} (message_id, chunk_no, tsv) VALUES (
+            message, chunk, to_tsvector('simple'::regconfig,
+                convert_from(substring(body FROM chunk_start + 1 FOR stop - chunk_start), 'UTF8')));
+        chunk := chunk + 1;
+        chunk_start := cut;
+    END LOOP;
+    RETURN chunk;
+END
+$fn$"""
+)
+PG_CHUNK_SYNC_CREATE = f"""CREATE OR REPLACE FUNCTION {PG_CHUNK_SYNC_FUNCTION}()
+RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
+BEGIN
+    IF TG_OP <> 'INSERT' THEN
+        DELETE FROM {PG_CHUNK_TABLE} WHERE message_id = OLD.id;
+    END IF;
+    IF TG_OP <> 'DELETE' AND octet_length(NEW.content) > {PG_LONG_BYTES} THEN
+        PERFORM {PG_CHUNK_FILL_FUNCTION}(NEW.id, NEW.content);
+    END IF;
+    RETURN NULL;
+END
+$fn$"""
+#: Fired only for long messages (the WHEN is checked before a trigger call is even queued).
+PG_CHUNK_TRIGGERS_CREATE = (
+    f"CREATE TRIGGER {PG_CHUNK_TRIGGERS[0]} AFTER INSERT ON messages FOR EACH ROW"
+    f" WHEN (octet_length(NEW.content) > {PG_LONG_BYTES})"
+    f" EXECUTE FUNCTION {PG_CHUNK_SYNC_FUNCTION}()",
+    f"CREATE TRIGGER {PG_CHUNK_TRIGGERS[1]} AFTER UPDATE OF id, content ON messages"
+    " FOR EACH ROW"
+    f" WHEN (octet_length(OLD.content) > {PG_LONG_BYTES}"
+    f" OR octet_length(NEW.content) > {PG_LONG_BYTES})"
+    f" EXECUTE FUNCTION {PG_CHUNK_SYNC_FUNCTION}()",
+    f"CREATE TRIGGER {PG_CHUNK_TRIGGERS[2]} AFTER DELETE ON messages FOR EACH ROW"
+    f" WHEN (octet_length(OLD.content) > {PG_LONG_BYTES})"
+    f" EXECUTE FUNCTION {PG_CHUNK_SYNC_FUNCTION}()",
+)
+#: Index every long message already stored (the table must be empty of them first).
+PG_CHUNK_FILL_ALL = (
+    f"SELECT count({PG_CHUNK_FILL_FUNCTION}(id, content)) FROM messages"
+    f" WHERE octet_length(content) > {PG_LONG_BYTES}"
+)
+PG_CHUNK_DROP = (
+    *(f"DROP TRIGGER IF EXISTS {name} ON messages" for name in PG_CHUNK_TRIGGERS),
+    f"DROP FUNCTION IF EXISTS {PG_CHUNK_SYNC_FUNCTION}()",
+    f"DROP FUNCTION IF EXISTS {PG_CHUNK_FILL_FUNCTION}(bigint, text)",
+    f"DROP FUNCTION IF EXISTS {PG_CHUNK_CUT_FUNCTION}(bytea, integer)",
+    f"DROP TABLE IF EXISTS {PG_CHUNK_TABLE}",
+)
+
 
 # --- SQLite: the substring index for CJK and other scripts written without spaces ---
 
@@ -219,8 +359,10 @@ def trigram_supported(sqlite_version: str) -> bool:
 
 
 #: Objects the migrations own that are not in the ORM metadata (autogenerate must ignore them).
-UNMODELLED_TABLES = frozenset({FTS_TABLE, CJK_TABLE, "alembic_version", "sqlite_sequence"})
-UNMODELLED_INDEXES = frozenset({PG_FTS_INDEX, PG_TRGM_INDEX})
+UNMODELLED_TABLES = frozenset(
+    {FTS_TABLE, CJK_TABLE, PG_CHUNK_TABLE, "alembic_version", "sqlite_sequence"}
+)
+UNMODELLED_INDEXES = frozenset({PG_FTS_INDEX, PG_TRGM_INDEX, PG_CHUNK_INDEX})
 UNMODELLED_COLUMNS = frozenset({PG_TSV_COLUMN})
 
 

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: The revision that added the CJK index (SQLite).
 CJK_REVISION = "h7_cjk_index"
+#: The revision that added the chunked index of long messages (PostgreSQL).
+LONG_TEXT_REVISION = "h10_pg_long_text"
 #: SQLITE_CORRUPT; also the low byte of SQLITE_CORRUPT_VTAB.
 SQLITE_CORRUPT = 11
 #: FTS5 reads at most this many levels (and segments) from its structure record: one more and
@@ -434,18 +436,38 @@ class PostgresFullText:
         return found
 
     def create(self, conn: Connection) -> None:
+        """The column and its index; from ``h10_pg_long_text`` on, the chunk table, its index,
+        functions and triggers too (triggers replaced, so each exists once)."""
         conn.exec_driver_sql(ddl.PG_FTS_COLUMN_CREATE)
         conn.exec_driver_sql(ddl.PG_FTS_CREATE)
+        if long_text_expected(conn):
+            statements = (
+                ddl.PG_CHUNK_TABLE_CREATE,
+                ddl.PG_CHUNK_INDEX_CREATE,
+                ddl.PG_CHUNK_CUT_CREATE,
+                ddl.PG_CHUNK_FILL_CREATE,
+                ddl.PG_CHUNK_SYNC_CREATE,
+                *ddl.PG_CHUNK_DROP[: len(ddl.PG_CHUNK_TRIGGERS)],
+                *ddl.PG_CHUNK_TRIGGERS_CREATE,
+            )
+            for statement in statements:
+                conn.exec_driver_sql(statement)
 
     def drop(self, conn: Connection) -> None:
+        for statement in ddl.PG_CHUNK_DROP:
+            conn.exec_driver_sql(statement)
         for name in (ddl.PG_TRGM_INDEX, ddl.PG_FTS_INDEX):
             conn.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
         conn.exec_driver_sql(f"ALTER TABLE messages DROP COLUMN IF EXISTS {ddl.PG_TSV_COLUMN}")
 
     def rebuild(self, conn: Connection) -> None:
+        """Reindex, and index every long message's chunks afresh."""
         self.create(conn)
         for name in self.existing_indexes(conn):
             conn.exec_driver_sql(f"REINDEX INDEX {name}")
+        if long_text_expected(conn):
+            conn.exec_driver_sql(f"DELETE FROM {ddl.PG_CHUNK_TABLE}")
+            conn.exec_driver_sql(ddl.PG_CHUNK_FILL_ALL)
 
     def optimize(self, conn: Connection) -> None:
         """Flush the GIN pending lists and refresh the planner's statistics (VACUUM cannot run
@@ -463,19 +485,41 @@ class PostgresFullText:
             sa.text(
                 "SELECT c.relname, i.indisvalid AND i.indisready AS ok FROM pg_index i"
                 " JOIN pg_class c ON c.oid = i.indexrelid"
-                " WHERE c.relname IN (:fts, :trgm) AND pg_table_is_visible(c.oid)"
+                " WHERE c.relname IN (:fts, :trgm, :chunks) AND pg_table_is_visible(c.oid)"
             ),
-            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX, "chunks": ddl.PG_CHUNK_INDEX},
         ).all()
         status = {str(name): bool(ok) for name, ok in rows}
         if ddl.PG_FTS_INDEX not in status:
             log.error("full-text index %s is missing", ddl.PG_FTS_INDEX)
             return False
+        if long_text_expected(conn):
+            missing = self.missing_long_text(conn)
+            if missing:
+                log.error("the index of long messages lacks %s", ", ".join(missing))
+                return False
         broken = sorted(name for name, ok in status.items() if not ok)
         if broken:
             log.error("full-text indexes not valid (an interrupted build?): %s", ", ".join(broken))
             return False
         return True
+
+    def missing_long_text(self, conn: Connection) -> list[str]:
+        """What the index of long messages lacks: its table, its GIN index, a trigger on
+        ``messages`` (without one, long messages written since are not indexed)."""
+        found = conn.execute(
+            _LONG_TEXT_OBJECTS,
+            {
+                "table": ddl.PG_CHUNK_TABLE,
+                "index": ddl.PG_CHUNK_INDEX,
+                "triggers": list(ddl.PG_CHUNK_TRIGGERS),
+            },
+        ).one()
+        missing = [
+            name for name, there in zip(_LONG_TEXT_NAMES, found[:2], strict=True) if not there
+        ]
+        present = set(found[2] or ())
+        return missing + [name for name in ddl.PG_CHUNK_TRIGGERS if name not in present]
 
     def has_trigram_index(self, conn: Connection) -> bool:
         return (
@@ -485,8 +529,11 @@ class PostgresFullText:
 
     def existing_indexes(self, conn: Connection) -> list[str]:
         names = conn.execute(
-            sa.text("SELECT to_regclass(:fts)::text, to_regclass(:trgm)::text"),
-            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX},
+            sa.text(
+                "SELECT to_regclass(:fts)::text, to_regclass(:trgm)::text,"
+                " to_regclass(:chunks)::text"
+            ),
+            {"fts": ddl.PG_FTS_INDEX, "trgm": ddl.PG_TRGM_INDEX, "chunks": ddl.PG_CHUNK_INDEX},
         ).one()
         return [str(name) for name in names if name is not None]
 
@@ -507,6 +554,13 @@ class PostgresFullText:
             done.append(f"recreated the {ddl.PG_FTS_INDEX} index")
         return done
 
+
+_LONG_TEXT_OBJECTS = sa.text(
+    "SELECT to_regclass(:table) IS NOT NULL, to_regclass(:index) IS NOT NULL,"
+    " (SELECT array_agg(tgname::text) FROM pg_trigger"
+    "  WHERE tgrelid = to_regclass('messages') AND tgname = ANY(:triggers))"
+)
+_LONG_TEXT_NAMES = (ddl.PG_CHUNK_TABLE, ddl.PG_CHUNK_INDEX)
 
 SQLITE = SqliteFullText()
 POSTGRESQL = PostgresFullText()
@@ -591,6 +645,16 @@ def cjk_index_expected(conn: Connection) -> bool:
         return False
     version = str(conn.exec_driver_sql("SELECT sqlite_version()").scalar())
     return ddl.trigram_supported(version)
+
+
+def long_text_expected(conn: Connection) -> bool:
+    """The chunk index of long messages belongs to a PostgreSQL schema from h10_pg_long_text
+    on (the version table's revision says so; before it, or unknown: not ours)."""
+    version_table = placement.of(conn).version_table
+    if conn.scalar(sa.text("SELECT to_regclass(:name)"), {"name": version_table}) is None:
+        return False
+    revision = conn.execute(sa.text(f"SELECT version_num FROM {version_table}")).scalar()
+    return revision is not None and LONG_TEXT_REVISION in revisions.up_to(str(revision))
 
 
 def _count(conn: Connection, query: sa.TextClause, ids: Sequence[int]) -> int:

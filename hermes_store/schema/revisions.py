@@ -28,6 +28,7 @@ REVISIONS = (
     "h7_cjk_index",
     "h8_pg_bigint_counters",
     "h9_write_keys",
+    "h10_pg_long_text",
 )
 #: The revision a database is at once every migration has run.
 HEAD = REVISIONS[-1]

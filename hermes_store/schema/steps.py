@@ -21,6 +21,10 @@ from hermes_store.schema.ddl import trigram_supported as trigram_supported
 
 log = logging.getLogger(__name__)
 
+#: Rows a revision's backfill handles per statement (long messages of up to 16 MiB each):
+#: bounded memory and a progress line per batch on a large table.
+BACKFILL_BATCH = 50
+
 
 def dialect_name() -> str:
     """The backend being migrated (works offline, where there is no connection)."""

@@ -210,5 +210,16 @@ def test_the_runtime_ddl_matches_the_revisions() -> None:
     ):
         assert statement in sqlite, statement[:60]
     postgresql = offline_sql(OFFLINE_URLS["postgresql"], "head")
-    for statement in (ddl.PG_FTS_COLUMN_CREATE, ddl.PG_FTS_CREATE, ddl.PG_TRGM_CREATE):
+    for statement in (
+        ddl.PG_FTS_COLUMN_CREATE,
+        ddl.PG_FTS_CREATE,
+        ddl.PG_TRGM_CREATE,
+        ddl.PG_CHUNK_TABLE_CREATE,
+        ddl.PG_CHUNK_INDEX_CREATE,
+        ddl.PG_CHUNK_CUT_CREATE,
+        ddl.PG_CHUNK_FILL_CREATE,
+        ddl.PG_CHUNK_SYNC_CREATE,
+        *ddl.PG_CHUNK_TRIGGERS_CREATE,
+        ddl.PG_CHUNK_FILL_ALL,
+    ):
         assert statement in postgresql, statement[:60]

@@ -71,6 +71,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("schema/fulltext.py", "PostgresFullText.drop"): "index and column names: ddl constants",
     ("schema/fulltext.py", "PostgresFullText.rebuild"): "to_regclass() text of ddl constants",
     ("schema/fulltext.py", "cjk_index_expected"): "the version table: a validated identifier",
+    ("schema/fulltext.py", "long_text_expected"): "the version table: a validated identifier",
     ("schema/fulltext.py", "_check_cjk_index"): "table names: ddl constants; the pattern is bound",
     ("search/fts5.py", "<module>"): "FTS5 snippet() of the FTS table's name: a ddl constant",
     ("search/tsvector.py", "<module>"): "the tsvector column: table and ddl column constants",

@@ -34,7 +34,13 @@ SEED_REVISIONS = (
     "v5_billing_columns",
     "v6_reasoning_columns",
 )
-REVISIONS = (*SEED_REVISIONS, "h7_cjk_index", "h8_pg_bigint_counters", "h9_write_keys")
+REVISIONS = (
+    *SEED_REVISIONS,
+    "h7_cjk_index",
+    "h8_pg_bigint_counters",
+    "h9_write_keys",
+    "h10_pg_long_text",
+)
 V6 = SEED_REVISIONS[-1]
 HEAD = REVISIONS[-1]
 CJK_OBJECTS = {"messages_cjk", "messages_cjk_delete", "messages_cjk_insert", "messages_cjk_update"}
