@@ -27,7 +27,7 @@ from hermes_store import (
     WriteNotLandedError,
     WriteOutcomeUnknownError,
 )
-from tests.conftest import PGBOUNCER_ENV, through_pgbouncer, url_string
+from tests.support.backends import PGBOUNCER_ENV, through_pgbouncer, url_string
 from tests.support.cut_proxy import CutProxy
 
 

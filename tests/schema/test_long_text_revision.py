@@ -16,7 +16,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store import SessionDB
 from hermes_store.schema import ddl, migrate, revisions
 from hermes_store.schema import steps as schema_ops
-from tests.conftest import PG_ENV, reset_pg, url_string
+from tests.support.backends import PG_ENV, reset_pg, url_string
 
 REVISION = "h10_pg_long_text"
 BEFORE = revisions.REVISIONS[revisions.REVISIONS.index(REVISION) - 1]

@@ -13,7 +13,7 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store import SessionDB
 from hermes_store.schema import migrate
-from tests.conftest import url_string
+from tests.support.backends import url_string
 
 
 def table_names(url: URL) -> set[str]:

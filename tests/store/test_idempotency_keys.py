@@ -18,7 +18,8 @@ from hermes_store import InvalidInputError, SessionDB, UnknownSessionError
 from hermes_store.ops import retention
 from hermes_store.uow import groupcommit
 from hermes_store.validate import MAX_IDEMPOTENCY_KEY_LENGTH
-from tests.conftest import CONTRACT_BACKENDS, FLAVORS, FakeClock, url_string
+from tests.support.backends import CONTRACT_BACKENDS, FLAVORS, url_string
+from tests.support.clock import FakeClock
 from tests.support.pg_row_locks import GUARD, waiting_writer
 from tests.support.seed_store import SeedSessionDB
 
