@@ -25,6 +25,7 @@ from hermes_store.repo.statements import (
     missing_parent,
     missing_session,
     title_holder,
+    token_params,
     token_statement,
 )
 from hermes_store.rows import ExportRecord
@@ -160,10 +161,18 @@ class PostgresqlStatements(Statements):
         )
 
     def update_token_counts(
-        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+        self,
+        uow: UnitOfWork,
+        session_id: str,
+        counts: tuple[int, ...],
+        texts: tuple[str | None, ...],
+        costs: tuple[float | None, float | None],
+        absolute: bool,
     ) -> None:
-        # One UPDATE; adding twice is not setting twice: only absolute is retried.
-        statement = token_statement(absolute, checked=False)
+        # One UPDATE; adding twice is not setting twice: only absolute is retried. No guards:
+        # BIGINT addition refuses an overflow by itself (bigint out of range).
+        statement = token_statement(absolute)
+        params = token_params(session_id, counts, texts, *costs)
         uow.run_statement(
             lambda conn: int(conn.execute(statement, params).rowcount),
             idempotent=absolute,

@@ -7,7 +7,8 @@ SQLAlchemy's per-execution work. The statements are the Core ones of
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
@@ -19,9 +20,13 @@ from sqlalchemy.sql.dml import Insert
 from hermes_store.engine import fastpath
 from hermes_store.repo.statements import (
     BUMP_COUNTERS,
+    COUNTERS,
+    TOKEN_TEXTS,
     Statements,
     bump_params,
+    counter_overflow,
     missing_session,
+    token_guards,
     token_statement,
 )
 from hermes_store.tables import messages_table as M
@@ -29,26 +34,82 @@ from hermes_store.tables import sessions_table as S
 from hermes_store.uow.unit import UnitOfWork
 
 
-@functools.cache
-def driver_sql(name: str) -> tuple[str, tuple[str, ...]]:
-    """SQL text and positional parameter names of a hot write (``bump``, ``insert``,
-    ``tokens``, ``tokens_absolute``), compiled for SQLite once per process."""
-    statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
-        "bump": (BUMP_COUNTERS, None),
-        "insert": (M.insert(), [c.name for c in M.columns if c.name != "id"]),
-        "tokens": (token_statement(False), None),
-        "tokens_absolute": (token_statement(True), None),
-    }
-    statement, column_keys = statements[name]
+def _compiled(
+    statement: sa.ClauseElement, column_keys: list[str] | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """SQL text and positional parameter names of a statement, compiled for SQLite."""
     compiled = statement.compile(dialect=sqlite.dialect(), column_keys=column_keys)
     assert isinstance(compiled, SQLCompiler)
     return compiled.string, tuple(compiled.positiontup or ())
 
 
+@functools.cache
+def driver_sql(name: str) -> tuple[str, tuple[str, ...]]:
+    """SQL text and positional parameter names of a hot statement (``bump``, ``insert``,
+    ``session_exists``), compiled for SQLite once per process."""
+    statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
+        "bump": (BUMP_COUNTERS, None),
+        "insert": (M.insert(), list(INSERT_COLUMNS)),
+        "session_exists": (sa.select(S.c.id).where(S.c.id == sa.bindparam("sid")), None),
+    }
+    statement, column_keys = statements[name]
+    return _compiled(statement, column_keys)
+
+
+#: The columns of a message row, in the order of the compiled INSERT's parameters.
+INSERT_COLUMNS = tuple(c.name for c in M.columns if c.name != "id")
+
+
+#: The flat values of a token update, in this order: what :class:`_TokenPlan` picks from.
+_TOKEN_SLOTS = (
+    "p_sid",
+    *(f"p_{name}" for name in COUNTERS),
+    "p_est",
+    "p_act",
+    *(f"p_{name}" for name in TOKEN_TEXTS),
+    *(f"p_bound_{name}" for name in COUNTERS),
+)
+
+
+class _TokenPlan:
+    """One shape of the token update (absolute, or the signs of the increments), compiled for
+    SQLite once: its SQL and a picker of its positional values from the flat values."""
+
+    __slots__ = ("guarded", "pick", "sql")
+
+    def __init__(self, statement: sa.ClauseElement, guarded: bool) -> None:
+        self.sql, names = _compiled(statement)
+        self.pick = operator.itemgetter(*(_TOKEN_SLOTS.index(name) for name in names))
+        self.guarded = guarded
+
+
+_token_plans: dict[tuple[int, ...] | None, _TokenPlan] = {}
+
+
+def _token_plan(signs: tuple[int, ...] | None) -> _TokenPlan:
+    """The plan of an absolute update (``None``) or of an incremental one with these signs (at
+    most 3**5 shapes; each compiled at its first use)."""
+    plan = _token_plans.get(signs)
+    if plan is None:
+        statement = token_statement(True) if signs is None else token_statement(False, signs)
+        plan = _token_plans[signs] = _TokenPlan(statement, signs is not None and any(signs))
+    return plan
+
+
+@functools.cache
+def _picker(name: str) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+    """Parameters by name (a dict) as the positional values of :func:`driver_sql`'s statement
+    ``name``, picked in one C call."""
+    keys = driver_sql(name)[1]
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda params: (params[key],)
+    return operator.itemgetter(*keys)
+
+
 def _bound(name: str, params: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    """A hot write's SQL and its values in positional order."""
-    sql, keys = driver_sql(name)
-    return sql, tuple(params[key] for key in keys)
+    """A hot statement's SQL and its values in positional order."""
+    return driver_sql(name)[0], _picker(name)(params)
 
 
 def _bump(conn: Connection, session_id: str, bump: tuple[str, tuple[Any, ...]]) -> None:
@@ -65,12 +126,32 @@ class SqliteStatements(Statements):
     )
 
     def update_token_counts(
-        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], absolute: bool
+        self,
+        uow: UnitOfWork,
+        session_id: str,
+        counts: tuple[int, ...],
+        texts: tuple[str | None, ...],
+        costs: tuple[float | None, float | None],
+        absolute: bool,
     ) -> None:
-        sql, values = _bound("tokens_absolute" if absolute else "tokens", params)
-        uow.run(
-            lambda conn: int(fastpath.driver_execute(conn, sql, values).rowcount), driver_only=True
-        )
+        if absolute:
+            plan = _token_plan(None)
+            bounds: tuple[int | None, ...] = (None,) * len(counts)
+        else:
+            signs, bounds = token_guards(counts)
+            plan = _token_plan(signs)
+        sql, guarded = plan.sql, plan.guarded
+        values = plan.pick((session_id, *counts, *costs, *texts, *bounds))
+
+        def unit(conn: Connection) -> None:
+            cursor = fastpath.driver_execute(conn, sql, values)
+            if guarded and cursor.rowcount == 0:
+                # No row changed: an unknown session (a no-op), or a bound that held it back.
+                exists, _ = driver_sql("session_exists")
+                if fastpath.driver_execute(conn, exists, (session_id,)).fetchone() is not None:
+                    raise counter_overflow()
+
+        uow.run(unit, driver_only=True)
 
     def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
         session_id = values["session_id"]
@@ -86,8 +167,8 @@ class SqliteStatements(Statements):
     def append_messages(
         self, uow: UnitOfWork, session_id: str, rows: list[dict[str, Any]], tool_calls: int
     ) -> list[int]:
-        sql, keys = driver_sql("insert")
-        insert_rows = [tuple(row[key] for key in keys) for row in rows]
+        sql = driver_sql("insert")[0]
+        insert_rows = list(map(_picker("insert"), rows))
         bump = _bound("bump", bump_params(session_id, len(rows), tool_calls))
 
         def unit(conn: Connection) -> list[int]:
