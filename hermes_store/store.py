@@ -680,7 +680,15 @@ class SessionDB:
             "reasoning_details": details_json,
             "codex_reasoning_items": codex_json,
         }
-        validate.message_size(row, self.max_message_bytes)
+        limit = self.max_message_bytes
+        if limit is not None:  # counted from the arguments: no lookups in the row
+            chars = 0 if content is None else len(content)
+            for value in (tool_name, tool_call_id, finish_reason, reasoning, calls_json,
+                          details_json, codex_json):  # fmt: skip
+                if value is not None:
+                    chars += len(value)
+            if chars * 4 > limit:  # a UTF-8 character is at most 4 bytes: perhaps too big
+                validate.message_size(row, limit)
         return row
 
     def get_messages(

@@ -107,6 +107,21 @@ def _picker(name: str) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
     return operator.itemgetter(*keys)
 
 
+@functools.cache
+def _bump_plan() -> tuple[str, Callable[[tuple[str, int, int]], tuple[Any, ...]]]:
+    """The counter bump's SQL and a picker of its positional values from ``(session id,
+    messages, tool calls)``: no dict per call."""
+    sql, names = driver_sql("bump")
+    slots = ("sid", "messages", "tool_calls")
+    return sql, operator.itemgetter(*(slots.index(name) for name in names))
+
+
+@functools.cache
+def _insert_plan() -> tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]:
+    """The message INSERT's SQL and its picker (see :func:`_picker`)."""
+    return driver_sql("insert")[0], _picker("insert")
+
+
 def _bound(name: str, params: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
     """A hot statement's SQL and its values in positional order."""
     return driver_sql(name)[0], _picker(name)(params)
@@ -144,23 +159,37 @@ class SqliteStatements(Statements):
         values = plan.pick((session_id, *counts, *costs, *texts, *bounds))
 
         def unit(conn: Connection) -> None:
-            cursor = fastpath.driver_execute(conn, sql, values)
-            if guarded and cursor.rowcount == 0:
-                # No row changed: an unknown session (a no-op), or a bound that held it back.
-                exists, _ = driver_sql("session_exists")
-                if fastpath.driver_execute(conn, exists, (session_id,)).fetchone() is not None:
-                    raise counter_overflow()
+            driver = conn.connection.driver_connection
+            try:
+                if driver.execute(sql, values).rowcount == 0 and guarded:  # type: ignore[union-attr]
+                    # No row changed: an unknown session (a no-op), or a bound held it back.
+                    exists = driver_sql("session_exists")[0]
+                    if driver.execute(exists, (session_id,)).fetchone() is not None:  # type: ignore[union-attr]
+                        raise counter_overflow()
+            except fastpath.driver_errors(conn) as error:
+                raise fastpath.driver_error(conn, sql, error) from error
 
         uow.run(unit, driver_only=True)
 
     def append_message(self, uow: UnitOfWork, values: dict[str, Any], tool_calls: int) -> int:
         session_id = values["session_id"]
-        bump = _bound("bump", bump_params(session_id, 1, tool_calls))
-        sql, row = _bound("insert", values)
+        bump_sql, pick_bump = _bump_plan()
+        bump = pick_bump((session_id, 1, tool_calls))
+        insert_sql, pick_row = _insert_plan()
+        row = pick_row(values)
 
         def unit(conn: Connection) -> int:
-            _bump(conn, session_id, bump)
-            return int(fastpath.driver_execute(conn, sql, row).lastrowid)
+            # One driver lookup and no cursor object of our own: the two statements are the
+            # whole unit, and what a lone write pays beyond the SQL is what matters here.
+            driver = conn.connection.driver_connection
+            sql = bump_sql
+            try:
+                if driver.execute(sql, bump).rowcount != 1:  # type: ignore[union-attr]
+                    raise missing_session(session_id)
+                sql = insert_sql
+                return int(driver.execute(sql, row).lastrowid)  # type: ignore[union-attr]
+            except fastpath.driver_errors(conn) as error:
+                raise fastpath.driver_error(conn, sql, error) from error
 
         return uow.run(unit, driver_only=True)
 
