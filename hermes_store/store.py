@@ -552,42 +552,30 @@ class SessionDB:
         set is idempotent already and records no key."""
         validate.text("session_id", session_id)
         validate.idempotency_key(idempotency_key)
-        counts = dict(
-            zip(
-                statements.COUNTERS,
-                (
-                    input_tokens,
-                    output_tokens,
-                    cache_read_tokens,
-                    cache_write_tokens,
-                    reasoning_tokens,
-                ),
-                strict=True,
-            )
-        )
-        validate.token_counts(counts, estimated_cost_usd, actual_cost_usd)
+        counts = (input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
+                  reasoning_tokens)  # fmt: skip
+        validate.token_counts(statements.COUNTERS, counts, estimated_cost_usd, actual_cost_usd)
         validate.flag("absolute", absolute)
-        overwrite = {
-            "cost_status": cost_status,
-            "cost_source": cost_source,
-            "pricing_version": pricing_version,
-        }
-        fill = {
-            "billing_provider": billing_provider,
-            "billing_base_url": billing_base_url,
-            "billing_mode": billing_mode,
-            "model": model,
-        }
-        texts = overwrite | fill
-        for name, text_value in texts.items():
-            self._text(name, text_value)
-        params = statements.token_params(
-            session_id, counts, texts, estimated_cost_usd, actual_cost_usd
-        )
+        # In statements.TOKEN_TEXTS' order: overwritten when given, then filled once.
+        texts = (cost_status, cost_source, pricing_version,
+                 billing_provider, billing_base_url, billing_mode, model)  # fmt: skip
+        for given in texts:
+            if given is not None:  # the usual call gives none of them: nothing to check
+                for name, text_value in zip(statements.TOKEN_TEXTS, texts, strict=True):
+                    self._text(name, text_value)
+                break
         key = None
         if idempotency_key is not None and not absolute:
             key = statements.WriteKey(idempotency_key, session_id, self.clock())
-        self._statements.update_token_counts(self.uow, session_id, params, bool(absolute), key)
+        self._statements.update_token_counts(
+            self.uow,
+            session_id,
+            counts,
+            texts,
+            (estimated_cost_usd, actual_cost_usd),
+            bool(absolute),
+            key,
+        )
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -669,25 +657,40 @@ class SessionDB:
         codex_reasoning_items: Any = None,
         timestamp: float | None = None,
     ) -> dict[str, Any]:
-        """Validate and serialise one message before any transaction starts."""
-        validate.message_numbers(token_count, timestamp)
-        self._text("session_id", session_id, required=True)
-        self._text("role", role, required=True)
+        """Validate and serialise one message before any transaction starts. Every call makes
+        this pass, so an argument that is None (most are) costs no call."""
+        if token_count is not None or timestamp is not None:
+            validate.message_numbers(token_count, timestamp)
+        nul_ok = self._nul_ok
+        _check_text("session_id", session_id, required=True, nul_ok=nul_ok)
+        _check_text("role", role, required=True, nul_ok=nul_ok)
+        if content is not None:
+            _check_text("content", content, nul_ok=nul_ok)
         for name, value in (
-            ("content", content),
             ("tool_name", tool_name),
             ("tool_call_id", tool_call_id),
             ("finish_reason", finish_reason),
             ("reasoning", reasoning),
         ):
-            self._text(name, value)
-        encoded = {
-            "tool_calls": _to_json("tool_calls", tool_calls),
-            "reasoning_details": _to_json("reasoning_details", reasoning_details),
-            "codex_reasoning_items": _to_json("codex_reasoning_items", codex_reasoning_items),
-        }
-        for name, value in encoded.items():
-            self._text(name, value)
+            if value is not None:
+                _check_text(name, value, nul_ok=nul_ok)
+        # JSON text when truthy, NULL when falsy (the original store's rule).
+        calls_json = _to_json("tool_calls", tool_calls) if tool_calls else None
+        details_json = (
+            _to_json("reasoning_details", reasoning_details) if reasoning_details else None
+        )
+        codex_json = (
+            _to_json("codex_reasoning_items", codex_reasoning_items)
+            if codex_reasoning_items
+            else None
+        )
+        for name, value in (
+            ("tool_calls", calls_json),
+            ("reasoning_details", details_json),
+            ("codex_reasoning_items", codex_json),
+        ):
+            if value is not None:
+                _check_text(name, value, nul_ok=nul_ok)
         row = {
             "session_id": session_id,
             "role": role,
@@ -698,9 +701,19 @@ class SessionDB:
             "finish_reason": finish_reason,
             "reasoning": reasoning,
             "timestamp": self.clock() if timestamp is None else timestamp,
-            **encoded,
+            "tool_calls": calls_json,
+            "reasoning_details": details_json,
+            "codex_reasoning_items": codex_json,
         }
-        validate.message_size(row, self.max_message_bytes)
+        limit = self.max_message_bytes
+        if limit is not None:  # counted from the arguments: no lookups in the row
+            chars = 0 if content is None else len(content)
+            for value in (tool_name, tool_call_id, finish_reason, reasoning, calls_json,
+                          details_json, codex_json):  # fmt: skip
+                if value is not None:
+                    chars += len(value)
+            if chars * 4 > limit:  # a UTF-8 character is at most 4 bytes: perhaps too big
+                validate.message_size(row, limit)
         return row
 
     def get_messages(

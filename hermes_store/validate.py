@@ -20,14 +20,14 @@ nothing is written. The rules:
   memory in proportion to it.
 
 A counter that would overflow 64 bits in the database is refused by the statement itself
-(see ``repo.statements.checked_add``): the check must be atomic with the increment.
+(see ``repo.statements.token_statement``): the check must be atomic with the increment.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import URL, Engine
@@ -181,8 +181,19 @@ def message_numbers(token_count: object, timestamp: object) -> None:
     real("timestamp", timestamp, optional=True)
 
 
-def token_counts(counts: Mapping[str, object], estimated: object, actual: object) -> None:
-    for name, value in counts.items():
+def token_counts(
+    names: Sequence[str], counts: Sequence[object], estimated: object, actual: object
+) -> None:
+    """``update_token_counts``' numbers: ``counts`` (named by ``names``) 64-bit integers, the
+    costs finite numbers or None. The usual call (plain ints, no costs) is settled in one
+    pass without a call per value."""
+    for value in counts:
+        if type(value) is not int or not INT64_MIN <= value <= INT64_MAX:
+            break
+    else:
+        if estimated is None and actual is None:
+            return
+    for name, value in zip(names, counts, strict=True):
         integer(name, value)
     real("estimated_cost_usd", estimated, optional=True)
     real("actual_cost_usd", actual, optional=True)

@@ -212,3 +212,19 @@ def driver_execute(conn: Connection, sql: str, values: Any, *, many: bool = Fals
             sql, None, orig, dbapi_error, dialect=conn.dialect
         ) from orig
     return cursor
+
+
+def driver_errors(conn: Connection) -> type[Exception]:
+    """The base class of the errors the unit's DB-API connection raises: for units that run
+    their statements on the driver in one ``try`` (the SQLite hot writes), as
+    ``except fastpath.driver_errors(conn)``, which Python evaluates only when something was
+    raised."""
+    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
+    return dbapi_error
+
+
+def driver_error(conn: Connection, sql: str, error: Exception) -> sa.exc.StatementError:
+    """``error`` (of :func:`driver_errors`), raised while running ``sql``, wrapped as
+    :func:`driver_execute` wraps it, so retries and the error mapping see it."""
+    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
+    return sa.exc.DBAPIError.instance(sql, None, error, dbapi_error, dialect=conn.dialect)

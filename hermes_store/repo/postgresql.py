@@ -27,6 +27,7 @@ from hermes_store.repo.statements import (
     missing_parent,
     missing_session,
     title_holder,
+    token_params,
     token_statement,
 )
 from hermes_store.rows import ExportRecord
@@ -137,11 +138,7 @@ def keyed_tokens_statement() -> sa.Update:
         .returning(K.c.key)
         .cte("claimed")
     )
-    return (
-        token_statement(False, checked=False)
-        .where(sa.exists(select(claimed.c.key)))
-        .add_cte(claimed)
-    )
+    return token_statement(False).where(sa.exists(select(claimed.c.key))).add_cte(claimed)
 
 
 def message_id(cursor: Any) -> int:
@@ -246,17 +243,21 @@ class PostgresqlStatements(Statements):
         self,
         uow: UnitOfWork,
         session_id: str,
-        params: dict[str, Any],
+        counts: tuple[int, ...],
+        texts: tuple[str | None, ...],
+        costs: tuple[float | None, float | None],
         absolute: bool,
         key: WriteKey | None = None,
     ) -> None:
         # One UPDATE; adding twice is not setting twice: only absolute is retried, and an
-        # increment with a key (which lands once per key).
+        # increment with a key (which lands once per key). No guards: BIGINT addition refuses
+        # an overflow by itself (bigint out of range).
+        params = token_params(session_id, counts, texts, *costs)
         if key is not None and not absolute:
             statement: sa.Update = keyed_tokens_statement()
-            params = {**params, "write_key": key.key, "key_created_at": key.created_at}
+            params.update(write_key=key.key, key_created_at=key.created_at)
         else:
-            statement = token_statement(absolute, checked=False)
+            statement = token_statement(absolute)
         uow.run_statement(
             lambda conn: int(conn.execute(statement, params).rowcount),
             idempotent=absolute or key is not None,

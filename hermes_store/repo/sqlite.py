@@ -7,7 +7,8 @@ SQLAlchemy's per-execution work. The statements are the Core ones of
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
@@ -19,12 +20,16 @@ from sqlalchemy.sql.dml import Insert
 from hermes_store.engine import fastpath
 from hermes_store.repo.statements import (
     BUMP_COUNTERS,
+    COUNTERS,
     KEY_LOOKUP,
+    TOKEN_TEXTS,
     Statements,
     WriteKey,
     bump_params,
+    counter_overflow,
     known_message,
     missing_session,
+    token_guards,
     token_statement,
 )
 from hermes_store.tables import messages_table as M
@@ -33,29 +38,100 @@ from hermes_store.tables import write_keys_table as K
 from hermes_store.uow.unit import UnitOfWork
 
 
-@functools.cache
-def driver_sql(name: str) -> tuple[str, tuple[str, ...]]:
-    """SQL text and positional parameter names of a hot write (``bump``, ``insert``,
-    ``tokens``, ``tokens_absolute``, ``key_lookup``, ``key_insert``), compiled for SQLite once
-    per process."""
-    statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
-        "bump": (BUMP_COUNTERS, None),
-        "insert": (M.insert(), [c.name for c in M.columns if c.name != "id"]),
-        "tokens": (token_statement(False), None),
-        "tokens_absolute": (token_statement(True), None),
-        "key_lookup": (KEY_LOOKUP, None),
-        "key_insert": (K.insert(), [c.name for c in K.columns]),
-    }
-    statement, column_keys = statements[name]
+def _compiled(
+    statement: sa.ClauseElement, column_keys: list[str] | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """SQL text and positional parameter names of a statement, compiled for SQLite."""
     compiled = statement.compile(dialect=sqlite.dialect(), column_keys=column_keys)
     assert isinstance(compiled, SQLCompiler)
     return compiled.string, tuple(compiled.positiontup or ())
 
 
+@functools.cache
+def driver_sql(name: str) -> tuple[str, tuple[str, ...]]:
+    """SQL text and positional parameter names of a hot statement (``bump``, ``insert``,
+    ``session_exists``, ``key_lookup``, ``key_insert``), compiled for SQLite once per
+    process."""
+    statements: dict[str, tuple[sa.ClauseElement, list[str] | None]] = {
+        "bump": (BUMP_COUNTERS, None),
+        "insert": (M.insert(), list(INSERT_COLUMNS)),
+        "session_exists": (sa.select(S.c.id).where(S.c.id == sa.bindparam("sid")), None),
+        "key_lookup": (KEY_LOOKUP, None),
+        "key_insert": (K.insert(), [c.name for c in K.columns]),
+    }
+    statement, column_keys = statements[name]
+    return _compiled(statement, column_keys)
+
+
+#: The columns of a message row, in the order of the compiled INSERT's parameters.
+INSERT_COLUMNS = tuple(c.name for c in M.columns if c.name != "id")
+
+
+#: The flat values of a token update, in this order: what :class:`_TokenPlan` picks from.
+_TOKEN_SLOTS = (
+    "p_sid",
+    *(f"p_{name}" for name in COUNTERS),
+    "p_est",
+    "p_act",
+    *(f"p_{name}" for name in TOKEN_TEXTS),
+    *(f"p_bound_{name}" for name in COUNTERS),
+)
+
+
+class _TokenPlan:
+    """One shape of the token update (absolute, or the signs of the increments), compiled for
+    SQLite once: its SQL and a picker of its positional values from the flat values."""
+
+    __slots__ = ("guarded", "pick", "sql")
+
+    def __init__(self, statement: sa.ClauseElement, guarded: bool) -> None:
+        self.sql, names = _compiled(statement)
+        self.pick = operator.itemgetter(*(_TOKEN_SLOTS.index(name) for name in names))
+        self.guarded = guarded
+
+
+_token_plans: dict[tuple[int, ...] | None, _TokenPlan] = {}
+
+
+def _token_plan(signs: tuple[int, ...] | None) -> _TokenPlan:
+    """The plan of an absolute update (``None``) or of an incremental one with these signs (at
+    most 3**5 shapes; each compiled at its first use)."""
+    plan = _token_plans.get(signs)
+    if plan is None:
+        statement = token_statement(True) if signs is None else token_statement(False, signs)
+        plan = _token_plans[signs] = _TokenPlan(statement, signs is not None and any(signs))
+    return plan
+
+
+@functools.cache
+def _picker(name: str) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+    """Parameters by name (a dict) as the positional values of :func:`driver_sql`'s statement
+    ``name``, picked in one C call."""
+    keys = driver_sql(name)[1]
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda params: (params[key],)
+    return operator.itemgetter(*keys)
+
+
+@functools.cache
+def _bump_plan() -> tuple[str, Callable[[tuple[str, int, int]], tuple[Any, ...]]]:
+    """The counter bump's SQL and a picker of its positional values from ``(session id,
+    messages, tool calls)``: no dict per call."""
+    sql, names = driver_sql("bump")
+    slots = ("sid", "messages", "tool_calls")
+    return sql, operator.itemgetter(*(slots.index(name) for name in names))
+
+
+@functools.cache
+def _insert_plan() -> tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]:
+    """The message INSERT's SQL and its picker (see :func:`_picker`)."""
+    return driver_sql("insert")[0], _picker("insert")
+
+
 def _bound(name: str, params: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    """A hot write's SQL and its values in positional order."""
-    sql, keys = driver_sql(name)
-    return sql, tuple(params[key] for key in keys)
+    """A hot statement's SQL and its values in positional order."""
+    return driver_sql(name)[0], _picker(name)(params)
 
 
 def _bump(conn: Connection, session_id: str, bump: tuple[str, tuple[Any, ...]]) -> None:
@@ -63,6 +139,13 @@ def _bump(conn: Connection, session_id: str, bump: tuple[str, tuple[Any, ...]]) 
     session raises."""
     if fastpath.driver_execute(conn, *bump).rowcount != 1:
         raise missing_session(session_id)
+
+
+def _refuse_overflow(driver: Any, session_id: str) -> None:
+    """A guarded token update changed no row: an unknown session is a no-op, an existing one
+    was held back by a counter's 64-bit bound (refused, the transaction rolls back)."""
+    if driver.execute(driver_sql("session_exists")[0], (session_id,)).fetchone() is not None:
+        raise counter_overflow()
 
 
 class SqliteStatements(Statements):
@@ -75,28 +158,54 @@ class SqliteStatements(Statements):
         self,
         uow: UnitOfWork,
         session_id: str,
-        params: dict[str, Any],
+        counts: tuple[int, ...],
+        texts: tuple[str | None, ...],
+        costs: tuple[float | None, float | None],
         absolute: bool,
         key: WriteKey | None = None,
     ) -> None:
-        sql, values = _bound("tokens_absolute" if absolute else "tokens", params)
+        if absolute:
+            plan = _token_plan(None)
+            bounds: tuple[int | None, ...] = (None,) * len(counts)
+        else:
+            signs, bounds = token_guards(counts)
+            plan = _token_plan(signs)
+        sql, guarded = plan.sql, plan.guarded
+        values = plan.pick((session_id, *counts, *costs, *texts, *bounds))
         if key is None or absolute:
-            uow.run(
-                lambda conn: int(fastpath.driver_execute(conn, sql, values).rowcount),
-                driver_only=True,
-            )
+
+            def unit(conn: Connection) -> None:
+                driver = conn.connection.driver_connection
+                try:
+                    if driver.execute(sql, values).rowcount == 0 and guarded:  # type: ignore[union-attr]
+                        # No row changed: an unknown session (a no-op), or a bound held it back.
+                        _refuse_overflow(driver, session_id)
+                except fastpath.driver_errors(conn) as error:
+                    raise fastpath.driver_error(conn, sql, error) from error
+
+            uow.run(unit, driver_only=True)
             return
-        lookup = _bound("key_lookup", {"key": key.key})
-        record = _bound("key_insert", key.row(None))
+        lookup_sql, lookup = _bound("key_lookup", {"key": key.key})
+        record_sql, record = _bound("key_insert", key.row(None))
 
-        def unit(conn: Connection) -> None:
+        def keyed(conn: Connection) -> None:
             # One write unit: no other writer runs between the look-up and the insert.
-            if fastpath.driver_execute(conn, *lookup).fetchone() is not None:
-                return
-            if fastpath.driver_execute(conn, sql, values).rowcount:
-                fastpath.driver_execute(conn, *record)
+            driver = conn.connection.driver_connection
+            running = lookup_sql
+            try:
+                if driver.execute(lookup_sql, lookup).fetchone() is not None:  # type: ignore[union-attr]
+                    return  # this key's increment landed already
+                running = sql
+                if driver.execute(sql, values).rowcount == 0:  # type: ignore[union-attr]
+                    if guarded:
+                        _refuse_overflow(driver, session_id)
+                    return  # an unknown session: nothing added, no key recorded
+                running = record_sql
+                driver.execute(record_sql, record)  # type: ignore[union-attr]
+            except fastpath.driver_errors(conn) as error:
+                raise fastpath.driver_error(conn, running, error) from error
 
-        uow.run(unit, driver_only=True)
+        uow.run(keyed, driver_only=True)
 
     def append_message(
         self,
@@ -106,13 +215,24 @@ class SqliteStatements(Statements):
         key: WriteKey | None = None,
     ) -> int:
         session_id = values["session_id"]
-        bump = _bound("bump", bump_params(session_id, 1, tool_calls))
-        sql, row = _bound("insert", values)
+        bump_sql, pick_bump = _bump_plan()
+        bump = pick_bump((session_id, 1, tool_calls))
+        insert_sql, pick_row = _insert_plan()
+        row = pick_row(values)
         if key is None:
 
             def unit(conn: Connection) -> int:
-                _bump(conn, session_id, bump)
-                return int(fastpath.driver_execute(conn, sql, row).lastrowid)
+                # One driver lookup and no cursor object of our own: the two statements are
+                # the whole unit, and what a lone write pays beyond the SQL is what matters.
+                driver = conn.connection.driver_connection
+                sql = bump_sql
+                try:
+                    if driver.execute(sql, bump).rowcount != 1:  # type: ignore[union-attr]
+                        raise missing_session(session_id)
+                    sql = insert_sql
+                    return int(driver.execute(sql, row).lastrowid)  # type: ignore[union-attr]
+                except fastpath.driver_errors(conn) as error:
+                    raise fastpath.driver_error(conn, sql, error) from error
 
             return uow.run(unit, driver_only=True)
         lookup = _bound("key_lookup", {"key": key.key})
@@ -123,8 +243,8 @@ class SqliteStatements(Statements):
             known = fastpath.driver_execute(conn, *lookup).fetchone()
             if known is not None:
                 return known_message(key, known[0], known[1])
-            _bump(conn, session_id, bump)
-            message_id = int(fastpath.driver_execute(conn, sql, row).lastrowid)
+            _bump(conn, session_id, (bump_sql, bump))
+            message_id = int(fastpath.driver_execute(conn, insert_sql, row).lastrowid)
             record = key.row(message_id)
             fastpath.driver_execute(conn, record_sql, tuple(record[k] for k in record_keys))
             return message_id
@@ -134,8 +254,8 @@ class SqliteStatements(Statements):
     def append_messages(
         self, uow: UnitOfWork, session_id: str, rows: list[dict[str, Any]], tool_calls: int
     ) -> list[int]:
-        sql, keys = driver_sql("insert")
-        insert_rows = [tuple(row[key] for key in keys) for row in rows]
+        sql = driver_sql("insert")[0]
+        insert_rows = list(map(_picker("insert"), rows))
         bump = _bound("bump", bump_params(session_id, len(rows), tool_calls))
 
         def unit(conn: Connection) -> list[int]:

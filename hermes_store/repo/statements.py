@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -72,13 +72,20 @@ BUMP_COUNTERS = (
 
 
 @functools.cache
-def token_statement(absolute: bool, checked: bool = True) -> sa.Update:
+def token_statement(absolute: bool, guards: tuple[int, ...] = ()) -> sa.Update:
     """The one atomic UPDATE of ``update_token_counts`` for a mode, every value bound: None
     leaves ``actual_cost_usd`` and the overwrite-only fields as they are (``COALESCE``) and the
-    fill-once fields keep their first value. Built once: constructing it per call cost 25x the
-    SQL, and the write lock is held while it compiles. ``checked=False`` (PostgreSQL) adds
-    plainly: its BIGINT addition fails with ``bigint out of range`` by itself, and the
-    statement the server parses is a third as long."""
+    fill-once fields keep their first value. Built once per shape: constructing it per call
+    cost 25x the SQL, and the write lock is held while it compiles.
+
+    ``guards`` (SQLite's additions; see :func:`token_guards`): per counter of :data:`COUNTERS`,
+    1 when its increment is positive, -1 when negative, 0 when zero. A nonzero increment adds
+    the condition that the sum stays within 64 bits, as a bound computed from the increment
+    (``coalesce(counter, 0) <= :p_bound_counter``, or ``>=`` for a negative one): SQLite would
+    silently turn an overflowing integer sum into a REAL. A row the bounds exclude is left
+    unchanged, and the caller tells an overflow from an unknown session
+    (:func:`counter_overflow`). PostgreSQL passes no guards: its BIGINT addition fails with
+    ``bigint out of range`` by itself."""
     zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline: binds only the call's values
     est = sa.cast(sa.bindparam("p_est", type_=sa.Float), sa.Float)
     act = sa.cast(sa.bindparam("p_act", type_=sa.Float), sa.Float)
@@ -86,10 +93,7 @@ def token_statement(absolute: bool, checked: bool = True) -> sa.Update:
     for name in COUNTERS:
         given = sa.bindparam(f"p_{name}", type_=Counter)
         current = func.coalesce(S.c[name], zero)
-        if absolute:
-            values[name] = given
-        else:
-            values[name] = checked_add(current, given) if checked else current + given
+        values[name] = given if absolute else current + given
     if absolute:
         values["estimated_cost_usd"] = func.coalesce(est, zero)
         values["actual_cost_usd"] = func.coalesce(act, S.c.actual_cost_usd)
@@ -105,38 +109,69 @@ def token_statement(absolute: bool, checked: bool = True) -> sa.Update:
         values[name] = func.coalesce(sa.bindparam(f"p_{name}", type_=sa.Text), S.c[name])
     for name in ("billing_provider", "billing_base_url", "billing_mode", "model"):  # first wins
         values[name] = func.coalesce(S.c[name], sa.bindparam(f"p_{name}", type_=sa.Text))
-    return update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
+    statement = update(S).where(S.c.id == sa.bindparam("p_sid")).values(values)
+    for name, sign in zip(COUNTERS, guards or (0,) * len(COUNTERS), strict=True):
+        if sign and not absolute:
+            bound = sa.bindparam(f"p_bound_{name}", type_=Counter)
+            current = func.coalesce(S.c[name], zero)
+            statement = statement.where(current <= bound if sign > 0 else current >= bound)
+    return statement
 
 
-def checked_add(current: sa.ColumnElement[Any], given: sa.BindParameter[Any]) -> Any:
-    """``current + given``, or an SQL error when it would leave 64 bits: SQLite would silently
-    turn the counter into a REAL. ``abs()`` of the smallest 64-bit integer is the error
-    (``integer overflow`` on SQLite, ``bigint out of range`` on PostgreSQL), which the error
-    mapping reports as InvalidInputError; the check is part of the atomic UPDATE."""
-    zero: sa.ColumnElement[Any] = sa.literal_column("0")  # inline constants: no extra binds
-    high: sa.ColumnElement[Any] = sa.literal_column(str(INT64_MAX))
-    # Written as MIN + 1 - 1: SQLite reads the literal 9223372036854775808 as a REAL.
-    low: sa.ColumnElement[Any] = sa.literal_column(f"({INT64_MIN + 1} - 1)")
-    fail = func.abs(low + zero * current)  # row-dependent: PostgreSQL cannot fold it early
-    return sa.case(
-        (and_(given > zero, current > high - given), fail),
-        (and_(given < zero, current < low - given), fail),
-        else_=current + given,
-    )
+def token_guards(counts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    """The guards of :func:`token_statement` for ``counts`` (by :data:`COUNTERS` order) and
+    each counter's bound: the largest (smallest, for a negative increment) value the counter
+    may hold for the sum to stay within 64 bits; None for an increment of zero (no guard:
+    adding 0 never overflows, whatever the column holds)."""
+    signs: list[int] = []
+    bounds: list[int | None] = []
+    for count in counts:
+        if count > 0:
+            signs.append(1)
+            bounds.append(INT64_MAX - count)
+        elif count < 0:
+            signs.append(-1)
+            bounds.append(INT64_MIN - count)
+        else:
+            signs.append(0)
+            bounds.append(None)
+    return tuple(signs), tuple(bounds)
+
+
+def counter_overflow() -> InvalidInputError:
+    """What a guarded token update that changed no row of an existing session raises: a
+    counter would have left 64 bits (nothing was written). No row and no session: the session
+    is unknown, a no-op as in the original store."""
+    return InvalidInputError("a counter would overflow a 64-bit integer; nothing was written")
+
+
+#: The overwrite-only and fill-once text fields of ``update_token_counts``, in its order of the
+#: values the store hands over (``cost_status`` ... ``model``).
+TOKEN_TEXTS = (
+    "cost_status",
+    "cost_source",
+    "pricing_version",
+    "billing_provider",
+    "billing_base_url",
+    "billing_mode",
+    "model",
+)
 
 
 def token_params(
     session_id: str,
-    counts: Mapping[str, int],
-    texts: Mapping[str, str | None],
+    counts: Sequence[int],
+    texts: Sequence[str | None],
     estimated_cost_usd: float | None,
     actual_cost_usd: float | None,
 ) -> dict[str, Any]:
-    """The values :func:`token_statement` binds: ``counts`` by :data:`COUNTERS` name, ``texts``
-    the overwrite-only and fill-once fields by column name."""
-    params: dict[str, Any] = {f"p_{name}": value for name, value in counts.items()}
-    for name, value in texts.items():
+    """The values :func:`token_statement` (without guards) binds: ``counts`` in
+    :data:`COUNTERS` order, ``texts`` in :data:`TOKEN_TEXTS` order."""
+    params: dict[str, Any] = {}
+    for name, value in zip(COUNTERS, counts, strict=True):
         params[f"p_{name}"] = value
+    for name, text in zip(TOKEN_TEXTS, texts, strict=True):
+        params[f"p_{name}"] = text
     params.update(p_sid=session_id, p_est=estimated_cost_usd, p_act=actual_cost_usd)
     return params
 
@@ -287,11 +322,14 @@ class Statements(abc.ABC):
         self,
         uow: UnitOfWork,
         session_id: str,
-        params: dict[str, Any],
+        counts: tuple[int, ...],
+        texts: tuple[str | None, ...],
+        costs: tuple[float | None, float | None],
         absolute: bool,
         key: WriteKey | None = None,
     ) -> None:
-        """Run :func:`token_statement` with ``params`` (:func:`token_params`); an increment
+        """Run :func:`token_statement`: ``counts`` in :data:`COUNTERS` order, ``texts`` in
+        :data:`TOKEN_TEXTS` order, ``costs`` (estimated, actual), all validated; an increment
         with ``key`` lands once per key."""
 
     # -- messages ---------------------------------------------------------------------------

@@ -492,7 +492,7 @@ def test_a_negative_zero_cost_keeps_its_sign_on_postgresql(
             params.update(p_sid="s", p_est=-0.0, p_act=-0.0)
             from hermes_store.repo.statements import token_statement
 
-            tokens = Grouped(token_statement(True, checked=False), params, "s", rowcount)
+            tokens = Grouped(token_statement(True), params, "s", rowcount)
             tokens.outlet = db.uow.group.outlet
             groups._commit([tokens, _unit(db, "s", "beside")], db.uow.group.outlet)
             assert tokens.state == 1  # DONE, in the group

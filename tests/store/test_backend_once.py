@@ -38,7 +38,7 @@ ASKS_THE_DIALECT = {
     ("store.py", "SessionDB.__init__"): "the one choice: the backend's statements and searcher",
     ("store.py", "SessionDB._make_uow"): "opening: a server's pool is emptied after the check",
     ("repo/dialects.py", "for_dialect"): "the lookup itself",
-    ("repo/sqlite.py", "driver_sql"): "compiles the hot writes for SQLite (a constant dialect)",
+    ("repo/sqlite.py", "_compiled"): "compiles the hot writes for SQLite (a constant dialect)",
     ("repo/postgresql.py", "PostgresqlStatements.__init__"): "whether exports stream: once",
     ("repo/pgstream.py", "supported"): "asked once per store, and by the import's batches",
     ("repo/pgstream.py", "_driver_errors"): "the driver's error class, to wrap its errors",

@@ -75,7 +75,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("schema/fulltext.py", "_check_cjk_index"): "table names: ddl constants; the pattern is bound",
     ("search/fts5.py", "<module>"): "FTS5 snippet() of the FTS table's name: a ddl constant",
     ("search/tsvector.py", "<module>"): "the tsvector column: table and ddl column constants",
-    ("repo/statements.py", "checked_add"): "the 64-bit bounds: integer constants",
     ("schema/fulltext.py", "<module>"): "a bulk load's checks: docsize tables and the CJK "
     "condition over ddl constants; the ids are bound",
     (

@@ -1,0 +1,167 @@
+"""``update_token_counts``' 64-bit guard: SQLite's statement bounds each counter with a nonzero
+increment (a WHERE condition computed from the increment) and tells an overflow (refused,
+nothing written) from an unknown session (a no-op) when no row changed.
+
+The cases an exact guard must keep: a counter the original store already turned into a REAL
+(or that holds text) is left alone by an increment of 0, refused by a nonzero one; every
+counter's bound holds on its own; the refusal leaves the row, and a ``transaction()`` block's
+other writes, as they were until the block decides.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hermes_store import InvalidInputError, SessionDB
+
+pytestmark = pytest.mark.unit
+
+TOP = 2**63 - 1
+BOTTOM = -(2**63)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[SessionDB]:
+    store = SessionDB(tmp_path / "state.db")
+    store.create_session("s", "cli")
+    yield store
+    store.close()
+
+
+def _counters(db: SessionDB, session_id: str = "s") -> tuple[object, ...]:
+    row = db.get_session(session_id)
+    assert row is not None
+    return tuple(
+        row[name]
+        for name in (
+            "input_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "cache_write_tokens",
+            "reasoning_tokens",
+            "estimated_cost_usd",
+        )
+    )
+
+
+_RAW_SET = {
+    "input_tokens": "UPDATE sessions SET input_tokens = ? WHERE id = 's'",
+    "reasoning_tokens": "UPDATE sessions SET reasoning_tokens = ? WHERE id = 's'",
+}
+
+
+def _raw_set(db: SessionDB, column: str, value: object) -> None:
+    """Write a counter as another program (the original store) could have left it."""
+    path = db.engine.url.database
+    assert path is not None
+    raw = sqlite3.connect(path)
+    with raw:
+        raw.execute(_RAW_SET[column], (value,))
+    raw.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "start", "step"),
+    [
+        ("input_tokens", TOP - 5, 6),
+        ("output_tokens", BOTTOM + 5, -6),
+        ("cache_read_tokens", TOP, 1),
+        ("cache_write_tokens", BOTTOM, -1),
+        ("reasoning_tokens", 1, TOP),
+    ],
+)
+def test_each_counter_stops_at_its_own_bound(
+    db: SessionDB, name: str, start: int, step: int
+) -> None:
+    db.update_token_counts("s", absolute=True, **{name: start})
+    before = _counters(db)
+    with pytest.raises(InvalidInputError, match="overflow"):
+        db.update_token_counts("s", estimated_cost_usd=1.0, **{name: step})
+    assert _counters(db) == before  # the costs given beside it were not added either
+    back = -1 if step > 0 else 1
+    db.update_token_counts("s", **{name: back})  # away from the edge: lands
+    row = db.get_session("s")
+    assert row is not None and row[name] == start + back and type(row[name]) is int
+
+
+def test_the_edge_itself_is_reached_exactly(db: SessionDB) -> None:
+    db.update_token_counts("s", input_tokens=TOP - 3, output_tokens=BOTTOM + 3, absolute=True)
+    db.update_token_counts("s", input_tokens=3, output_tokens=-3)
+    assert _counters(db)[:2] == (TOP, BOTTOM)
+
+
+def test_one_counter_over_refuses_the_whole_call(db: SessionDB) -> None:
+    db.update_token_counts("s", output_tokens=TOP, absolute=True)
+    with pytest.raises(InvalidInputError):
+        db.update_token_counts("s", input_tokens=5, output_tokens=1, reasoning_tokens=2)
+    assert _counters(db)[:5] == (0, TOP, 0, 0, 0)
+
+
+def test_an_unknown_session_is_a_no_op_even_at_the_edge(db: SessionDB) -> None:
+    db.update_token_counts("nobody", input_tokens=TOP, output_tokens=BOTTOM)
+    db.update_token_counts("nobody", input_tokens=TOP, absolute=True)
+    assert db.get_session("nobody") is None
+
+
+@pytest.mark.parametrize(("held", "after_zero"), [(1e30, 1e30), (-1e30, -1e30), ("text", 0)])
+def test_a_counter_left_out_of_range_is_refused_a_step_but_not_a_zero(
+    db: SessionDB, held: object, after_zero: object
+) -> None:
+    """The original store overflowed into a REAL (or another program wrote text): a nonzero
+    step on that counter is refused, nothing written; a call that adds 0 to it (a step on
+    another counter) lands, the counter as SQLite's arithmetic leaves it (+ 0)."""
+    _raw_set(db, "input_tokens", held)
+    step = -1 if held == -1e30 else 1
+    with pytest.raises(InvalidInputError):
+        db.update_token_counts("s", input_tokens=step, output_tokens=7)
+    row = db.get_session("s")
+    assert row is not None and row["input_tokens"] == held and row["output_tokens"] == 0
+    db.update_token_counts("s", output_tokens=7)
+    row = db.get_session("s")
+    assert row is not None and row["input_tokens"] == after_zero and row["output_tokens"] == 7
+
+
+def test_a_null_counter_counts_from_zero(db: SessionDB) -> None:
+    _raw_set(db, "reasoning_tokens", None)
+    db.update_token_counts("s", reasoning_tokens=4)
+    assert _counters(db)[4] == 4
+
+
+def test_an_overflow_inside_a_transaction_leaves_the_choice_to_the_block(db: SessionDB) -> None:
+    """Refused inside a block: the caller may catch it and commit the block's other writes, or
+    let it go and lose them all."""
+    db.update_token_counts("s", input_tokens=TOP, absolute=True)
+    with db.transaction():
+        db.append_message("s", "user", "kept")
+        with pytest.raises(InvalidInputError):
+            db.update_token_counts("s", input_tokens=1)
+        db.update_token_counts("s", output_tokens=2)
+    assert [m["content"] for m in db.get_messages("s")] == ["kept"]
+    assert _counters(db)[:2] == (TOP, 2)
+    with pytest.raises(InvalidInputError), db.transaction():
+        db.append_message("s", "user", "lost")
+        db.update_token_counts("s", input_tokens=1)
+    assert [m["content"] for m in db.get_messages("s")] == ["kept"]
+
+
+def test_many_shapes_of_increments_each_land_once(db: SessionDB) -> None:
+    """Every sign pattern is its own statement: each adds exactly what it was given."""
+    expected = [0, 0, 0, 0, 0]
+    for index in range(3**5):
+        steps = []
+        for position in range(5):
+            steps.append((0, 1, -1)[(index // 3**position) % 3] * (position + 1))
+        db.update_token_counts(
+            "s",
+            input_tokens=steps[0],
+            output_tokens=steps[1],
+            cache_read_tokens=steps[2],
+            cache_write_tokens=steps[3],
+            reasoning_tokens=steps[4],
+        )
+        expected = [a + b for a, b in zip(expected, steps, strict=True)]
+    assert list(_counters(db)[:5]) == expected
