@@ -80,7 +80,8 @@ OnStep = Callable[[str, int], None]
 
 @dataclass
 class Report:
-    """What :func:`optimize` did and how long any one step held the write lock."""
+    """What :func:`optimize` did and how long its steps held the write lock: the longest one
+    (and what it did), and how many went over the bound a writer may wait for."""
 
     backend: str
     bytes_before: int
@@ -93,9 +94,21 @@ class Report:
     #: The file's free pages left after the job (SQLite; 0 elsewhere): what a file whose
     #: ``auto_vacuum`` is not INCREMENTAL keeps for reuse.
     free_pages: int = 0
+    #: The bound each step aimed to stay within (seconds).
+    bound_s: float = pacing.STEP_SECONDS
+    #: Every step run (merge, analyze, vacuum), and those that held the lock past the bound.
+    steps: int = 0
+    steps_over_bound: int = 0
+    #: What the longest step did ("merge", "analyze", "vacuum"; empty before any step).
+    longest_step_kind: str = ""
 
     def record(self, step: pacing.Step) -> None:
-        self.longest_step_s = max(self.longest_step_s, step.seconds)
+        self.steps += 1
+        if step.seconds > self.bound_s:
+            self.steps_over_bound += 1
+        if step.seconds >= self.longest_step_s:
+            self.longest_step_s = step.seconds
+            self.longest_step_kind = step.kind
 
 
 def database_bytes(uow: UnitOfWork) -> int:
@@ -193,6 +206,7 @@ def merge_index(
     """
     bound = pacing.check_bound(step_seconds)
     report = report or Report(uow.engine.dialect.name, 0)
+    report.bound_s = bound
     log = step_log if step_log is not None else pacing.StepLog()
     if not uow.is_sqlite:
         pace = pacing.Pace("merge", 1, 1, 1, bound)
@@ -315,7 +329,7 @@ def optimize(
     """
     bound = pacing.check_bound(step_seconds)
     log = step_log if step_log is not None else pacing.StepLog()
-    report = Report(uow.engine.dialect.name, database_bytes(uow))
+    report = Report(uow.engine.dialect.name, database_bytes(uow), bound_s=bound)
     merge_index(uow, report, step_seconds=bound, step_log=log, pause=pause, on_step=on_step)
     if uow.is_sqlite:
         _, step = pacing.run_step(uow, pacing.Pace("analyze", 1, 1, 1, bound), log, _analyze_step)
