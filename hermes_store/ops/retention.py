@@ -324,20 +324,30 @@ def run(
             done = _delete_within(conn, list(conn.scalars(select_chunk)), budget)
         return done, done.characters
 
-    while True:
-        if stop is not None and stop.is_set():
-            return report
-        done, step = pacing.run_step(uow, pace, steps, body)
-        report.record(step)
-        if not done.found:
-            break
-        report.chunks += 1
-        report.sessions += done.sessions
-        report.messages += done.messages
-        report.largest_chunk = max(report.largest_chunk, done.sessions)
-        if on_chunk is not None:
-            on_chunk(done.sessions, done.messages)
-        pacing.between_steps(uow, step, pause)
+    merging = pacing.Pace(
+        "merge", maintenance.MERGE_PAGES, maintenance.MIN_MERGE_PAGES, 4096, bound
+    )
+    with maintenance.paced_index_merging(uow) as tables:
+        while True:
+            if stop is not None and stop.is_set():
+                return report
+            done, step = pacing.run_step(uow, pace, steps, body)
+            report.record(step)
+            if not done.found:
+                break
+            report.chunks += 1
+            report.sessions += done.sessions
+            report.messages += done.messages
+            report.largest_chunk = max(report.largest_chunk, done.sessions)
+            if on_chunk is not None:
+                on_chunk(done.sessions, done.messages)
+            pacing.between_steps(uow, step, pause)
+            if tables:  # the delete records of the step merged as they come
+                tidied = maintenance.tidy_step(
+                    uow, merging, steps, tables, secure_delete=secure_delete
+                )
+                report.record(tidied)
+                pacing.between_steps(uow, tidied, pause)
     if merge_index and report.sessions and not (stop is not None and stop.is_set()):
         merged = maintenance.Report(uow.engine.dialect.name, 0)
         maintenance.merge_index(

@@ -341,3 +341,45 @@ def test_retention_needs_a_marker_place_for_a_database_without_a_file(
     finally:
         memory.dispose()
     assert os.listdir(home / "retention") == [marker.name]
+
+
+# -- FTS5's own merging while a job runs ---------------------------------------------------------
+
+
+def _fts5_settings(path: Path) -> dict[str, int]:
+    connection = sqlite3.connect(path)
+    try:
+        rows = connection.execute(
+            "SELECT k, v FROM messages_fts_config WHERE k IN ('automerge', 'crisismerge')"
+        ).fetchall()
+    finally:
+        connection.close()
+    return {str(k): int(v) for k, v in rows}
+
+
+def test_a_job_turns_fts5_merging_inside_writes_off_and_puts_the_settings_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FTS5 merges hundreds of pages inside whichever write crosses its counter (a prune step,
+    a writer's append): while a job runs that is off, and the job merges in paced steps."""
+    path = tmp_path / "state.db"
+    _old_sessions(path, 12, 10)
+    connection = sqlite3.connect(path, isolation_level=None)
+    connection.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('automerge', 8)")
+    connection.close()
+    seen: list[tuple[str, dict[str, int]]] = []
+    run_step = pacing.run_step
+
+    def watched(uow: Any, pace: Any, log: Any, body: Callable[..., Any]) -> Any:
+        seen.append((pace.kind, _fts5_settings(path)))  # what a writer beside would find
+        return run_step(uow, pace, log, body)
+
+    monkeypatch.setattr(pacing, "run_step", watched)
+    with SessionDB(path) as store:
+        pruned = retention.run(store.uow, retention.Policy(30), chunk=2)
+        assert pruned.sessions == 12 and pruned.chunks >= 6
+        maintenance.optimize(store.uow)
+    writing = [settings for kind, settings in seen if kind in ("prune", "merge")]
+    assert len(writing) > 12 and {kind for kind, _ in seen} >= {"prune", "merge"}
+    assert all(settings == maintenance.JOB_FTS5_SETTINGS for settings in writing), seen
+    assert _fts5_settings(path) == {"automerge": 8, "crisismerge": 16}
