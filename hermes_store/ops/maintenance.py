@@ -162,7 +162,9 @@ def _set_fts5(conn: Connection, table: str, settings: dict[str, int]) -> None:
 def paced_index_merging(uow: UnitOfWork) -> Iterator[list[str]]:
     """While a paced job runs: FTS5's in-transaction merging off (see
     :data:`JOB_FTS5_SETTINGS`), the previous settings put back after, each change one short
-    write unit. Yields the full-text tables present (SQLite), for :func:`tidy_step`."""
+    write unit. Settings equal to a job's were left by a job whose process was killed: FTS5's
+    defaults are put back then. Yields the full-text tables present (SQLite), for
+    :func:`tidy_step`."""
     if not uow.is_sqlite:
         yield []
         return
@@ -171,6 +173,9 @@ def paced_index_merging(uow: UnitOfWork) -> Iterator[list[str]]:
         for table in tables:  # a damaged index is said so before anything is written to it
             index_shape(conn, table)
         previous = {table: _fts5_settings(conn, table) for table in tables}
+    for table, settings in previous.items():
+        if settings == JOB_FTS5_SETTINGS:  # a job's, left by a process that was killed
+            previous[table] = dict(FTS5_DEFAULT_SETTINGS)
 
     def apply(conn: Connection, settings: dict[str, dict[str, int]]) -> None:
         for table, values in settings.items():

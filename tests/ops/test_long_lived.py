@@ -383,3 +383,17 @@ def test_a_job_turns_fts5_merging_inside_writes_off_and_puts_the_settings_back(
     assert len(writing) > 12 and {kind for kind, _ in seen} >= {"prune", "merge"}
     assert all(settings == maintenance.JOB_FTS5_SETTINGS for settings in writing), seen
     assert _fts5_settings(path) == {"automerge": 8, "crisismerge": 16}
+
+
+def test_settings_a_killed_job_left_are_not_kept_as_the_tables_own(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    _old_sessions(path, 3, 4)
+    connection = sqlite3.connect(path, isolation_level=None)
+    for key, value in maintenance.JOB_FTS5_SETTINGS.items():  # what a SIGKILL mid-job leaves
+        connection.execute(
+            "INSERT INTO messages_fts(messages_fts, rank) VALUES (?, ?)", (key, value)
+        )
+    connection.close()
+    with SessionDB(path) as store:
+        maintenance.optimize(store.uow)
+    assert _fts5_settings(path) == maintenance.FTS5_DEFAULT_SETTINGS
