@@ -435,6 +435,11 @@ def report(runs: list[Run], source: Path) -> None:
         f"| most bytes during either / start | | {_spread([r.growth for r in runs], 3)} | "
         f"<= {MAX_GROWTH} |"
     )
+    print("\nThe jobs' own account of their steps (the CLI's line):\n")
+    for number, run in enumerate(runs, 1):
+        for step in (run.prune, run.optimize):
+            held = [line for line in step.output.splitlines() if "write lock" in line]
+            print(f"- run {number}, {step.name}: {held[-1].strip() if held else '(none)'}")
     for run in runs:
         for step in (run.prune, run.optimize):
             if step.errors:
