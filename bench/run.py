@@ -586,6 +586,7 @@ COMPANIONS = (
     "pg_scale",
     "async_lag",
     "ops",
+    "scale",
     "adoption",
 )
 SECTIONS = ("alone", "load", "calls", "pg", *COMPANIONS)
@@ -709,6 +710,30 @@ def companion(
             f"{mb} MB database, against a baseline phase of the same writers and no backup; "
             "phases interleaved, the order rotating. `--scale`: 1 GB and every backup method.",
             argv=("--size-mb", mb, "--rounds", "1" if quick else "3") + (() if scale else shipped),
+        )
+    if key == "scale":
+        sizes = (("32", "300", "1"), ("256", "2500", "1"), ("2048", "20000", "3"))
+        mb, sessions, runs = sizes[size]
+        return Companion(
+            key,
+            "A state.db that lives for years: prune and online optimize beside a writer",
+            f"`bench/scale.py`: a realistic {mb} MB file ({sessions} sessions of ~51 messages "
+            "over 12 months: chat turns, 5-50 KB tool outputs, 5% CJK; built with `hermes-store "
+            "import`), `sessions prune --older-than 274` then `db optimize`, each in its own "
+            "process beside one writer process appending every 50 ms: the writer's errors, "
+            "worst wait and p99, the file's size at start, most and end against a fresh import "
+            "of what remains. `--scale`: 2 GB, 3 runs (10 GB by hand: `--size-mb 10240 "
+            "--sessions 100000 --messages 5100000`).",
+            argv=(
+                "--size-mb",
+                mb,
+                "--sessions",
+                sessions,
+                "--messages",
+                str(int(sessions) * 51),
+                "--runs",
+                runs,
+            ),
         )
     if key == "adoption":
         rounds, sessions = (("1", "2000"), ("5", "50000"), ("20", "300000"))[size]

@@ -143,7 +143,8 @@ class SessionDB:
     one is refused with :class:`InvalidInputError` before anything is written.
     ``retention`` (a :class:`hermes_store.ops.retention.Policy`) deletes what the policy
     selects by itself: at open, at most once a day across processes (recorded beside the
-    file), in a background thread of short steps that ``close`` stops.
+    file; for a server database under ``$HERMES_HOME/retention``), in a background thread of
+    short steps that ``close`` stops.
     """
 
     MAX_TITLE_LENGTH = titles.MAX_TITLE_LENGTH

@@ -21,6 +21,7 @@ from hermes_store.cli.output import (
     echo,
     echo_json,
     format_option,
+    lock_holds,
     paged,
     print_record,
     print_rows,
@@ -258,8 +259,11 @@ def db_optimize(app: App, vacuum: bool, swap: bool, fmt: str | None, as_json: bo
         return
     echo(
         f"{app.where}: {report.bytes_before:,} -> {report.bytes_after:,} bytes; "
-        f"{report.merge_steps} index merge step(s), {report.pages_freed:,} page(s) freed; "
-        f"longest step held the write lock {report.longest_step_s * 1000:.1f} ms."
+        f"{report.merge_steps} index merge step(s), {report.pages_freed:,} page(s) freed."
+    )
+    echo(
+        lock_holds(report.steps, report.longest_step_s, report.steps_over_bound, report.bound_s)
+        + (f" (the longest: {report.longest_step_kind})" if report.longest_step_kind else "")
     )
     for note in report.notes:
         echo(f"  {note}")

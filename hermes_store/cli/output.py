@@ -171,6 +171,15 @@ def iso(ts: float | None) -> str:
     return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts is not None else ""
 
 
+def lock_holds(steps: int, longest_s: float, over: int, bound_s: float) -> str:
+    """How long a paced job's steps held the write lock: a writer beside it waited for one
+    step at most, so a step over the bound is a wait the writer was not promised."""
+    return (
+        f"{steps} step(s); the longest held the write lock {longest_s * 1000:.1f} ms; "
+        f"{over} over the {bound_s * 1000:.0f} ms bound."
+    )
+
+
 def num(value: int | None) -> str:
     return f"{value or 0:,}"
 

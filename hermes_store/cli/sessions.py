@@ -28,6 +28,7 @@ from hermes_store.cli.output import (
     fold,
     format_option,
     iso,
+    lock_holds,
     num,
     paged,
     print_rows,
@@ -483,8 +484,7 @@ def sessions_prune(
                 secure_delete=secure_delete,
                 on_step=lambda _kind, work: bar.advance(work),
             )
-        report.index_merged = True
-        report.longest_step_s = max(report.longest_step_s, merged.longest_step_s)
+        report.add_merge(merged)
     if chosen_format(fmt, as_json, piped="table") == "json":
         echo_json(asdict(report))
         return
@@ -492,3 +492,4 @@ def sessions_prune(
         f"Deleted {report.sessions} session(s) and {report.messages} message(s) started more "
         f"than {days:g} days ago, in {report.chunks} chunk(s)."
     )
+    echo(lock_holds(report.steps, report.longest_step_s, report.steps_over_bound, report.bound_s))

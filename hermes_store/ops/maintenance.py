@@ -50,7 +50,7 @@ from hermes_store.uow.unit import UnitOfWork
 MERGE_PAGES = 64
 #: Pages one 'merge' statement writes at most: a step looks at its clock between statements.
 MERGE_STATEMENT_PAGES = 32
-MIN_MERGE_PAGES = 8
+MIN_MERGE_PAGES = 2
 MAX_MERGE_PAGES = 16_384
 #: Freed pages handed back by a first step (``PRAGMA incremental_vacuum``), then paced.
 VACUUM_PAGES = 256
@@ -80,7 +80,8 @@ OnStep = Callable[[str, int], None]
 
 @dataclass
 class Report:
-    """What :func:`optimize` did and how long any one step held the write lock."""
+    """What :func:`optimize` did and how long its steps held the write lock: the longest one
+    (and what it did), and how many went over the bound a writer may wait for."""
 
     backend: str
     bytes_before: int
@@ -93,9 +94,21 @@ class Report:
     #: The file's free pages left after the job (SQLite; 0 elsewhere): what a file whose
     #: ``auto_vacuum`` is not INCREMENTAL keeps for reuse.
     free_pages: int = 0
+    #: The bound each step aimed to stay within (seconds).
+    bound_s: float = pacing.STEP_SECONDS
+    #: Every step run (merge, analyze, vacuum), and those that held the lock past the bound.
+    steps: int = 0
+    steps_over_bound: int = 0
+    #: What the longest step did ("merge", "analyze", "vacuum"; empty before any step).
+    longest_step_kind: str = ""
 
     def record(self, step: pacing.Step) -> None:
-        self.longest_step_s = max(self.longest_step_s, step.seconds)
+        self.steps += 1
+        if step.seconds > self.bound_s:
+            self.steps_over_bound += 1
+        if step.seconds >= self.longest_step_s:
+            self.longest_step_s = step.seconds
+            self.longest_step_kind = step.kind
 
 
 def database_bytes(uow: UnitOfWork) -> int:
@@ -117,6 +130,90 @@ def database_bytes(uow: UnitOfWork) -> int:
                 or 0
             )
     return 0
+
+
+#: FTS5's own merging while a paced job runs. FTS5 merges inside the transaction that writes:
+#: every 64 leaf pages written, 64 pages per level of merging ('automerge'; an index of seven
+#: levels merged ~450 pages, hundreds of milliseconds, inside one prune step or one writer's
+#: append), and a level reaching ``crisismerge`` segments is merged whole at once. A job turns
+#: the first off and puts the second far off, and merges in paced steps itself; it puts both
+#: back when it ends. Settings of the table, shared by every connection (writers beside the
+#: job skip the lumps too).
+JOB_FTS5_SETTINGS = {"automerge": 0, "crisismerge": 64}
+#: FTS5's defaults, put back when a table had no setting of its own.
+FTS5_DEFAULT_SETTINGS = {"automerge": 4, "crisismerge": 16}
+
+
+def _fts5_settings(conn: Connection, table: str) -> dict[str, int]:
+    """The table's own 'automerge' and 'crisismerge' (FTS5's defaults where unset)."""
+    rows = conn.exec_driver_sql(
+        f"SELECT k, v FROM {table}_config WHERE k IN ('automerge', 'crisismerge')"
+    ).all()
+    found = {str(k): int(v) for k, v in rows}
+    return {key: found.get(key, default) for key, default in FTS5_DEFAULT_SETTINGS.items()}
+
+
+def _set_fts5(conn: Connection, table: str, settings: dict[str, int]) -> None:
+    for key, value in settings.items():
+        conn.exec_driver_sql(f"INSERT INTO {table}({table}, rank) VALUES (?, ?)", (key, int(value)))
+
+
+@contextmanager
+def paced_index_merging(uow: UnitOfWork) -> Iterator[list[str]]:
+    """While a paced job runs: FTS5's in-transaction merging off (see
+    :data:`JOB_FTS5_SETTINGS`), the previous settings put back after, each change one short
+    write unit. Settings equal to a job's were left by a job whose process was killed: FTS5's
+    defaults are put back then. Yields the full-text tables present (SQLite), for
+    :func:`tidy_step`."""
+    if not uow.is_sqlite:
+        yield []
+        return
+    with uow.connect(write=False) as conn:
+        tables = _present_tables(conn)
+        for table in tables:  # a damaged index is said so before anything is written to it
+            index_shape(conn, table)
+        previous = {table: _fts5_settings(conn, table) for table in tables}
+    for table, settings in previous.items():
+        if settings == JOB_FTS5_SETTINGS:  # a job's, left by a process that was killed
+            previous[table] = dict(FTS5_DEFAULT_SETTINGS)
+
+    def apply(conn: Connection, settings: dict[str, dict[str, int]]) -> None:
+        for table, values in settings.items():
+            _set_fts5(conn, table, values)
+
+    uow.run(lambda conn: apply(conn, {table: dict(JOB_FTS5_SETTINGS) for table in tables}))
+    try:
+        yield tables
+    finally:
+        uow.run(lambda conn: apply(conn, previous))
+
+
+def tidy_step(
+    uow: UnitOfWork,
+    pace: pacing.Pace,
+    log: pacing.StepLog,
+    tables: list[str],
+    *,
+    secure_delete: bool = False,
+) -> pacing.Step:
+    """One paced merge step over ``tables`` ('merge' with a positive count: the merge in
+    progress continues, or a level holding ``usermerge`` segments is merged), so the segments
+    a job's deletes and the writers' appends add are merged as they come, in bounded pieces."""
+
+    def body(conn: Connection, budget: pacing.Budget) -> tuple[None, int]:
+        pages = 0
+        for table in tables:
+            while True:
+                piece = max(1, min(MERGE_STATEMENT_PAGES, budget.size - pages))
+                found = _merge_step(conn, piece, table=table, secure=secure_delete, start=False)
+                pages += piece
+                if not found or pages >= budget.size or not budget.left():
+                    break
+            if pages >= budget.size or not budget.left():
+                break
+        return None, pages
+
+    return pacing.run_step(uow, pace, log, body)[1]
 
 
 def _merge_step(
@@ -193,6 +290,7 @@ def merge_index(
     """
     bound = pacing.check_bound(step_seconds)
     report = report or Report(uow.engine.dialect.name, 0)
+    report.bound_s = bound
     log = step_log if step_log is not None else pacing.StepLog()
     if not uow.is_sqlite:
         pace = pacing.Pace("merge", 1, 1, 1, bound)
@@ -315,8 +413,9 @@ def optimize(
     """
     bound = pacing.check_bound(step_seconds)
     log = step_log if step_log is not None else pacing.StepLog()
-    report = Report(uow.engine.dialect.name, database_bytes(uow))
-    merge_index(uow, report, step_seconds=bound, step_log=log, pause=pause, on_step=on_step)
+    report = Report(uow.engine.dialect.name, database_bytes(uow), bound_s=bound)
+    with paced_index_merging(uow):
+        merge_index(uow, report, step_seconds=bound, step_log=log, pause=pause, on_step=on_step)
     if uow.is_sqlite:
         _, step = pacing.run_step(uow, pacing.Pace("analyze", 1, 1, 1, bound), log, _analyze_step)
         report.record(step)

@@ -15,6 +15,7 @@ most once a day across processes.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import CompoundSelect, Select
 
-from hermes_store.engine.factory import sqlite_file
+from hermes_store.engine import placement
+from hermes_store.engine.factory import default_db_path, make_private_dirs, sqlite_file
 from hermes_store.errors import InvalidInputError, UnsafePathError
 from hermes_store.ops import maintenance, pacing
 from hermes_store.tables import messages_table as M
@@ -165,7 +167,9 @@ def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
 class Report:
     """What a retention run did. ``chunks``: the steps (write units) that deleted something;
     ``largest_chunk``: the most sessions one of them deleted; ``longest_step_s``: the longest
-    any step held the write lock (first statement to commit)."""
+    any step held the write lock (first statement to commit); ``steps``: every step, the
+    index merge's included; ``steps_over_bound``: those that held it past ``bound_s``, the
+    wait a writer beside the job was promised."""
 
     sessions: int = 0
     messages: int = 0
@@ -173,6 +177,22 @@ class Report:
     largest_chunk: int = 0
     index_merged: bool = False
     longest_step_s: float = 0.0
+    bound_s: float = pacing.STEP_SECONDS
+    steps: int = 0
+    steps_over_bound: int = 0
+
+    def record(self, step: pacing.Step) -> None:
+        self.steps += 1
+        if step.seconds > self.bound_s:
+            self.steps_over_bound += 1
+        self.longest_step_s = max(self.longest_step_s, step.seconds)
+
+    def add_merge(self, merged: maintenance.Report) -> None:
+        """Count the index merge that followed the deletes."""
+        self.index_merged = True
+        self.steps += merged.steps
+        self.steps_over_bound += merged.steps_over_bound
+        self.longest_step_s = max(self.longest_step_s, merged.longest_step_s)
 
 
 #: What deleting a message costs beside its text (its row, its index entries, the full-text
@@ -299,7 +319,7 @@ def run(
     steps = step_log if step_log is not None else pacing.StepLog()
     started = time.time() if now is None else now
     select_chunk = candidates(policy, started).limit(chunk)
-    report = Report()
+    report = Report(bound_s=bound)
     pace = pacing.Pace("prune", FIRST_STEP_CHARS, MIN_STEP_CHARS, MAX_STEP_CHARS, bound)
 
     def body(conn: Connection, budget: pacing.Budget) -> tuple[_Deleted, int]:
@@ -307,20 +327,30 @@ def run(
             done = _delete_within(conn, list(conn.scalars(select_chunk)), budget)
         return done, done.characters
 
-    while True:
-        if stop is not None and stop.is_set():
-            return report
-        done, step = pacing.run_step(uow, pace, steps, body)
-        if not done.found:
-            break
-        report.chunks += 1
-        report.sessions += done.sessions
-        report.messages += done.messages
-        report.largest_chunk = max(report.largest_chunk, done.sessions)
-        report.longest_step_s = max(report.longest_step_s, step.seconds)
-        if on_chunk is not None:
-            on_chunk(done.sessions, done.messages)
-        pacing.between_steps(uow, step, pause)
+    merging = pacing.Pace(
+        "merge", maintenance.MERGE_PAGES, maintenance.MIN_MERGE_PAGES, 4096, bound
+    )
+    with maintenance.paced_index_merging(uow) as tables:
+        while True:
+            if stop is not None and stop.is_set():
+                return report
+            done, step = pacing.run_step(uow, pace, steps, body)
+            report.record(step)
+            if not done.found:
+                break
+            report.chunks += 1
+            report.sessions += done.sessions
+            report.messages += done.messages
+            report.largest_chunk = max(report.largest_chunk, done.sessions)
+            if on_chunk is not None:
+                on_chunk(done.sessions, done.messages)
+            pacing.between_steps(uow, step, pause)
+            if tables:  # the delete records of the step merged as they come
+                tidied = maintenance.tidy_step(
+                    uow, merging, steps, tables, secure_delete=secure_delete
+                )
+                report.record(tidied)
+                pacing.between_steps(uow, tidied, pause)
     if not (stop is not None and stop.is_set()):
         expire_write_keys(uow, now=started)
     if merge_index and report.sessions and not (stop is not None and stop.is_set()):
@@ -334,8 +364,7 @@ def run(
             pause=pause,
             stop=stop,
         )
-        report.index_merged = True
-        report.longest_step_s = max(report.longest_step_s, merged.longest_step_s)
+        report.add_merge(merged)
     return report
 
 
@@ -388,17 +417,39 @@ MARKER_SUFFIX = "-retention"
 
 
 def marker_for(uow: UnitOfWork) -> Path:
-    """Where the last run of a database's policy is recorded: beside its SQLite file (the
-    file a symlink names). A server or an in-memory database has no such place: pass a path
-    (:class:`InvalidInputError` otherwise)."""
-    path = sqlite_file(uow.engine.url)
-    if path is None:
+    """Where the last run of a database's policy is recorded.
+
+    A SQLite file: beside it (the file a symlink names), so every process using the file
+    finds it. A server database (PostgreSQL) has no file: the marker is kept under
+    ``$HERMES_HOME/retention/`` (else ``~/.hermes/retention/``), named by a digest of the
+    server, database, user and schema (never the password), so the processes of one machine
+    share it. Machines of a fleet each keep their own, so each runs the policy at most once a
+    day; a run is safe beside another (each session is deleted once), so that costs repeated
+    work, never a wrong result. An in-memory database lives only as long as its process:
+    :class:`InvalidInputError` (pass ``marker=PATH`` to :func:`maybe_run` anyway).
+    """
+    url = uow.engine.url
+    path = sqlite_file(url)
+    if path is not None:
+        return Path(f"{os.path.realpath(path)}{MARKER_SUFFIX}")
+    if url.get_backend_name() == "sqlite":
         raise InvalidInputError(
-            "retention that runs by itself keeps its last run in a file beside the database: "
-            "pass marker=PATH for a server or an in-memory database (or schedule "
-            "`hermes-store sessions prune` with cron)"
+            "retention that runs by itself keeps its last run beside the database, and an "
+            "in-memory database has no lasting place for it: pass marker=PATH to maybe_run, "
+            "or prune with SessionDB.prune_sessions"
         )
-    return Path(f"{os.path.realpath(path)}{MARKER_SUFFIX}")
+    schema = placement.of(uow.engine).schema or ""
+    identity = f"{url.set(password=None).render_as_string(hide_password=True)}#{schema}"
+    digest = hashlib.sha256(identity.encode("utf-8")).hexdigest()[:32]
+    folder = marker_home()
+    make_private_dirs(folder)
+    return folder / f"{url.get_backend_name()}-{digest}{MARKER_SUFFIX}"
+
+
+def marker_home() -> Path:
+    """The folder of the markers of server databases: ``retention`` beside the default
+    database (``$HERMES_HOME``, else ``~/.hermes``; resolved now, not at import)."""
+    return default_db_path().parent / "retention"
 
 
 def _read_marker(fd: int) -> dict[str, Any]:

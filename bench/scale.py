@@ -1,0 +1,477 @@
+"""A state.db that lives for years: prune and online optimize of a realistic file, a writer beside.
+
+    python -m bench.scale --size-mb 2048 --runs 3
+
+The file is what a long-time user's ``state.db`` holds: ``--sessions`` sessions (20,000 for
+2 GB) of about 51 messages each over the last 12 months (chat turns of 20-1,500 characters,
+tool outputs of 5-50 KB of log lines, 5% of messages with Chinese text), written with
+``hermes-store import`` from an export built by the same generator as the import benchmark
+(:mod:`bench.import_speed`), in a fresh process. The share of assistant turns calling a tool
+is set so the file reaches about ``--size-mb``. It is built once and cached under ``--cache``
+(default: the temp folder's ``hermes-scale-bench``; 10 GB: ``--size-mb 10240 --sessions
+100000``, a manual run of hours).
+
+Each run works on a copy of it: ``sessions prune --older-than 274`` (about a quarter of the
+sessions) then ``db optimize`` (online), each in its own process exactly as a user runs them,
+while ONE writer process appends a message every 50 ms (its own session, started before the
+step and stopped after it). Per step: duration, the writer's appends, errors, worst wait and
+p99, and the database's bytes (file + WAL) at the start, the most seen during (sampled every
+50 ms) and at the end. After both: the file against a fresh import of what remains (the
+survivors exported and imported into a new file). Printed: every run, then the median
+[min..max] over the runs, with the load average when each run began (the machine may be
+shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+from bench.import_speed import _next_role, _Writer
+from bench.timing import percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(tempfile.gettempdir()) / "hermes-scale-bench"
+#: The issue's targets: a writer's worst wait, growth during, size against a fresh file.
+BOUND_MS = 250.0
+MAX_GROWTH = 1.10
+MAX_OVER_FRESH = 1.15
+#: Bytes a message of each kind adds to a file (content, row, full-text index), measured on
+#: this generator's output: what sets the tool-call share for a size.
+CHAT_BYTES = 1_170
+TOOL_BYTES = 40_000
+DAY = 86400.0
+
+
+def export_lines(
+    sessions: int, messages: int, tool_calls_per_turn: float, end: float, seed: int = 31
+) -> Iterator[dict[str, Any]]:
+    """``sessions`` sessions holding ``messages`` in all, started evenly over the 365 days
+    before ``end`` (ended, so a prune may select them), as ``export`` writes them."""
+    w = _Writer(seed)
+    rng = w.rng
+    per = messages / sessions
+    ids: list[str] = []
+    next_id = 1
+    made = 0
+    for index in range(sessions):
+        sid = f"2026{index:07d}_{rng.getrandbits(32):08x}"
+        started = end - 365 * DAY + (index + rng.random()) * (365 * DAY / sessions)
+        left = sessions - index
+        count = messages - made if left == 1 else max(2, round(per + rng.uniform(-30, 30)))
+        count = min(count, messages - made - 2 * (left - 1)) if left > 1 else count
+        rows: list[dict[str, Any]] = []
+        at = started
+        tool_calls = 0
+        while len(rows) < count:
+            at += rng.uniform(0.5, 20)
+            cjk = rng.random() < 0.05
+            role = _next_role(rows[-1] if rows else None)
+            row: dict[str, Any] = {
+                "id": next_id,
+                "session_id": sid,
+                "role": role,
+                "content": None,
+                "tool_call_id": None,
+                "tool_calls": None,
+                "tool_name": None,
+                "timestamp": at,
+                "token_count": None,
+                "finish_reason": None,
+                "reasoning": None,
+                "reasoning_details": None,
+                "codex_reasoning_items": None,
+            }
+            if role == "user":
+                row["content"] = w.chat(20, 400, cjk)
+            elif role == "assistant":
+                row["content"] = w.chat(50, 1500, cjk)
+                row["token_count"] = rng.randint(20, 900)
+                row["finish_reason"] = "stop"
+                if rng.random() < tool_calls_per_turn and len(rows) + 1 < count:
+                    call = f"call_{rng.getrandbits(48):012x}"
+                    row["tool_calls"] = [
+                        {
+                            "id": call,
+                            "type": "function",
+                            "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
+                        }
+                    ]
+                    row["finish_reason"] = "tool_calls"
+                    tool_calls += 1
+            else:
+                row["content"] = w.tool_output(cjk)
+                row["tool_call_id"] = rows[-1]["tool_calls"][0]["id"]
+                row["tool_name"] = "terminal"
+            rows.append(row)
+            next_id += 1
+        made += len(rows)
+        ids.append(sid)
+        yield {
+            "id": sid,
+            "source": rng.choice(("cli", "telegram", "discord")),
+            "user_id": None,
+            "model": rng.choice(("claude-sonnet-4", "gpt-5", "qwen3-coder")),
+            "model_config": None,
+            "system_prompt": None,
+            "parent_session_id": (
+                ids[rng.randrange(len(ids) - 1)] if len(ids) > 1 and rng.random() < 0.1 else None
+            ),
+            "started_at": started,
+            "ended_at": at + 1.25,
+            "end_reason": rng.choice(("user_exit", "timeout", "compression")),
+            "message_count": len(rows),
+            "tool_call_count": tool_calls,
+            "input_tokens": rng.randint(1_000, 2_000_000),
+            "output_tokens": rng.randint(100, 200_000),
+            "cache_read_tokens": 0,
+            "cache_write_tokens": 0,
+            "reasoning_tokens": 0,
+            "billing_provider": None,
+            "billing_base_url": None,
+            "billing_mode": None,
+            "estimated_cost_usd": round(rng.uniform(0, 2), 6),
+            "actual_cost_usd": None,
+            "cost_status": "estimated",
+            "cost_source": None,
+            "pricing_version": None,
+            "title": (
+                f"{rng.choice(('deploy', 'fix', 'review'))} {index}" if rng.random() < 0.3 else None
+            ),
+            "messages": rows,
+        }
+
+
+def tool_share(size_mb: int, messages: int) -> float:
+    """The share of assistant turns calling a tool that makes ``messages`` fill ``size_mb``:
+    a share p makes p/2 of the messages tool outputs (user -> assistant [-> tool ->
+    assistant]...)."""
+    tool_fraction = (size_mb * 2**20 / messages - CHAT_BYTES) / (TOOL_BYTES - CHAT_BYTES)
+    return max(0.0, min(0.9, 2 * tool_fraction))
+
+
+def cli(*argv: str, pythonpath: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``hermes-store ARGV`` in a fresh process (a user's command line)."""
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    env.pop("HERMES_STORE_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_store", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def build(path: Path, sessions: int, messages: int, share: float, end: float) -> None:
+    """The export written, then imported into ``path`` with ``hermes-store import``."""
+    export = path.with_suffix(".jsonl")
+    with open(export, "w", encoding="utf-8") as handle:
+        records = list(export_lines(sessions, messages, share, end))
+        for record in reversed(records):  # newest first, as export writes it
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        del records
+    done = cli("--db", str(path), "import", str(export), "--batch-size", "200", "--json")
+    export.unlink()
+    if done.returncode:
+        raise SystemExit(f"the import failed ({done.returncode}):\n{done.stderr}")
+
+
+def cached(cache: Path, size_mb: int, sessions: int, messages: int) -> Path:
+    """The realistic file of ``size_mb``, built on first use (its sessions end at the build)."""
+    path = cache / f"state-{size_mb}mb-{sessions}s-{messages}m.db"
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    building = cache / f".building-{os.getpid()}.db"
+    started = time.perf_counter()
+    build(building, sessions, messages, tool_share(size_mb, messages), time.time())
+    for suffix in ("-wal", "-shm", "-writer.lock"):
+        Path(f"{building}{suffix}").unlink(missing_ok=True)
+    building.rename(path)
+    print(
+        f"built {sessions:,} sessions, {messages:,} messages, "
+        f"{path.stat().st_size / 2**20:,.0f} MiB in {time.perf_counter() - started:,.0f} s: {path}",
+        file=sys.stderr,
+    )
+    return path
+
+
+def disk_bytes(path: Path) -> int:
+    """The database's file and WAL, by ``stat``."""
+    total = 0
+    for name in (str(path), f"{path}-wal"):
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(name).st_size
+    return total
+
+
+def writer(path: str, name: str, every: float, ready: Any, stop: Event, out: Any) -> None:
+    """Appends a message every ``every`` seconds until ``stop``; says ``ready`` once warm.
+    Sends (monotonic start, seconds taken, error or None) of every append, and the ids it
+    was told were written (each must survive)."""
+    from hermes_store import SessionDB
+
+    store = SessionDB(path)
+    store.create_session(name, "gateway")
+    samples: list[tuple[float, float, str | None]] = []
+    acknowledged: list[int] = []
+    ready.put(name)
+    following = time.monotonic()
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            acknowledged.append(store.append_message(name, "user", f"written at {started:.3f}"))
+            error = None
+        except Exception as failure:  # counted, not hidden: the benchmark reports each one
+            error = f"{type(failure).__name__}: {failure}"
+        samples.append((started, time.monotonic() - started, error))
+        following += every
+        stop.wait(max(0.0, following - time.monotonic()))
+    store.close()
+    out.put((samples, acknowledged))
+
+
+@dataclass
+class Step:
+    """One step beside the writer."""
+
+    name: str
+    seconds: float = 0.0
+    exit_code: int = 0
+    appends: int = 0
+    errors: list[str] = field(default_factory=list)
+    worst_ms: float = 0.0
+    p99_ms: float = 0.0
+    bytes_start: int = 0
+    bytes_max: int = 0
+    bytes_end: int = 0
+    lost: int = 0
+    output: str = ""
+
+
+def beside_writer(path: Path, name: str, argv: list[str], every: float = 0.05) -> Step:
+    """``hermes-store ARGV`` on ``path`` while one writer process appends every ``every`` s."""
+    ctx = mp.get_context("spawn")  # a clean interpreter, as a second program would be
+    ready, stop, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    tag = f"scale-writer-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    process = ctx.Process(target=writer, args=(str(path), tag, every, ready, stop, out))
+    process.start()
+    ready.get(timeout=600)
+    step = Step(name, bytes_start=disk_bytes(path))
+    step.bytes_max = step.bytes_start
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.wait(0.05):
+            step.bytes_max = max(step.bytes_max, disk_bytes(path))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.5)  # the writer's rhythm settled before the step
+    began = time.monotonic()
+    done = cli("--db", str(path), *argv)
+    ended = time.monotonic()
+    time.sleep(0.5)
+    stop.set()
+    samples, acknowledged = out.get(timeout=600)
+    process.join(60)
+    watching.set()
+    watcher.join()
+    step.bytes_max = max(step.bytes_max, disk_bytes(path))
+    step.bytes_end = disk_bytes(path)
+    step.seconds = ended - began
+    step.exit_code = done.returncode
+    step.output = (done.stdout + done.stderr).strip()
+    during = [(took, error) for start, took, error in samples if began <= start < ended]
+    step.appends = len(during)
+    step.errors = [error for _, error in during if error is not None]
+    outside = [error for start, _, error in samples if error and not began <= start < ended]
+    step.errors += outside  # an error before or after the step counts too
+    waits = [took for took, _ in during] or [0.0]
+    step.worst_ms = max(waits) * 1000
+    step.p99_ms = percentile(waits, 0.99) * 1000
+    step.lost = _lost(path, tag, acknowledged)
+    return step
+
+
+def _lost(path: Path, session: str, acknowledged: list[int]) -> int:
+    """How many acknowledged appends the file does not hold."""
+    import sqlite3
+
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = connection.execute("SELECT id FROM messages WHERE session_id = ?", (session,))
+        held = {row[0] for row in rows}
+    finally:
+        connection.close()
+    return len(set(acknowledged) - held)
+
+
+def fresh_bytes(path: Path, folder: Path) -> int:
+    """A fresh import of what ``path`` holds: exported, imported into a new file; its bytes."""
+    export = folder / "remains.jsonl"
+    fresh = folder / "fresh.db"
+    done = cli("--db", str(path), "export", "-o", str(export))
+    if done.returncode:
+        raise SystemExit(f"the export failed:\n{done.stderr}")
+    done = cli("--db", str(fresh), "import", str(export), "--batch-size", "200", "--json")
+    if done.returncode:
+        raise SystemExit(f"the import failed:\n{done.stderr}")
+    size = disk_bytes(fresh)
+    for leftover in folder.glob("fresh.db*"):
+        leftover.unlink()
+    export.unlink()
+    return size
+
+
+@dataclass
+class Run:
+    load: float
+    start_bytes: int
+    prune: Step
+    optimize: Step
+    fresh: int
+
+    @property
+    def end_bytes(self) -> int:
+        return self.optimize.bytes_end
+
+    @property
+    def growth(self) -> float:
+        return max(self.prune.bytes_max, self.optimize.bytes_max) / self.start_bytes
+
+    @property
+    def over_fresh(self) -> float:
+        return self.end_bytes / self.fresh
+
+
+def one_run(source: Path, folder: Path, days: int) -> Run:
+    """Prune then optimize a copy of ``source``, a writer beside each."""
+    copy = folder / "copy.db"
+    shutil.copyfile(source, copy)
+    load = os.getloadavg()[0]
+    start = disk_bytes(copy)
+    prune = beside_writer(copy, "prune", ["sessions", "prune", "--older-than", str(days), "--yes"])
+    optimize = beside_writer(copy, "optimize", ["db", "optimize"])
+    fresh = fresh_bytes(copy, folder)
+    for leftover in folder.glob("copy.db*"):
+        leftover.unlink()
+    return Run(load, start, prune, optimize, fresh)
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def _spread(values: list[float], digits: int = 0) -> str:
+    ordered = sorted(values)
+    return (
+        f"{statistics.median(ordered):,.{digits}f} "
+        f"[{ordered[0]:,.{digits}f}..{ordered[-1]:,.{digits}f}]"
+    )
+
+
+def report(runs: list[Run], source: Path) -> None:
+    print(
+        f"\nPrune (`sessions prune --older-than N`) then `db optimize` (online) on a copy of a "
+        f"{disk_bytes(source) / 2**30:.2f} GiB file, one writer process appending every 50 ms "
+        f"beside each step; {len(runs)} run(s):\n"
+    )
+    print(
+        "| run | load avg | step | time | exit | appends | errors | worst wait | p99 | "
+        "MiB start / max / end | lost |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for number, run in enumerate(runs, 1):
+        for step in (run.prune, run.optimize):
+            print(
+                f"| {number} | {run.load:.1f} | {step.name} | {step.seconds:.1f} s | "
+                f"{step.exit_code} | {step.appends} | {len(step.errors)} | "
+                f"{step.worst_ms:.0f} ms | {step.p99_ms:.0f} ms | {_mb(step.bytes_start)} / "
+                f"{_mb(step.bytes_max)} / {_mb(step.bytes_end)} | {step.lost} |"
+            )
+        print(
+            f"| {number} | | after both | | | | | | | end {_mb(run.end_bytes)}, fresh import "
+            f"{_mb(run.fresh)}: {run.over_fresh:.3f}x; most {run.growth:.3f}x the start | |"
+        )
+    print(f"\nMedian [min..max] of {len(runs)} run(s):\n")
+    print("| figure | prune | optimize | target |")
+    print("| --- | --- | --- | --- |")
+    rows: list[tuple[str, Any, str]] = [
+        ("time (s)", lambda s: s.seconds, ""),
+        ("writer's errors", lambda s: len(s.errors), "0"),
+        ("writer's worst wait (ms)", lambda s: s.worst_ms, f"<= {BOUND_MS:.0f}"),
+        ("writer's p99 (ms)", lambda s: s.p99_ms, ""),
+        ("most bytes during / start", lambda s: s.bytes_max / s.bytes_start, f"<= {MAX_GROWTH}"),
+        ("acknowledged appends lost", lambda s: s.lost, "0"),
+    ]
+    for label, of, target in rows:
+        digits = 3 if "/" in label else 0
+        print(
+            f"| {label} | {_spread([of(r.prune) for r in runs], digits)} | "
+            f"{_spread([of(r.optimize) for r in runs], digits)} | {target} |"
+        )
+    print(
+        f"| file + WAL at the end / fresh import | | "
+        f"{_spread([r.over_fresh for r in runs], 3)} | <= {MAX_OVER_FRESH} |"
+    )
+    print(
+        f"| most bytes during either / start | | {_spread([r.growth for r in runs], 3)} | "
+        f"<= {MAX_GROWTH} |"
+    )
+    print("\nThe jobs' own account of their steps (the CLI's line):\n")
+    for number, run in enumerate(runs, 1):
+        for step in (run.prune, run.optimize):
+            held = [line for line in step.output.splitlines() if "write lock" in line]
+            print(f"- run {number}, {step.name}: {held[-1].strip() if held else '(none)'}")
+    for run in runs:
+        for step in (run.prune, run.optimize):
+            if step.errors:
+                print(f"\n{step.name}: {step.errors[:3]}")
+            if step.exit_code:
+                print(f"\n{step.name} exited {step.exit_code}: {step.output[-600:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=2048)
+    parser.add_argument("--sessions", type=int, default=20_000)
+    parser.add_argument("--messages", type=int, default=1_020_000)
+    parser.add_argument("--older-than", type=int, default=274, help="the prune's days")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument("--build-only", action="store_true", help="build the cached file, stop")
+    args = parser.parse_args()
+    source = cached(args.cache, args.size_mb, args.sessions, args.messages)
+    if args.build_only:
+        print(source)
+        return
+    folder = Path(tempfile.mkdtemp(prefix="runs-", dir=args.cache))
+    try:
+        runs = []
+        for number in range(args.runs):
+            runs.append(one_run(source, folder, args.older_than))
+            print(f"run {number + 1} done", file=sys.stderr, flush=True)
+        report(runs, source)
+    finally:
+        shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main()
