@@ -37,7 +37,7 @@ from hermes_store.engine.factory import (
     sqlite_file,
     to_url,
 )
-from hermes_store.errors import InvalidInputError, extras_named
+from hermes_store.errors import InvalidInputError, StoreConfigError, extras_named
 from hermes_store.ops import retention
 from hermes_store.repo import dialects, listing, statements
 from hermes_store.repo.messages import (
@@ -247,6 +247,14 @@ class SessionDB:
                 synchronous=options.synchronous,
             )
         owns = not isinstance(target, Engine)
+        if engine.dialect.name == "sqlite" and sqlite_file(engine.url) is None:
+            if owns:
+                engine.dispose()
+            raise StoreConfigError(
+                "an in-memory SQLite database cannot hold a store: each of its connections "
+                "(the writer, every reader thread) would see a database of its own. Use a "
+                "file, e.g. SessionDB(tmp_path / 'state.db')"
+            )
         try:
             if migrate is not None:
                 if migrate != "never" and engine.dialect.name != "sqlite":

@@ -704,7 +704,10 @@ def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) ->
             assert isinstance(target, Engine), "ensure_head takes an Engine for servers"
             with mapped_errors(), target.connect() as conn:
                 state = read_state(conn)
-                if opened_read_only(conn, state, _describe_url(url)):
+                # Only a server can be a standby (an in-memory SQLite database reaches here too).
+                if target.dialect.name == "postgresql" and opened_read_only(
+                    conn, state, _describe_url(url)
+                ):
                     return
             check_adoptable(state, _describe_url(url))
         if state is not None and state.revision == head:

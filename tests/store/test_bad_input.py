@@ -604,3 +604,12 @@ def test_a_backup_to_a_name_no_file_can_have_is_refused(tmp_path: Path) -> None:
         pytest.raises(InvalidInputError, match="not a valid file name"),
     ):
         db.backup("\ud800")
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_sqlite_database_is_refused_clearly(url: str) -> None:
+    """Each connection to an in-memory database sees a database of its own: the store would
+    open at head on one and fail with a raw "no such table" on the next (once, a standby
+    check meant for servers failed on it first). Refused at open, naming the fix."""
+    with pytest.raises(hermes_store.StoreConfigError, match="in-memory SQLite database"):
+        hermes_store.SessionDB(url)
