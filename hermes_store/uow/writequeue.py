@@ -224,6 +224,7 @@ class QueueStats:
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     max_depth: int = 0  #: most writers seen ahead in line when taking a ticket
     hold_seconds: float = 0.0  #: time queued turns were held (the unit, commit included)
+    starved: int = 0  #: turns whose head marked the line starving (newcomers queued behind it)
     enabled: bool = True
 
 
@@ -536,7 +537,9 @@ class WriteQueue:
             granted = time.monotonic()
             yield turn
         finally:
-            if turn is not None and turn.starving:
+            starved = turn is not None and turn.starving
+            if starved:
+                assert turn is not None
                 turn.starving = False
                 _unlock(descriptor.fd, STARVING_AT, 1)
             for byte in own:
@@ -547,6 +550,7 @@ class WriteQueue:
             held = time.monotonic() - granted
             with self._stats_lock:
                 self._stats.hold_seconds += held
+                self._stats.starved += starved
 
     def _enter(self, descriptor: _Descriptor, began: float, own: list[int]) -> Turn:
         fd = descriptor.fd

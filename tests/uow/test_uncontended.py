@@ -131,11 +131,47 @@ def test_a_starving_head_is_never_overtaken(db: SessionDB) -> None:
     assert _contents(db) == ["alone before", "behind", "alone after"]
 
 
+def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> None:
+    """Threads of this process met (their last group took two units): while anyone stands in
+    line, a write waits for its process's next group instead of going straight in (one commit
+    for the threads that pile up behind it, not one more for it); with the line empty it goes
+    straight in again."""
+    queue = _queue(db)
+    other = writequeue.WriteQueue(_path(db))
+    with other.turn() as turn:  # a starving head: both writes queue, in one group
+        turn.mark_starving()
+        issued = queue.tickets()[0]
+        first = _in_thread(lambda: db.append_message("s", "user", "one"))
+        _wait_until(lambda: queue.tickets()[0] > issued, "the leader to take a ticket")
+        second = _in_thread(lambda: db.append_message("s", "user", "two"))
+        assert db.uow.wait_for_queued_units(1, GUARD)
+    for outcome, thread in (first, second):
+        thread.join(GUARD)
+        assert outcome and outcome[0][0] == "ok", outcome
+    assert db.stats().max_group == 2
+    before = db.stats()
+    with other.turn() as turn:  # not starving, SQLite's lock free: still, the write queues
+        assert turn.queued and not queue.starving()
+        issued = queue.tickets()[0]
+        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "three"))
+        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        assert thread.is_alive() and not outcome
+    thread.join(GUARD)
+    assert outcome and outcome[0][0] == "ok", outcome
+    after = db.stats()
+    assert after.uncontended_writes == before.uncontended_writes
+    assert after.queue_turns == before.queue_turns + 1
+    db.append_message("s", "user", "four")  # the line is empty: straight in
+    assert db.stats().uncontended_writes == after.uncontended_writes + 1
+    assert sorted(_contents(db)) == ["four", "one", "three", "two"]
+
+
 def test_a_head_that_waits_marks_the_line_starving(db: SessionDB) -> None:
     """The head meets SQLite's lock held by a writer outside the line (here a raw sqlite3
     connection, as a newcomer of another process would): it polls, marks the line starving
     once it has waited its share, and the mark goes with its turn."""
     queue = _queue(db)
+    starved = queue.stats().starved
     foreign = sqlite3.connect(_path(db), timeout=0, isolation_level=None, check_same_thread=False)
     try:
         foreign.execute("BEGIN IMMEDIATE")
@@ -148,6 +184,7 @@ def test_a_head_that_waits_marks_the_line_starving(db: SessionDB) -> None:
     thread.join(GUARD)
     assert outcome and outcome[0][0] == "ok", outcome
     assert not queue.starving()
+    assert queue.stats().starved == starved + 1
 
 
 def test_a_foreign_writer_holding_the_lock_sends_the_write_to_the_line(db: SessionDB) -> None:
