@@ -50,12 +50,12 @@ drops it with its other locks; it goes with the head's turn.
 Writers outside the line (those going straight in, the original store, a ``sqlite3`` shell)
 meet the head in SQLite's lock, and it keeps its place: it polls ``BEGIN IMMEDIATE`` with a
 busy timeout of 0 every 0.5 ms (0.1 ms once it marked the line starving: the lock is free at
-the next commit), for 0.1 s; a foreign writer that holds the lock longer is then asked for with
-a short busy timeout (0.2 s) and the jittered retry. Every 50 ms of polling, and after every
-slow attempt, it writes a heartbeat to bytes 24..31 (:meth:`Turn.still_trying`). The writers
-behind see the line as moving and stay blocked in the kernel: no one spins, no one falls back,
-and the order of the line is kept. A head that stops (SIGSTOP) stops beating too, so the
-writers behind fall back after the bounded wait as before; newcomers go straight past it
+the holder's next commit), for 0.1 s; a foreign writer that holds the lock longer is then asked
+for with a short busy timeout (0.2 s) and the jittered retry. Every 50 ms of polling, and after
+every slow attempt, it writes a heartbeat to bytes 24..31 (:meth:`Turn.still_trying`). The
+writers behind see the line as moving and stay blocked in the kernel: no one spins, no one
+falls back, and the order of the line is kept. A head that stops (SIGSTOP) stops beating too,
+so the writers behind fall back after the bounded wait as before; newcomers go straight past it
 while it has not marked the line, and queue behind it (one bounded wait) once it has.
 
 The lock file is only trusted as far as it needs to be. It is opened with ``O_NOFOLLOW`` and
