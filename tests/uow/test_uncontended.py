@@ -132,10 +132,10 @@ def test_a_starving_head_is_never_overtaken(db: SessionDB) -> None:
 
 
 def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> None:
-    """Threads of this process met (their last group took two units): while anyone stands in
-    line, a write waits for its process's next group instead of going straight in (one commit
-    for the threads that pile up behind it, not one more for it); with the line empty it goes
-    straight in again."""
+    """Threads of this process met (a group took two units): while anyone stands in line, a
+    write waits for its process's next group instead of going straight in (one commit for the
+    threads that pile up behind it, not one more for it); with the line empty it goes straight
+    in again."""
     queue = _queue(db)
     other = writequeue.WriteQueue(_path(db))
     with other.turn() as turn:  # a starving head: both writes queue, in one group
