@@ -54,6 +54,8 @@ class LeaderQueue(Generic[U]):
         self._leading: U | None = None  #: the unit whose caller leads (its groups run)
         self._watchers = 0
         self._group: list[U] = []  #: the units the running leader took (see :meth:`_take`)
+        #: A group took more than one unit once: threads of this process meet (never reset).
+        self.met = False
 
     def _settled(self, unit: U) -> tuple[bool, Any]:
         """Queue ``unit``, lead or wait until its group ended: ``(True, result)`` when it was
@@ -127,6 +129,8 @@ class LeaderQueue(Generic[U]):
                 self._group = group = list(islice(queue, self.max_group))
                 for _ in group:
                     queue.popleft()
+            if len(group) > 1:
+                self.met = True
             return group
 
     @property

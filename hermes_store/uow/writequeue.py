@@ -9,8 +9,8 @@ How: a ticket queue of byte-range locks on a sidecar file ``<db>-writer.lock`` (
 database or its ``-wal``/``-shm``: opening those with a plain handle would drop this process's
 SQLite locks). Bytes 0..7 hold the next ticket, bytes 8..15 the last ticket served, bytes
 16..23 the last byte released, bytes 24..31 the head's heartbeat (the last three only mark
-progress); byte range [0, 8) is the ticket
-mutex. Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
+progress); byte range [0, 8) is the ticket mutex, byte 64 the starving head's mark (a lock
+only, nothing is written there). Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
 
 1. under the mutex: read ``t``, write-lock my own byte, write ``t + 1``, drop the mutex;
 2. wait for a lock on my predecessor's byte (``t - 1``): it is free once that writer is done
@@ -38,19 +38,25 @@ that is stopped (SIGSTOP) or hung while queued or holding the turn therefore cos
 behind it one bounded wait, not forever. A writer stopped while it holds SQLite's own write
 lock still blocks everyone, as it does today: the queue cannot take SQLite's lock away.
 
-A writer that finds the line empty does not queue at all (:mod:`hermes_store.uow.uncontended`):
-:meth:`WriteQueue.empty` asks, with one ``F_OFD_GETLK`` over the slots on a descriptor kept for
-it, whether any ticket's byte is locked; none is only while no writer of any process stands in
-line or holds a turn. A writer in line is therefore never overtaken, and a dead one's byte is
-freed by the kernel as before.
+A single-call write first tries SQLite's lock without queueing
+(:mod:`hermes_store.uow.uncontended`), unless the head of the line is starving: a head that
+has waited a few milliseconds at the head (or long in the line) locks byte
+:data:`STARVING_AT` (:meth:`Turn.mark_starving`), and :meth:`WriteQueue.starving` asks, with
+one ``F_OFD_GETLK`` on a descriptor kept for it, whether anyone holds it. While one does,
+newcomers queue behind it, so the head takes SQLite's lock at the next commit and no member of
+the line waits more than its share per writer ahead. The mark is a lock, so a head that dies
+drops it with its other locks; it goes with the head's turn.
 
-Foreign writers (the original store, a ``sqlite3`` shell) do not queue: the head meets them in
-SQLite's lock and keeps its place: it tries ``BEGIN IMMEDIATE`` with a short busy timeout
-(0.2 s, so it polls often and takes the lock soon after the foreign writer lets go), then the
-jittered retry, and after every failed attempt writes a heartbeat to bytes 24..31
-(:meth:`Turn.still_trying`). The writers behind see the line as moving and stay blocked in the
-kernel: no one spins, no one falls back, and the order is kept. A head that stops (SIGSTOP)
-stops beating too, so the writers behind fall back after the bounded wait as before.
+Writers outside the line (those going straight in, the original store, a ``sqlite3`` shell)
+meet the head in SQLite's lock, and it keeps its place: it polls ``BEGIN IMMEDIATE`` with a
+busy timeout of 0 every 0.5 ms (0.1 ms once it marked the line starving: the lock is free at
+the holder's next commit), for 0.1 s; a foreign writer that holds the lock longer is then asked
+for with a short busy timeout (0.2 s) and the jittered retry. Every 50 ms of polling, and after
+every slow attempt, it writes a heartbeat to bytes 24..31 (:meth:`Turn.still_trying`). The
+writers behind see the line as moving and stay blocked in the kernel: no one spins, no one
+falls back, and the order of the line is kept. A head that stops (SIGSTOP) stops beating too,
+so the writers behind fall back after the bounded wait as before; newcomers go straight past it
+while it has not marked the line, and queue behind it (one bounded wait) once it has.
 
 The lock file is only trusted as far as it needs to be. It is opened with ``O_NOFOLLOW`` and
 checked once per descriptor: a symbolic link, a second hard link, anything but a regular file,
@@ -115,6 +121,9 @@ TICKET_LIMIT = 1 << 62
 SKIP_LIMIT = 16
 #: Descriptors per process and file; waiters beyond this fall back.
 MAX_DESCRIPTORS = 64
+#: The byte a starving head locks (see :meth:`Turn.mark_starving`): outside the header and the
+#: slots, so no ticket ever owns it.
+STARVING_AT = 64
 ENV_SWITCH = "HERMES_STORE_WRITE_QUEUE"
 ENV_WAIT = "HERMES_STORE_WRITE_QUEUE_WAIT"
 
@@ -197,6 +206,8 @@ def _unlock(fd: int, start: int, length: int) -> None:
 
 #: The question "is any ticket's byte locked?": a write lock over every slot, asked, not taken.
 _ANY_SLOT = _flock(fcntl.F_WRLCK, SLOTS_AT, SLOTS)
+#: The question "does a head starve?" (see :meth:`Turn.mark_starving`).
+_STARVING = _flock(fcntl.F_WRLCK, STARVING_AT, 1)
 #: The answer "none": ``l_type`` F_UNLCK in the returned struct.
 _NONE_LOCKED = struct.pack("h", fcntl.F_UNLCK)
 
@@ -213,6 +224,7 @@ class QueueStats:
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     max_depth: int = 0  #: most writers seen ahead in line when taking a ticket
     hold_seconds: float = 0.0  #: time queued turns were held (the unit, commit included)
+    starved: int = 0  #: turns whose head marked the line starving (newcomers queued behind it)
     enabled: bool = True
 
 
@@ -226,14 +238,25 @@ class Turn:
     waited: float = 0.0
     fd: int = -1  #: the descriptor holding this turn's byte (queued turns)
     beats: int = 0
+    starving: bool = False  #: this head holds the starving mark (released with the turn)
+    since: float = 0.0  #: when the writer asked for its turn (``time.monotonic()``)
 
     def still_trying(self) -> None:
-        """Tell the writers behind that the head is alive and retrying (it met a foreign
+        """Tell the writers behind that the head is alive and retrying (it met another
         writer in SQLite's lock): the line counts as moving, so they stay blocked in the
-        kernel instead of falling back to SQLite's busy handler after the bounded wait."""
+        kernel instead of falling back to SQLite's busy handler after the bounded wait. A
+        head that says so has waited: it marks the line starving too."""
         if self.queued and self.fd >= 0:
             self.beats += 1
             os.pwrite(self.fd, struct.pack("<Q", (os.getpid() << 24) ^ self.beats), 24)
+            self.mark_starving()
+
+    def mark_starving(self) -> None:
+        """Ask newcomers to stop trying SQLite's lock before the line (see
+        :meth:`WriteQueue.starving`): they queue behind this head until its turn ends. A lock
+        on :data:`STARVING_AT`, so a head that dies drops it with its other locks."""
+        if self.queued and self.fd >= 0 and not self.starving:
+            self.starving = _lock(self.fd, STARVING_AT, 1, wait=False)
 
 
 class _Descriptor:
@@ -432,26 +455,35 @@ class WriteQueue:
 
     def empty(self) -> bool:
         """No writer of any process or thread is in line or holds a turn: no ticket's byte is
-        locked. One ``F_OFD_GETLK`` over the slots on a descriptor of its own (opened once),
-        so a lone writer asks the lock file one question per write and takes no ticket.
+        locked (one ``F_OFD_GETLK`` over the slots). True when the queue is off."""
+        return not self._locked(_ANY_SLOT)
 
-        True when the queue is off (there is no line to keep); a probe that fails turns the
-        queue off as a turn would (the queue only orders writers, it never fails one)."""
+    def starving(self) -> bool:
+        """The head of the line has waited past its share and asks newcomers to queue
+        behind it instead of trying SQLite's lock first (:meth:`Turn.mark_starving`). One
+        ``F_OFD_GETLK`` on a descriptor of its own (opened once): a writer that finds no one
+        starving asks the lock file this one question per write and takes no ticket.
+
+        False when the queue is off; a probe that fails turns the queue off as a turn would
+        (the queue only orders writers, it never fails one)."""
+        return self._locked(_STARVING)
+
+    def _locked(self, question: bytes) -> bool:
         if not self._enabled:
-            return True
+            return False
         fd = self._probe
         try:
             if fd < 0:
                 fd = self._open_probe()
                 if fd < 0:
-                    return True
-            return fcntl.fcntl(fd, F_OFD_GETLK, _ANY_SLOT)[:2] == _NONE_LOCKED
+                    return False
+            return fcntl.fcntl(fd, F_OFD_GETLK, question)[:2] != _NONE_LOCKED
         except OSError as error:
             if error.errno in _UNAVAILABLE:
                 self._disable(f"OFD locks unavailable: {error.strerror}")
-                return True
+                return False
             log.warning("%s: cannot look at the writer line, queueing: %s", self.db_path, error)
-            return False
+            return True
 
     def _open_probe(self) -> int:
         """The probe's descriptor (checked as every descriptor on the lock file is), or -1 with
@@ -480,11 +512,12 @@ class WriteQueue:
         began = time.monotonic()
         descriptor = self._borrow()
         if descriptor is None:
-            turn = Turn(queued=False, reason="no lock file descriptor")
-            self._account(turn)
-            yield turn
+            fallback = Turn(queued=False, reason="no lock file descriptor")
+            self._account(fallback)
+            yield fallback
             return
         own: list[int] = []  # my ticket's byte, once locked
+        turn: Turn | None = None
         try:
             try:
                 turn = self._enter(descriptor, began, own)
@@ -497,20 +530,27 @@ class WriteQueue:
                 )
                 turn = Turn(queued=False, reason=f"error {getattr(error, 'errno', None)}")
             turn.waited = time.monotonic() - began if descriptor.blocked else 0.0
+            turn.since = began
             if turn.queued:
                 turn.fd = descriptor.fd
             self._account(turn)
             granted = time.monotonic()
             yield turn
         finally:
+            starved = turn is not None and turn.starving
+            if starved:
+                assert turn is not None
+                turn.starving = False
+                _unlock(descriptor.fd, STARVING_AT, 1)
             for byte in own:
                 os.pwrite(descriptor.fd, struct.pack("<Q", byte), 16)  # the line moved
                 _unlock(descriptor.fd, byte, 1)
             self._give_back(descriptor)
-        if turn.queued:
+        if turn is not None and turn.queued:
             held = time.monotonic() - granted
             with self._stats_lock:
                 self._stats.hold_seconds += held
+                self._stats.starved += starved
 
     def _enter(self, descriptor: _Descriptor, began: float, own: list[int]) -> Turn:
         fd = descriptor.fd

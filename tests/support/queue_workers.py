@@ -23,10 +23,12 @@ def append_on_go(db: str, label: str, conn: Any) -> None:
 
 
 def hold_turn(db: str, conn: Any) -> None:
-    """Commit one message, then take a queue turn and hold it until told to let go."""
+    """Commit one message, then take a queue turn, mark the line starving (newcomers queue
+    behind it) and hold it until told to let go."""
     store = SessionDB(db)
     store.append_message("q", "user", "holder committed")
     with writequeue.for_database(db).turn() as turn:
+        turn.mark_starving()
         conn.send(("holding", turn.queued))
         conn.recv()
     store.close()

@@ -160,11 +160,13 @@ def test_a_units_error_rolls_back_only_that_unit(db: SessionDB) -> None:
 @pytest.fixture
 def other_in_line(db: SessionDB) -> Iterator[Callable[[], None]]:
     """Another writer of the file holds a turn in the fair line (a member of its own, as another
-    process would be): every write meanwhile queues behind it. Calling the yielded function
-    lets it go (once the test saw what it waits for)."""
+    process would be) and has marked it starving: every write meanwhile queues behind it.
+    Calling the yielded function lets it go (once the test saw what it waits for)."""
     queue = writequeue.WriteQueue(_path(db))  # its own descriptors: another member of the line
     turn = queue.turn()
-    assert turn.__enter__().queued
+    entered = turn.__enter__()
+    assert entered.queued
+    entered.mark_starving()
     left: list[bool] = []
 
     def let_go() -> None:

@@ -1,5 +1,6 @@
 """The uncontended write: a single-call write that finds no one else writing goes straight in
-(no queue turn, no group); one that meets anyone joins the line and is never ahead of it.
+(no queue turn, no group); one that meets a writer joins the line, and a newcomer never goes
+past a head that marked the line starving.
 
 Real SQLite files and threads; "in line" is read from the lock file's ticket counter and the
 store's own counters, never inferred from a pause.
@@ -83,21 +84,43 @@ def test_a_lone_writer_takes_no_queue_turn_and_forms_no_group(db: SessionDB) -> 
     assert (session["message_count"], session["input_tokens"]) == (13, 10)
 
 
-def test_a_writer_in_line_is_never_overtaken(db: SessionDB) -> None:
+def test_a_newcomer_tries_the_lock_before_a_head_that_has_not_starved(db: SessionDB) -> None:
     """Another member of the line (its own descriptors: as another process) holds a turn
-    without SQLite's lock: the write still joins the line behind it instead of going straight
-    in, and lands once it lets go; with the line empty again, writes go straight in."""
+    without SQLite's lock and has not marked the line starving: a newcomer finds SQLite's lock
+    free and goes straight in, taking no ticket (the original store's barging, which keeps
+    writers that meet as fast as one alone)."""
+    queue = _queue(db)
+    other = writequeue.WriteQueue(_path(db))
+    before = db.stats()
+    with other.turn() as turn:
+        assert turn.queued and not queue.empty() and not queue.starving()
+        issued = queue.tickets()[0]
+        db.append_message("s", "user", "past the head")
+        assert queue.tickets()[0] == issued  # not one ticket taken
+    after = db.stats()
+    assert after.uncontended_writes == before.uncontended_writes + 1
+    assert after.queue_turns == before.queue_turns
+    assert _contents(db) == ["past the head"]
+
+
+def test_a_starving_head_is_never_overtaken(db: SessionDB) -> None:
+    """The head of the line has waited its share and marked the line starving: a newcomer
+    joins the line behind it instead of trying SQLite's lock, and lands once the head lets go;
+    with the mark gone (it goes with the turn), writes go straight in again."""
     queue = _queue(db)
     db.append_message("s", "user", "alone before")
     other = writequeue.WriteQueue(_path(db))
     before = db.stats()
     with other.turn() as turn:
         assert turn.queued
+        turn.mark_starving()
+        assert queue.starving()
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
         _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome  # waiting in line, not written
         assert _contents(db) == ["alone before"]
+    assert not queue.starving()
     thread.join(GUARD)
     assert outcome and outcome[0][0] == "ok", outcome
     after = db.stats()
@@ -106,6 +129,62 @@ def test_a_writer_in_line_is_never_overtaken(db: SessionDB) -> None:
     db.append_message("s", "user", "alone after")
     assert db.stats().uncontended_writes == after.uncontended_writes + 1
     assert _contents(db) == ["alone before", "behind", "alone after"]
+
+
+def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> None:
+    """Threads of this process met (a group took two units): while anyone stands in line, a
+    write waits for its process's next group instead of going straight in (one commit for the
+    threads that pile up behind it, not one more for it); with the line empty it goes straight
+    in again."""
+    queue = _queue(db)
+    other = writequeue.WriteQueue(_path(db))
+    with other.turn() as turn:  # a starving head: both writes queue, in one group
+        turn.mark_starving()
+        issued = queue.tickets()[0]
+        first = _in_thread(lambda: db.append_message("s", "user", "one"))
+        _wait_until(lambda: queue.tickets()[0] > issued, "the leader to take a ticket")
+        second = _in_thread(lambda: db.append_message("s", "user", "two"))
+        assert db.uow.wait_for_queued_units(1, GUARD)
+    for outcome, thread in (first, second):
+        thread.join(GUARD)
+        assert outcome and outcome[0][0] == "ok", outcome
+    assert db.stats().max_group == 2
+    before = db.stats()
+    with other.turn() as turn:  # not starving, SQLite's lock free: still, the write queues
+        assert turn.queued and not queue.starving()
+        issued = queue.tickets()[0]
+        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "three"))
+        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        assert thread.is_alive() and not outcome
+    thread.join(GUARD)
+    assert outcome and outcome[0][0] == "ok", outcome
+    after = db.stats()
+    assert after.uncontended_writes == before.uncontended_writes
+    assert after.queue_turns == before.queue_turns + 1
+    db.append_message("s", "user", "four")  # the line is empty: straight in
+    assert db.stats().uncontended_writes == after.uncontended_writes + 1
+    assert sorted(_contents(db)) == ["four", "one", "three", "two"]
+
+
+def test_a_head_that_waits_marks_the_line_starving(db: SessionDB) -> None:
+    """The head meets SQLite's lock held by a writer outside the line (here a raw sqlite3
+    connection, as a newcomer of another process would): it polls, marks the line starving
+    once it has waited its share, and the mark goes with its turn."""
+    queue = _queue(db)
+    starved = queue.stats().starved
+    foreign = sqlite3.connect(_path(db), timeout=0, isolation_level=None, check_same_thread=False)
+    try:
+        foreign.execute("BEGIN IMMEDIATE")
+        outcome, thread = _in_thread(lambda: db.update_token_counts("s", input_tokens=5))
+        _wait_until(queue.starving, "the head to mark the line starving")
+        assert thread.is_alive() and not outcome
+        foreign.execute("COMMIT")
+    finally:
+        foreign.close()
+    thread.join(GUARD)
+    assert outcome and outcome[0][0] == "ok", outcome
+    assert not queue.starving()
+    assert queue.stats().starved == starved + 1
 
 
 def test_a_foreign_writer_holding_the_lock_sends_the_write_to_the_line(db: SessionDB) -> None:
