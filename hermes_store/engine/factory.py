@@ -926,7 +926,16 @@ def begin_on_driver(
     busy_ms: int | None = None,
 ) -> None:
     """Begin a unit on a pooled SQLite connection: the one begin of the package (the engine's
-    begin hook calls it for every unit, the hot path included)."""
+    begin hook calls it for every unit, the hot path included).
+
+    A transaction still open here was left by a unit interrupted (Ctrl-C) between its BEGIN
+    and the ``try`` that would have rolled it back: CPython can raise a signal's exception as
+    a C call returns, where no Python code can close the gap. Its writes were never
+    acknowledged, so it is rolled back before this unit begins (it would otherwise fail with
+    "cannot start a transaction within a transaction" and keep the file's write lock)."""
+    if dbapi_connection.in_transaction:
+        log.warning("a unit interrupted after its BEGIN left a transaction open: rolled back")
+        dbapi_connection.rollback()
     prepare_driver(
         dbapi_connection, info, settings, write=write, query_only=query_only, busy_ms=busy_ms
     )

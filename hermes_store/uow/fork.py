@@ -102,12 +102,16 @@ class Gate:
     connect) waits from :meth:`shut` until :meth:`lift`."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        # ``with self.lock`` enters in C (Condition's Python __enter__ can be interrupted
+        # after taking the lock, leaving it held); an RLock makes ``wait_for`` take the lock
+        # back in C whatever interrupts it.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.forking = False
         self.waiters = 0
 
     def enter(self) -> None:
-        with self.cond:
+        with self.lock:
             if self.forking:
                 self.waiters += 1
                 try:
@@ -116,11 +120,11 @@ class Gate:
                     self.waiters -= 1
 
     def shut(self) -> None:
-        with self.cond:
+        with self.lock:
             self.forking = True
 
     def lift(self) -> None:
-        with self.cond:
+        with self.lock:
             self.forking = False
             self.cond.notify_all()
 

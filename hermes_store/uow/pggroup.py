@@ -195,7 +195,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                 raise
             log.warning("a PostgreSQL write group was not sent (%s); its writes run alone", error)
         finally:
-            with self._cond:
+            with self._lock:  # entered in C (see LeaderQueue)
                 self._cond.notify_all()
 
     def _send(self, batch: list[Grouped[Any]], outlet: Outlet) -> None:
@@ -254,7 +254,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         self, outlet: Outlet, ordered: list[Grouped[Any]], cursors: list[Any]
     ) -> None:
         """The group committed: hand each caller its result (never a re-run)."""
-        with self._cond:
+        with self._lock:  # entered in C (see LeaderQueue)
             for unit, cursor in zip(ordered, cursors, strict=True):
                 try:
                     unit.state, unit.result = DONE, unit.read(cursor)
@@ -272,7 +272,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         error = HermesStoreError(
             "the write committed (in a group), but an interrupt stopped its result being read"
         )
-        with self._cond:
+        with self._lock:  # entered in C (see LeaderQueue)
             for unit in batch:
                 if unit.state == QUEUED:
                     unit.state, unit.error = FAILED, error
@@ -317,7 +317,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         fail with :class:`WriteOutcomeUnknownError`."""
         unknown = WriteOutcomeUnknownError(message)
         unknown.__cause__ = cause
-        with self._cond:
+        with self._lock:  # entered in C (see LeaderQueue)
             for unit in batch:
                 if unit.state != QUEUED:
                     continue
@@ -328,7 +328,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
 
     def _settle(self, batch: list[Grouped[Any]], state: int) -> None:
         """Set the units of ``batch`` that are still undecided to ``state``."""
-        with self._cond:
+        with self._lock:  # entered in C (see LeaderQueue)
             for unit in batch:
                 if unit.state == QUEUED:
                     unit.state = state

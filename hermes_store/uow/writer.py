@@ -116,6 +116,9 @@ class SqliteWriter:
         self.where = where
         # In-process writers queue here; other processes meet SQLite's write lock.
         self.lock = threading.Lock()
+        # Held with ``with self._turn_lock`` (entered in C): Condition's own __enter__ is
+        # Python code an interrupt (Ctrl-C) can leave after taking the lock, held for good.
+        self._turn_lock = counters.lock
         self._turn_changed = threading.Condition(counters.lock)
         self._waiting = 0  # threads of this process waiting for their write turn
         #: Threads of this process in :meth:`turn` (in line, waiting for the lock, or writing):
@@ -149,17 +152,17 @@ class SqliteWriter:
         queue = self.write_queue if queued else None
         entered = False
         try:
-            with self._turn_changed:
+            with self._turn_lock:
                 self.in_line += 1  # no eval-breaker check between these two lines
                 entered = True
             with queue.turn() if queue is not None else nullcontext() as turn:
                 if turn is not None and turn.queued:
-                    with self._turn_changed:
+                    with self._turn_lock:
                         self.counters.stats.queue_turns += 1
                 waiting = lock.locked()  # another thread of this process writes: a wait, counted
                 started = time.monotonic() if waiting else 0.0
                 if waiting:
-                    with self._turn_changed:
+                    with self._turn_lock:
                         self.counters.stats.lock_waits += 1
                         self._waiting += 1
                         self._turn_changed.notify_all()
@@ -174,18 +177,18 @@ class SqliteWriter:
                         self._waited(started)
         finally:
             if entered:
-                with self._turn_changed:
+                with self._turn_lock:
                     self.in_line -= 1
 
     def _waited(self, started: float) -> None:
-        with self._turn_changed:
+        with self._turn_lock:
             self._waiting -= 1
             self.counters.stats.lock_wait_seconds += time.monotonic() - started
 
     def wait_for_waiting(self, count: int, timeout: float) -> bool:
         """Block until at least ``count`` threads wait for their write turn (False: timed
         out); lets callers and tests know a writer is queued without polling."""
-        with self._turn_changed:
+        with self._turn_lock:
             return self._turn_changed.wait_for(lambda: self._waiting >= count, timeout)
 
     # -- beginning ---------------------------------------------------------------------------

@@ -278,6 +278,7 @@ class Child:
             left = deadline - time.monotonic()
             ended = self.proc.poll() is not None
             if left <= 0 or (ended and not select.select([self.proc.stdout], [], [], 0)[0]):
+                self.dump_stacks()
                 self.kill()
                 raise AssertionError(f"no answer from the writer process ({what}): {self.err()}")
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
@@ -293,7 +294,14 @@ class Child:
         assert self.proc.stderr is not None
         if self.proc.poll() is None:
             return "(still running)"
-        return self.proc.stderr.read().decode(errors="replace")[-4000:]
+        return self.proc.stderr.read().decode(errors="replace")[-12000:]
+
+    def dump_stacks(self) -> None:
+        """A hung writer prints every thread's stack (faulthandler on SIGUSR1) before it is
+        killed, so the failure shows where it stopped."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # not a synchronisation: the dump is best effort
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -364,3 +372,27 @@ def test_an_interrupt_between_the_waits_release_and_its_wait_leaves_the_queue_so
     monkeypatch.undo()
     db.append_message("s", "user", "after")
     assert list(_stored(db).values()) == ["after"]
+
+
+def test_a_transaction_left_open_by_an_interrupted_begin_is_rolled_back_by_the_next_unit(
+    db: SessionDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CPython can raise Ctrl-C's KeyboardInterrupt as the C call running ``BEGIN IMMEDIATE``
+    returns, before any ``try`` could roll it back: the writer's connection is left in a
+    transaction holding the file's write lock. The next unit rolls that leftover back (it was
+    never acknowledged) instead of failing with "cannot start a transaction within a
+    transaction" for good."""
+    writer = db.uow.backend.writer  # type: ignore[attr-defined]
+    db.append_message("s", "user", "before")
+    writer.connect()
+    driver = writer.driver
+    driver.execute("BEGIN IMMEDIATE")  # what the interrupted unit had done
+    driver.execute(
+        "INSERT INTO messages (session_id, role, content, timestamp) VALUES ('s', 'user', "
+        "'never acknowledged', 0)"
+    )
+    assert driver.in_transaction
+    with caplog.at_level("WARNING", logger="hermes_store.engine.factory"):
+        db.append_message("s", "user", "after")
+    assert "left a transaction open: rolled back" in caplog.text
+    assert sorted(_stored(db).values()) == ["after", "before"]
