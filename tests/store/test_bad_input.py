@@ -493,6 +493,7 @@ SQL_INTERPOLATION_ALLOWED = {
         "int(settings.wal_limit)",
     ): "int from a setting (the env value or the argument)",
     ("ops/maintenance.py", "SECURE_DELETE_VALUES[previous]"): "a value of a constant table",
+    ("ops/maintenance.py", "table"): "an FTS table name: one of FTS_TABLES (ddl constants)",
     ("schema/ddl.py", "name"): "loop over the constant FTS_TRIGGERS",
     ("schema/ddl.py", "cjk_matches('?2')"): "the CJK condition over a literal placeholder",
     ("schema/fulltext.py", "ddl.FTS_TRIGGERS[0]"): "a trigger name: a ddl constant",
