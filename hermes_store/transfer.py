@@ -402,7 +402,7 @@ def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: lis
     if not keep and not renumber:
         return
     if renumber:
-        top = max(int(conn.scalar(_TOP_MESSAGE_ID) or 0), *(m["id"] for m in keep))
+        top = max([int(conn.scalar(_TOP_MESSAGE_ID) or 0), *(m["id"] for m in keep)])
         renumber = [{**m, "id": number} for number, m in enumerate(renumber, top + 1)]
     rows = keep + renumber
     with fulltext.SQLITE.bulk_load(conn) as index:

@@ -131,6 +131,35 @@ def test_taken_ids_get_the_ids_autoincrement_would_give(tmp_path: Path) -> None:
     assert index_problems(path) == []
 
 
+def test_a_batch_whose_ids_are_all_taken_is_renumbered_whole(tmp_path: Path) -> None:
+    """Every message id of the file is taken (the same export imported again under other
+    session ids, as a second machine's history would be): nothing is kept, every message gets
+    the next free id (this raised a raw TypeError when no id of a batch was free)."""
+    path = tmp_path / "state.db"
+    records = workers.export_records(sessions=2, per_session=4)
+    again = [
+        {
+            **r,
+            "id": f"{r['id']}-again",
+            "parent_session_id": None,
+            "messages": [{**m, "session_id": f"{r['id']}-again"} for m in r["messages"]],
+        }
+        for r in records
+    ]
+    with SessionDB(path) as store:
+        import_records(store, records)
+        report = import_records(store, again)
+        assert report.messages_renumbered == report.messages == 8
+        for r in again:
+            exported = store.export_session(r["id"])
+            assert exported is not None
+            assert [m["content"] for m in exported["messages"]] == [
+                m["content"] for m in r["messages"]
+            ]
+            assert min(m["id"] for m in exported["messages"]) > 8
+    assert index_problems(path) == []
+
+
 def test_a_trigger_of_another_shape_keeps_firing_row_by_row(tmp_path: Path) -> None:
     """An insert trigger that does more than this package's is left in place (and its work
     not done twice); the one it knows is suspended and put back."""
