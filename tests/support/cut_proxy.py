@@ -20,44 +20,23 @@ from __future__ import annotations
 
 import socket
 import threading
-from contextlib import suppress
-from types import TracebackType
+
+from tests.support.loopback_proxy import LoopbackProxy, close
 
 #: ReadyForQuery: type byte, length 5, then the transaction status (idle, in a transaction,
 #: failed transaction).
 _READY = tuple(b"Z\x00\x00\x00\x05" + status for status in (b"I", b"T", b"E"))
 
 
-class CutProxy:
+class CutProxy(LoopbackProxy):
     """Forward ``127.0.0.1:<port>`` to ``target``; cut where armed (see the module)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
+        super().__init__(target, name="cut-proxy")
         self.fired = threading.Event()
         self._marker: bytes | None = None
         self._refusing = False
         self._refuse_after = False
-        self._lock = threading.Lock()
-        self._sockets: set[socket.socket] = set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, name="cut-proxy", daemon=True)
-
-    def __enter__(self) -> CutProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        with suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._close_all()
-        self._thread.join(timeout=5)
 
     def arm(self, marker: bytes, *, refuse_after: bool = False) -> None:
         """Cut the next request that contains ``marker``, after the server answered it;
@@ -79,32 +58,17 @@ class CutProxy:
             self._refusing = False
 
     def _close_all(self) -> None:
-        with self._lock:
-            live = list(self._sockets)
-        for sock in live:
-            _close(sock)
+        for sock in self._live():
+            close(sock)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                refusing = self._refusing
-            if refusing:
-                _close(client)
-                continue
-            try:
-                server = socket.create_connection(self.target)
-            except OSError:
-                _close(client)
-                continue
-            with self._lock:
-                self._sockets.update((client, server))
-            pair = _Pair(self, client, server)
-            threading.Thread(target=pair.to_server, daemon=True).start()
-            threading.Thread(target=pair.to_client, daemon=True).start()
+    def _admit(self, client: socket.socket) -> bool:
+        with self._lock:
+            return not self._refusing
+
+    def _link(self, client: socket.socket, server: socket.socket) -> None:
+        pair = _Pair(self, client, server)
+        threading.Thread(target=pair.to_server, daemon=True).start()
+        threading.Thread(target=pair.to_client, daemon=True).start()
 
     def _take_marker(self, data: bytes) -> bool:
         """Whether ``data`` is the armed request (disarming it)."""
@@ -116,10 +80,6 @@ class CutProxy:
             if self._refuse_after:  # set before the cut: no reconnection slips through
                 self._refusing = True
             return True
-
-    def _forget(self, *socks: socket.socket) -> None:
-        with self._lock:
-            self._sockets.difference_update(socks)
 
 
 class _Pair:
@@ -164,13 +124,6 @@ class _Pair:
         self._end()
 
     def _end(self) -> None:
-        _close(self.client)
-        _close(self.server)
+        close(self.client)
+        close(self.server)
         self.proxy._forget(self.client, self.server)
-
-
-def _close(sock: socket.socket) -> None:
-    with suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    with suppress(OSError):
-        sock.close()

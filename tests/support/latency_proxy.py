@@ -25,41 +25,17 @@ import socket
 import threading
 import time
 from contextlib import suppress
-from types import TracebackType
+
+from tests.support.loopback_proxy import LoopbackProxy
 
 
-class LatencyProxy:
+class LatencyProxy(LoopbackProxy):
     """Forward ``127.0.0.1:<port>`` to ``target`` with ``delay`` seconds each way."""
 
     def __init__(self, target: tuple[str, int], *, delay: float) -> None:
-        self.target = target
+        super().__init__(target, name="latency-proxy")
         self.delay = delay
         self.round_trips = 0
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._sockets: set[socket.socket] = set()
-        self._thread = threading.Thread(target=self._accept, name="latency-proxy", daemon=True)
-
-    def __enter__(self) -> LatencyProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        with suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            live = list(self._sockets)
-        for sock in live:
-            with suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(30)
 
     def reset(self) -> int:
         """The round trips counted so far; the count starts again at 0."""
@@ -67,26 +43,10 @@ class LatencyProxy:
             count, self.round_trips = self.round_trips, 0
         return count
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            try:
-                server = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            for sock in (client, server):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._sockets.update((client, server))
-            link = _Link(self, client, server)
-            for source, sink, upstream in ((client, server, True), (server, client, False)):
-                threading.Thread(
-                    target=link.pump, args=(source, sink, upstream), daemon=True
-                ).start()
+    def _link(self, client: socket.socket, server: socket.socket) -> None:
+        link = _Link(self, client, server)
+        for source, sink, upstream in ((client, server, True), (server, client, False)):
+            threading.Thread(target=link.pump, args=(source, sink, upstream), daemon=True).start()
 
 
 class _Link:
@@ -120,8 +80,7 @@ class _Link:
             self.open_directions -= 1
             done = self.open_directions == 0
         if done:
-            with proxy._lock:
-                proxy._sockets.difference_update((self.client, self.server))
+            proxy._forget(self.client, self.server)
             self.client.close()
             self.server.close()
 
