@@ -27,6 +27,7 @@ from an older file); ``--quick`` shrinks every section to a smoke run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import itertools
@@ -921,7 +922,8 @@ def render(
         "",
         f"Full run: `{FULL_RUN}` ({FULL_RUN_MINUTES} on the 2-core machine below when nothing "
         "else runs; `--scale` adds the large sizes: a 1 GB backup, 300k-session adoption, 1M "
-        "messages on PostgreSQL, and takes much longer). Smoke run: `python -m bench.run "
+        "messages on PostgreSQL, a 2 GB file pruned and optimized 3 times, and takes much "
+        "longer; `--scale scale` only the 2 GB file). Smoke run: `python -m bench.run "
         "--quick` (under 2 minutes without `--pg` on a quiet machine, 1 round: it proves the "
         "command works, its figures prove nothing). A/B of two "
         "checkouts of hermes_store in the same interleaved rounds: `python -m bench.run "
@@ -1040,7 +1042,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown report ('-' for none)"
     )
     parser.add_argument("--quick", action="store_true", help="every section small (a smoke run)")
-    parser.add_argument("--scale", action="store_true", help="the companions' large sizes")
+    parser.add_argument(
+        "--scale",
+        nargs="?",
+        const=",".join(COMPANIONS),
+        default="",
+        metavar="SECTIONS",
+        help="the companions' large sizes (all, or a comma list: `--scale scale`)",
+    )
+    parser.add_argument(
+        "--scale-cache",
+        metavar="DIR",
+        help="scale: where bench/scale.py keeps its built files (reuse a 2 GB build)",
+    )
     parser.add_argument("--sections", default="", help=f"comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--skip", default="", help="comma list of sections not to run")
     parser.add_argument("--no-load", action="store_true", help="skip the alone and load sections")
@@ -1065,6 +1079,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     q = args.quick
     chosen = _chosen(parser, args)
+    large = {n.strip() for n in args.scale.split(",") if n.strip()}
+    if large - set(COMPANIONS):
+        parser.error(f"--scale takes companions: {', '.join(COMPANIONS)}")
     sizes = [s.strip().lower() for s in (args.sizes or ("1k,10k" if q else "10k,100k")).split(",")]
     for size in sizes:
         if size not in SIZES:
@@ -1231,7 +1248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in COMPANIONS:
         if key not in chosen:
             continue
-        job = companion(key, quick=q, scale=args.scale, pg=pg, search_db=largest)
+        job = companion(key, quick=q, scale=key in large, pg=pg, search_db=largest)
+        if key == "scale" and args.scale_cache and not isinstance(job, str):
+            job = dataclasses.replace(job, argv=(*job.argv, "--cache", args.scale_cache))
         if isinstance(job, str):
             skipped[key] = job
             print(f"[{key}] not run: {job}", flush=True)

@@ -256,12 +256,12 @@ class SessionDB:
                 "file, e.g. SessionDB(tmp_path / 'state.db')"
             )
         try:
-            if migrate is not None:
-                if migrate != "never" and engine.dialect.name != "sqlite":
+            if migrate is not None:  # a server: SQLite files are brought to head before this
+                if migrate != "never":
                     # During a restart or failover: wait for a server as calls do.
                     wait_for_server(engine, options.retry)
                 _bring_to_head(engine, migrate, options.retry)
-                if owns and engine.dialect.name != "sqlite":
+                if owns:
                     engine.pool.dispose()  # no server slot held for the open-time check
             uow = UnitOfWork(engine, retry=options.retry, checkpoint_every=options.checkpoint_every)
         except BaseException:
