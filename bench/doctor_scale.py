@@ -70,6 +70,13 @@ def main() -> None:
     try:
         copy = folder / "copy.db"
         shutil.copyfile(source, copy)  # the doctor writes nothing; the writers add a session each
+        # On disk before the first round: a writer's fsync would otherwise wait behind the
+        # write-back of the copy's 2 GB of dirty pages, and that wait be counted as the doctor's.
+        descriptor = os.open(copy, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         for number in range(args.runs):
             shift = number % len(contenders)
             for contender in contenders[shift:] + contenders[:shift]:
@@ -89,7 +96,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder)
     print(
-        f"\n`hermes-store doctor` on a copy of a {source.stat().st_size / 2**30:.2f} GiB file "
+        f"\n`hermes-store doctor` on a copy of a {source.stat().st_size / 2**20:,.0f} MiB file "
         f"({args.sessions:,} sessions, {args.messages:,} messages), one writer process appending "
         "every 50 ms beside it; rounds interleaved:\n"
     )
