@@ -1,6 +1,6 @@
 """A fresh process, from its start to its first answer: hermes_store against the original store.
 
-    .venv/bin/python -m bench.cold_start [--rounds 7] [--sessions 500] [--before DIR]
+    .venv/bin/python -m bench.cold_start [--rounds 7] [--sessions 500] [--before DIR] [--db PATH]
 
 An agent starts a process per command, so what it pays first is the interpreter, the imports
 and the open: here each sample is one new process that opens a ``state.db`` at head and asks
@@ -16,6 +16,8 @@ and one SELECT by primary key: the least a SQLAlchemy store can pay), the origin
 (``tests/support/seed_store.py``: stdlib ``sqlite3``) and hermes_store; for the CLI,
 ``hermes-store sessions list`` against the original store's listing printed as lines.
 ``--before DIR`` adds another checkout's hermes_store (its ``PYTHONPATH``) in the same rounds.
+``--db PATH`` measures on an existing file at head (e.g. :mod:`bench.scale`'s 2 GB one) instead
+of a fresh small one: a copy of it, so the original store's open (which writes) never touches it.
 The verdict compares hermes_store's open + first read with the SQLAlchemy floor: the target is
 at most 0.15 s more, with no Alembic module loaded.
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -171,6 +175,19 @@ def build(db: Path, sessions: int) -> str:
     return f"session-{sessions // 2:05d}"
 
 
+def middle_session(db: Path) -> str:
+    """The id of the session in the middle of the file's listing order."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        count = conn.execute("SELECT count(*) FROM sessions").fetchone()[0]
+        row = conn.execute(
+            "SELECT id FROM sessions ORDER BY started_at LIMIT 1 OFFSET ?", (count // 2,)
+        ).fetchone()
+    finally:
+        conn.close()
+    return str(row[0])
+
+
 def spread(values: list[float], scale: float = 1.0, unit: str = "") -> str:
     low, mid, high = min(values) * scale, statistics.median(values) * scale, max(values) * scale
     return f"{mid:.0f}{unit} [{low:.0f}..{high:.0f}]"
@@ -183,11 +200,17 @@ def main() -> None:
     parser.add_argument(
         "--before", type=Path, help="another checkout of hermes_store, measured in the same rounds"
     )
+    parser.add_argument("--db", type=Path, help="an existing state.db at head (copied first)")
     args = parser.parse_args()
     rounds = max(3, args.rounds)
-    with tempfile.TemporaryDirectory(prefix="cold-start-") as folder:
+    where = args.db.resolve().parent if args.db is not None else None
+    with tempfile.TemporaryDirectory(prefix="cold-start-", dir=where) as folder:
         db = Path(folder) / "state.db"
-        session_id = build(db, args.sessions)
+        if args.db is not None:
+            shutil.copyfile(args.db, db)
+            session_id = middle_session(db)
+        else:
+            session_id = build(db, args.sessions)
         # Bytecode cached as an installed package has it (the warm-up writes it), in a folder
         # of its own so no checkout gets a __pycache__.
         env = {
@@ -219,9 +242,14 @@ def main() -> None:
                 sample.rss_mb.append(rss)
                 sample.imports.append(seconds)
         _, loaded = import_seconds(*contenders["hermes_store: open + get_session"])
+    what = (
+        f"a copy of {args.db} ({args.db.stat().st_size / 2**20:,.0f} MiB)"
+        if args.db is not None
+        else f"{args.sessions} sessions of 10 messages"
+    )
     print(
-        f"Fresh processes, {rounds} interleaved rounds, median [min..max]; "
-        f"{args.sessions} sessions of 10 messages, at head.\n"
+        f"Fresh processes, {rounds} interleaved rounds, median [min..max]; {what}, at head; "
+        f"load average {os.getloadavg()[0]:.1f}.\n"
     )
     print("| process | wall ms | CPU ms | imports ms (-X importtime) | max RSS MB |")
     print("| --- | --- | --- | --- | --- |")

@@ -588,6 +588,7 @@ COMPANIONS = (
     "async_lag",
     "ops",
     "scale",
+    "doctor_scale",
     "adoption",
 )
 SECTIONS = ("alone", "load", "calls", "pg", *COMPANIONS)
@@ -725,6 +726,27 @@ def companion(
             "worst wait and p99, the file's size at start, most and end against a fresh import "
             "of what remains. `--scale`: 2 GB, 3 runs (10 GB by hand: `--size-mb 10240 "
             "--sessions 100000 --messages 5100000`).",
+            argv=(
+                "--size-mb",
+                mb,
+                "--sessions",
+                sessions,
+                "--messages",
+                str(int(sessions) * 51),
+                "--runs",
+                runs,
+            ),
+        )
+    if key == "doctor_scale":
+        sizes = (("32", "300", "1"), ("256", "2500", "3"), ("2048", "20000", "3"))
+        mb, sessions, runs = sizes[size]
+        return Companion(
+            key,
+            "doctor on a large file beside a writer",
+            f"`bench/doctor_scale.py`: `hermes-store doctor` (bounded: reads only) and "
+            f"`doctor --full` (every entry, on a snapshot copy) on a copy of `bench/scale.py`'s "
+            f"{mb} MB file, each in its own process beside one writer process appending every "
+            "50 ms: the doctor's time, the writer's errors, worst wait and p99. `--scale`: 2 GB.",
             argv=(
                 "--size-mb",
                 mb,

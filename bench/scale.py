@@ -170,7 +170,8 @@ def cli(*argv: str, pythonpath: Path = ROOT) -> subprocess.CompletedProcess[str]
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     env.pop("HERMES_STORE_URL", None)
     return subprocess.run(
-        [sys.executable, "-m", "hermes_store", *argv],
+        # -P: the current folder is not put first on the path (a checkout there would win)
+        [sys.executable, "-P", "-m", "hermes_store", *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -265,8 +266,11 @@ class Step:
     output: str = ""
 
 
-def beside_writer(path: Path, name: str, argv: list[str], every: float = 0.05) -> Step:
-    """``hermes-store ARGV`` on ``path`` while one writer process appends every ``every`` s."""
+def beside_writer(
+    path: Path, name: str, argv: list[str], every: float = 0.05, pythonpath: Path = ROOT
+) -> Step:
+    """``hermes-store ARGV`` on ``path`` (the hermes_store of ``pythonpath``) while one writer
+    process appends every ``every`` s."""
     ctx = mp.get_context("spawn")  # a clean interpreter, as a second program would be
     ready, stop, out = ctx.Queue(), ctx.Event(), ctx.Queue()
     tag = f"scale-writer-{name}-{os.getpid()}-{time.monotonic_ns()}"
@@ -285,7 +289,7 @@ def beside_writer(path: Path, name: str, argv: list[str], every: float = 0.05) -
     watcher.start()
     time.sleep(0.5)  # the writer's rhythm settled before the step
     began = time.monotonic()
-    done = cli("--db", str(path), *argv)
+    done = cli("--db", str(path), *argv, pythonpath=pythonpath)
     ended = time.monotonic()
     time.sleep(0.5)
     stop.set()

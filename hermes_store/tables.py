@@ -12,6 +12,8 @@ applications and notebooks.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     DOUBLE_PRECISION,
     REAL,
@@ -25,6 +27,7 @@ from sqlalchemy import (
     Table,
     Text,
     text,
+    util,
 )
 
 NAMING_CONVENTION = {
@@ -43,6 +46,28 @@ MessageId: Integer = Integer().with_variant(BigInteger(), "postgresql")
 Counter: Integer = Integer().with_variant(BigInteger(), "postgresql")
 
 ZERO = text("0")
+
+
+class _PartialIndex(Index):
+    """A partial index, ``WHERE`` on both backends, whose PostgreSQL option is attached when
+    PostgreSQL's options are first read (a server's DDL, Alembic comparing a server): named
+    outright (``postgresql_where=``), it makes SQLAlchemy import the PostgreSQL dialect to
+    validate it, 16-29 ms of every SQLite process's start."""
+
+    def __init__(self, name: str, *columns: str, where: str, **kw: Any) -> None:
+        self._where = where
+        super().__init__(name, *columns, sqlite_where=text(where), **kw)
+
+    @util.memoized_property
+    def dialect_options(self) -> util.PopulateDict[str, Any]:
+        def options(dialect_name: str) -> Any:
+            found = self._kw_reg_for_dialect_cls(dialect_name)
+            if dialect_name == "postgresql":
+                found["where"] = text(self._where)
+            return found
+
+        return util.PopulateDict(options)
+
 
 #: The one metadata: Alembic's autogenerate target (the ORM models share it).
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
@@ -88,13 +113,7 @@ sessions_table = Table(
     Column("title", Text),
     Index("idx_sessions_source", "source"),
     Index("idx_sessions_parent", "parent_session_id"),
-    Index(
-        "idx_sessions_title_unique",
-        "title",
-        unique=True,
-        sqlite_where=text("title IS NOT NULL"),
-        postgresql_where=text("title IS NOT NULL"),
-    ),
+    _PartialIndex("idx_sessions_title_unique", "title", unique=True, where="title IS NOT NULL"),
 )
 Index("idx_sessions_started", sessions_table.c.started_at.desc())
 

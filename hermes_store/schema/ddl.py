@@ -337,7 +337,7 @@ SQLITE_CJK_DROP = (
 SQLITE_CJK_REBUILD = (
     f"INSERT INTO {CJK_TABLE}({CJK_TABLE}) VALUES ('delete-all')",
     f"INSERT INTO {CJK_TABLE}(rowid, content) SELECT id, content FROM messages"
-    f" WHERE content GLOB '{CJK_GLOB}'",
+    f" WHERE {cjk_matches('content')}",
 )
 #: The ids the index holds: FTS5 keeps one row per indexed document in its ``_docsize`` table.
 CJK_DOCSIZE = f"{CJK_TABLE}_docsize"

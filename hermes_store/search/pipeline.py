@@ -9,9 +9,10 @@ ILIKE), and the substring search (:mod:`.substring`) where the full text cannot 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy.engine import Connection
 
@@ -22,7 +23,6 @@ from hermes_store.search.fts5 import Fts5
 from hermes_store.search.hits import SORTS, Filters, Hit, Page, listed
 from hermes_store.search.query import Query, contains_cjk, parse
 from hermes_store.search.substring import PostgresSubstring, SqliteSubstring, Substring
-from hermes_store.search.tsvector import Tsvector
 
 _INT64_MAX = 2**63 - 1
 # Text FTS5's tokenizer reads as the user does: ASCII letters and digits, spaces, quotes, stars.
@@ -140,12 +140,26 @@ _POSTGRES_SUBSTRING = PostgresSubstring()
 #: The searchers, built once per process: their statements are built once, and the hot ones run
 #: compiled once per statement object (:mod:`hermes_store.engine.fastpath`).
 SQLITE = SqliteSearcher(Fts5(), CjkTrigram(_SQLITE_SUBSTRING), _SQLITE_SUBSTRING, fulltext.SQLITE)
-POSTGRESQL = Searcher(Tsvector(), _POSTGRES_SUBSTRING, _POSTGRES_SUBSTRING, fulltext.POSTGRESQL)
+
+
+@functools.cache
+def _postgresql() -> Searcher:
+    """PostgreSQL's searcher, built on first use: its statements import PostgreSQL's dialect
+    (16-29 ms), which a SQLite process never needs."""
+    from hermes_store.search.tsvector import Tsvector
+
+    return Searcher(Tsvector(), _POSTGRES_SUBSTRING, _POSTGRES_SUBSTRING, fulltext.POSTGRESQL)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "POSTGRESQL":
+        return _postgresql()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def for_dialect(name: str) -> Searcher:
     """The searcher of a dialect (``engine.dialect.name``): SQLite's, else PostgreSQL's."""
-    return SQLITE if name == "sqlite" else POSTGRESQL
+    return SQLITE if name == "sqlite" else _postgresql()
 
 
 # -- index maintenance on a bare connection -------------------------------------------------

@@ -496,6 +496,8 @@ SQL_INTERPOLATION_ALLOWED = {
     ("ops/maintenance.py", "table"): "an FTS table name: one of FTS_TABLES (ddl constants)",
     ("schema/ddl.py", "name"): "loop over the constant FTS_TRIGGERS",
     ("schema/ddl.py", "cjk_matches('?2')"): "the CJK condition over a literal placeholder",
+    ("schema/ddl.py", "cjk_matches('content')"): "the CJK condition over a column (rebuild)",
+    ("schema/fulltext.py", "matches"): "ddl.cjk_matches('content'): the CJK condition, a column",
     ("schema/fulltext.py", "ddl.FTS_TRIGGERS[0]"): "a trigger name: a ddl constant",
     ("schema/fulltext.py", "ddl.CJK_TRIGGERS[0]"): "a trigger name: a ddl constant",
     ("schema/fulltext.py", "ddl.cjk_matches('m.content')"): "the CJK condition over a column",
