@@ -1075,7 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--scale-cache",
         metavar="DIR",
-        help="scale: where bench/scale.py keeps its built files (reuse a 2 GB build)",
+        help="scale, doctor_scale: where their built files are kept (reuse a 2 GB build)",
     )
     parser.add_argument("--sections", default="", help=f"comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--skip", default="", help="comma list of sections not to run")
@@ -1271,7 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if key not in chosen:
             continue
         job = companion(key, quick=q, scale=key in large, pg=pg, search_db=largest)
-        if key == "scale" and args.scale_cache and not isinstance(job, str):
+        if key in ("scale", "doctor_scale") and args.scale_cache and not isinstance(job, str):
             job = dataclasses.replace(job, argv=(*job.argv, "--cache", args.scale_cache))
         if isinstance(job, str):
             skipped[key] = job
