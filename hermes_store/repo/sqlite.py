@@ -21,6 +21,8 @@ from hermes_store.engine import fastpath
 from hermes_store.repo.statements import (
     BUMP_COUNTERS,
     COUNTERS,
+    INT64_MAX,
+    INT64_MIN,
     KEY_LOOKUP,
     TOKEN_TEXTS,
     Statements,
@@ -29,7 +31,6 @@ from hermes_store.repo.statements import (
     counter_overflow,
     known_message,
     missing_session,
-    token_guards,
     token_statement,
 )
 from hermes_store.tables import messages_table as M
@@ -103,6 +104,33 @@ def _token_plan(signs: tuple[int, ...] | None) -> _TokenPlan:
     return plan
 
 
+def _increment(
+    session_id: str,
+    counts: tuple[int, ...],
+    costs: tuple[float | None, float | None],
+    texts: tuple[str | None, ...],
+) -> tuple[_TokenPlan, tuple[Any, ...]]:
+    """The plan of an incremental token update and its positional values: the signs and
+    64-bit bounds of :func:`~hermes_store.repo.statements.token_guards`, worked out without a
+    loop or a call (every agent turn makes this call). A bound is computed for every counter
+    and picked only for the nonzero ones."""
+    a, b, c, d, e = counts
+    signs = ((a > 0) - (a < 0), (b > 0) - (b < 0), (c > 0) - (c < 0), (d > 0) - (d < 0),
+             (e > 0) - (e < 0))  # fmt: skip
+    plan = _token_plans.get(signs) or _token_plan(signs)
+    values = plan.pick(
+        (
+            session_id, a, b, c, d, e, *costs, *texts,
+            INT64_MAX - a if a >= 0 else INT64_MIN - a,
+            INT64_MAX - b if b >= 0 else INT64_MIN - b,
+            INT64_MAX - c if c >= 0 else INT64_MIN - c,
+            INT64_MAX - d if d >= 0 else INT64_MIN - d,
+            INT64_MAX - e if e >= 0 else INT64_MIN - e,
+        )
+    )  # fmt: skip
+    return plan, values
+
+
 @functools.cache
 def _picker(name: str) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
     """Parameters by name (a dict) as the positional values of :func:`driver_sql`'s statement
@@ -166,12 +194,10 @@ class SqliteStatements(Statements):
     ) -> None:
         if absolute:
             plan = _token_plan(None)
-            bounds: tuple[int | None, ...] = (None,) * len(counts)
+            values = plan.pick((session_id, *counts, *costs, *texts, *(None,) * len(counts)))
         else:
-            signs, bounds = token_guards(counts)
-            plan = _token_plan(signs)
+            plan, values = _increment(session_id, counts, costs, texts)
         sql, guarded = plan.sql, plan.guarded
-        values = plan.pick((session_id, *counts, *costs, *texts, *bounds))
         if key is None or absolute:
 
             def unit(conn: Connection) -> None:
