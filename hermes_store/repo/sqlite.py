@@ -1,7 +1,8 @@
 """SQLite's writes: the hot ones as statements compiled once per process, run on the unit's own
-DB-API cursor (``uow.run(..., driver_only=True)``: the unit is begun and committed on the
-driver too, and joins the file's group commit), so a write pays for its SQL, not for
-SQLAlchemy's per-execution work. The statements are the Core ones of
+DB-API connection (``uow.run(..., driver_only=True)``; the hottest, ``uow.run_on_driver(...)``,
+are handed the DB-API connection itself: the unit is begun and committed on the driver too,
+and joins the file's group commit), so a write pays for its SQL, not for SQLAlchemy's
+per-execution work. The statements are the Core ones of
 :mod:`hermes_store.repo.statements`, compiled for SQLite: one source of truth."""
 
 from __future__ import annotations
@@ -200,16 +201,15 @@ class SqliteStatements(Statements):
         sql, guarded = plan.sql, plan.guarded
         if key is None or absolute:
 
-            def unit(conn: Connection) -> None:
-                driver = conn.connection.driver_connection
+            def unit(driver: Any) -> None:
                 try:
-                    if driver.execute(sql, values).rowcount == 0 and guarded:  # type: ignore[union-attr]
+                    if driver.execute(sql, values).rowcount == 0 and guarded:
                         # No row changed: an unknown session (a no-op), or a bound held it back.
                         _refuse_overflow(driver, session_id)
-                except fastpath.driver_errors(conn) as error:
-                    raise fastpath.driver_error(conn, sql, error) from error
+                except uow.dbapi_error as error:
+                    raise uow.driver_error(sql, error) from error
 
-            uow.run(unit, driver_only=True)
+            uow.run_on_driver(unit)
             return
         lookup_sql, lookup = _bound("key_lookup", {"key": key.key})
         record_sql, record = _bound("key_insert", key.row(None))
@@ -247,20 +247,21 @@ class SqliteStatements(Statements):
         row = pick_row(values)
         if key is None:
 
-            def unit(conn: Connection) -> int:
-                # One driver lookup and no cursor object of our own: the two statements are
-                # the whole unit, and what a lone write pays beyond the SQL is what matters.
-                driver = conn.connection.driver_connection
+            def unit(driver: Any) -> int:
+                # Given the driver connection and no cursor object of our own: the two
+                # statements are the whole unit, and what a lone write pays beyond the SQL is
+                # what matters.
                 sql = bump_sql
                 try:
-                    if driver.execute(sql, bump).rowcount != 1:  # type: ignore[union-attr]
+                    if driver.execute(sql, bump).rowcount != 1:
                         raise missing_session(session_id)
                     sql = insert_sql
-                    return int(driver.execute(sql, row).lastrowid)  # type: ignore[union-attr]
-                except fastpath.driver_errors(conn) as error:
-                    raise fastpath.driver_error(conn, sql, error) from error
+                    message_id: int = driver.execute(sql, row).lastrowid
+                    return message_id
+                except uow.dbapi_error as error:
+                    raise uow.driver_error(sql, error) from error
 
-            return uow.run(unit, driver_only=True)
+            return uow.run_on_driver(unit)
         lookup = _bound("key_lookup", {"key": key.key})
         record_sql, record_keys = driver_sql("key_insert")
 

@@ -50,7 +50,6 @@ from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Connection
 
 from hermes_store.engine.factory import begin_on_driver
 from hermes_store.errors import is_retryable, mapped_errors, wrap_driver_error
@@ -104,9 +103,11 @@ class Uncontended:
         self._dbapi_error = writer.dbapi_error
         self._dialect = writer.engine.dialect
 
-    def run(self, fn: Callable[[Connection], T]) -> T | Missed:
+    def run(self, fn: Callable[[Any], T], on_driver: bool = False) -> T | Missed:
         """``fn(writer_connection)`` committed as its own transaction, or :data:`MISSED` when
-        someone else writes or waits to. ``fn`` uses only the connection's DB-API cursor."""
+        someone else writes or waits to. ``fn`` uses only the connection's DB-API cursor;
+        ``on_driver``: ``fn`` is given the DB-API connection itself (no Connection to look it
+        up from: the hottest units)."""
         writer = self._writer
         group = self._group
         lock = writer.lock
@@ -145,7 +146,7 @@ class Uncontended:
                 with mapped_errors():
                     raise error from orig
             try:
-                result = fn(conn)
+                result = fn(driver) if on_driver else fn(conn)
                 driver.commit()
             except BaseException as error:
                 self._counters.record_rollback()

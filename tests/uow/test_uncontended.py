@@ -244,23 +244,30 @@ def test_another_thread_writing_sends_the_write_to_its_group(db: SessionDB) -> N
     assert _contents(db) == ["in the block", "after the block"]
 
 
-def test_a_lock_met_after_the_begin_runs_the_write_again_in_the_line(db: SessionDB) -> None:
+@pytest.mark.parametrize("given", ["connection", "driver"])
+def test_a_lock_met_after_the_begin_runs_the_write_again_in_the_line(
+    db: SessionDB, given: str
+) -> None:
     """A unit that meets SQLITE_BUSY midway on the straight path (which waits for nothing) is
-    rolled back whole and runs again, once, in the line."""
+    rolled back whole and runs again, once, in the line: a unit given the Connection
+    (``run(fn, driver_only=True)``) or the DB-API connection itself (``run_on_driver``)."""
     runs: list[int] = []
     busy = sqlite3.OperationalError("database is locked")
     busy.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
 
-    def unit(conn: Any) -> int:
+    def on_driver(driver: Any) -> int:
         runs.append(1)
-        cursor = conn.connection.driver_connection.cursor()
-        cursor.execute("UPDATE sessions SET title = 'once' WHERE id = 's'")
+        driver.execute("UPDATE sessions SET title = 'once' WHERE id = 's'")
         if len(runs) == 1:
             raise busy
         return len(runs)
 
     before = db.stats()
-    assert db.uow.run(unit, driver_only=True) == 2
+    if given == "driver":
+        assert db.uow.run_on_driver(on_driver) == 2
+    else:
+        assert db.uow.run(lambda conn: on_driver(conn.connection.driver_connection),
+                          driver_only=True) == 2  # fmt: skip
     after = db.stats()
     assert after.rollbacks == before.rollbacks + 1
     assert after.uncontended_writes == before.uncontended_writes
