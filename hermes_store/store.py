@@ -559,20 +559,24 @@ class SessionDB:
         ``idempotency_key``: an increment sent again with the same key (after a
         :class:`~hermes_store.errors.WriteOutcomeUnknownError`) adds once in all; an absolute
         set is idempotent already and records no key."""
-        validate.text("session_id", session_id)
-        validate.idempotency_key(idempotency_key)
+        # The usual call (a str id, no key, plain ints, no texts) costs no validating call.
+        if type(session_id) is not str:
+            validate.text("session_id", session_id)
+        if idempotency_key is not None:
+            validate.idempotency_key(idempotency_key)
         counts = (input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
                   reasoning_tokens)  # fmt: skip
         validate.token_counts(statements.COUNTERS, counts, estimated_cost_usd, actual_cost_usd)
-        validate.flag("absolute", absolute)
+        if absolute is not False and absolute is not True:
+            validate.flag("absolute", absolute)
         # In statements.TOKEN_TEXTS' order: overwritten when given, then filled once.
         texts = (cost_status, cost_source, pricing_version,
                  billing_provider, billing_base_url, billing_mode, model)  # fmt: skip
-        for given in texts:
-            if given is not None:  # the usual call gives none of them: nothing to check
-                for name, text_value in zip(statements.TOKEN_TEXTS, texts, strict=True):
-                    self._text(name, text_value)
-                break
+        if not (cost_status is None and cost_source is None and pricing_version is None
+                and billing_provider is None and billing_base_url is None
+                and billing_mode is None and model is None):  # fmt: skip
+            for name, text_value in zip(statements.TOKEN_TEXTS, texts, strict=True):
+                self._text(name, text_value)
         key = None
         if idempotency_key is not None and not absolute:
             key = statements.WriteKey(idempotency_key, session_id, self.clock())
@@ -609,7 +613,8 @@ class SessionDB:
         ``idempotency_key``: a call sent again with the same key (after a
         :class:`~hermes_store.errors.WriteOutcomeUnknownError`) lands once and returns the
         first call's message id; the key is recorded in the append's own transaction."""
-        validate.idempotency_key(idempotency_key)
+        if idempotency_key is not None:
+            validate.idempotency_key(idempotency_key)
         values = self._message_values(
             session_id,
             role,
@@ -626,9 +631,8 @@ class SessionDB:
         key = None
         if idempotency_key is not None:
             key = statements.WriteKey(idempotency_key, session_id, values["timestamp"])
-        return self._statements.append_message(
-            self.uow, values, _tool_call_increment(role, tool_calls), key
-        )
+        calls = 0 if tool_calls is None else _tool_call_increment(role, tool_calls)
+        return self._statements.append_message(self.uow, values, calls, key)
 
     def append_messages(self, session_id: str, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Append many messages in one transaction (imports); all or nothing. Returns the ids.
@@ -671,18 +675,30 @@ class SessionDB:
         if token_count is not None or timestamp is not None:
             validate.message_numbers(token_count, timestamp)
         nul_ok = self._nul_ok
-        _check_text("session_id", session_id, required=True, nul_ok=nul_ok)
-        _check_text("role", role, required=True, nul_ok=nul_ok)
-        if content is not None:
-            _check_text("content", content, nul_ok=nul_ok)
-        for name, value in (
-            ("tool_name", tool_name),
-            ("tool_call_id", tool_call_id),
-            ("finish_reason", finish_reason),
-            ("reasoning", reasoning),
+        # The usual call: plain ASCII strings (isascii() is O(1) in CPython) on a backend that
+        # holds NUL, which _check_text would pass unchanged: settled here without a call.
+        if not (
+            nul_ok
+            and type(session_id) is str
+            and session_id.isascii()
+            and type(role) is str
+            and role.isascii()
+            and (content is None or (type(content) is str and content.isascii()))
         ):
-            if value is not None:
-                _check_text(name, value, nul_ok=nul_ok)
+            _check_text("session_id", session_id, required=True, nul_ok=nul_ok)
+            _check_text("role", role, required=True, nul_ok=nul_ok)
+            if content is not None:
+                _check_text("content", content, nul_ok=nul_ok)
+        if not (tool_name is None and tool_call_id is None and finish_reason is None
+                and reasoning is None):  # fmt: skip
+            for name, value in (
+                ("tool_name", tool_name),
+                ("tool_call_id", tool_call_id),
+                ("finish_reason", finish_reason),
+                ("reasoning", reasoning),
+            ):
+                if value is not None:
+                    _check_text(name, value, nul_ok=nul_ok)
         # JSON text when truthy, NULL when falsy (the original store's rule).
         calls_json = _to_json("tool_calls", tool_calls) if tool_calls else None
         details_json = (
@@ -693,13 +709,14 @@ class SessionDB:
             if codex_reasoning_items
             else None
         )
-        for name, value in (
-            ("tool_calls", calls_json),
-            ("reasoning_details", details_json),
-            ("codex_reasoning_items", codex_json),
-        ):
-            if value is not None:
-                _check_text(name, value, nul_ok=nul_ok)
+        if not (calls_json is None and details_json is None and codex_json is None):
+            for name, value in (
+                ("tool_calls", calls_json),
+                ("reasoning_details", details_json),
+                ("codex_reasoning_items", codex_json),
+            ):
+                if value is not None:
+                    _check_text(name, value, nul_ok=nul_ok)
         row = {
             "session_id": session_id,
             "role": role,
@@ -717,10 +734,13 @@ class SessionDB:
         limit = self.max_message_bytes
         if limit is not None:  # counted from the arguments: no lookups in the row
             chars = 0 if content is None else len(content)
-            for value in (tool_name, tool_call_id, finish_reason, reasoning, calls_json,
-                          details_json, codex_json):  # fmt: skip
-                if value is not None:
-                    chars += len(value)
+            if not (tool_name is None and tool_call_id is None and finish_reason is None
+                    and reasoning is None and calls_json is None and details_json is None
+                    and codex_json is None):  # fmt: skip
+                for value in (tool_name, tool_call_id, finish_reason, reasoning, calls_json,
+                              details_json, codex_json):  # fmt: skip
+                    if value is not None:
+                        chars += len(value)
             if chars * 4 > limit:  # a UTF-8 character is at most 4 bytes: perhaps too big
                 validate.message_size(row, limit)
         return row

@@ -936,9 +936,15 @@ def begin_on_driver(
     if dbapi_connection.in_transaction:
         log.warning("a unit interrupted after its BEGIN left a transaction open: rolled back")
         dbapi_connection.rollback()
-    prepare_driver(
-        dbapi_connection, info, settings, write=write, query_only=query_only, busy_ms=busy_ms
-    )
+    wanted = busy_ms if busy_ms is not None else settings.writer_ms if write else settings.reader_ms
+    if (
+        info.get(SETTINGS_KEY) is not settings
+        or info["busy_ms"] != wanted
+        or info.get("query_only", False) != query_only
+    ):  # the connection is not ready for this unit yet (a back-to-back writer's always is)
+        prepare_driver(
+            dbapi_connection, info, settings, write=write, query_only=query_only, busy_ms=busy_ms
+        )
     # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
     # readers take a deferred BEGIN and never queue behind a writer.
     dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -1,7 +1,8 @@
 """SQLite's writes: the hot ones as statements compiled once per process, run on the unit's own
-DB-API cursor (``uow.run(..., driver_only=True)``: the unit is begun and committed on the
-driver too, and joins the file's group commit), so a write pays for its SQL, not for
-SQLAlchemy's per-execution work. The statements are the Core ones of
+DB-API connection (``uow.run(..., driver_only=True)``; the hottest, ``uow.run_on_driver(...)``,
+are handed the DB-API connection itself: the unit is begun and committed on the driver too,
+and joins the file's group commit), so a write pays for its SQL, not for SQLAlchemy's
+per-execution work. The statements are the Core ones of
 :mod:`hermes_store.repo.statements`, compiled for SQLite: one source of truth."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from hermes_store.engine import fastpath
 from hermes_store.repo.statements import (
     BUMP_COUNTERS,
     COUNTERS,
+    INT64_MAX,
+    INT64_MIN,
     KEY_LOOKUP,
     TOKEN_TEXTS,
     Statements,
@@ -29,7 +32,6 @@ from hermes_store.repo.statements import (
     counter_overflow,
     known_message,
     missing_session,
-    token_guards,
     token_statement,
 )
 from hermes_store.tables import messages_table as M
@@ -103,6 +105,33 @@ def _token_plan(signs: tuple[int, ...] | None) -> _TokenPlan:
     return plan
 
 
+def _increment(
+    session_id: str,
+    counts: tuple[int, ...],
+    costs: tuple[float | None, float | None],
+    texts: tuple[str | None, ...],
+) -> tuple[_TokenPlan, tuple[Any, ...]]:
+    """The plan of an incremental token update and its positional values: the signs and
+    64-bit bounds of :func:`~hermes_store.repo.statements.token_guards`, worked out without a
+    loop or a call (every agent turn makes this call). A bound is computed for every counter
+    and picked only for the nonzero ones."""
+    a, b, c, d, e = counts
+    signs = ((a > 0) - (a < 0), (b > 0) - (b < 0), (c > 0) - (c < 0), (d > 0) - (d < 0),
+             (e > 0) - (e < 0))  # fmt: skip
+    plan = _token_plans.get(signs) or _token_plan(signs)
+    values = plan.pick(
+        (
+            session_id, a, b, c, d, e, *costs, *texts,
+            INT64_MAX - a if a >= 0 else INT64_MIN - a,
+            INT64_MAX - b if b >= 0 else INT64_MIN - b,
+            INT64_MAX - c if c >= 0 else INT64_MIN - c,
+            INT64_MAX - d if d >= 0 else INT64_MIN - d,
+            INT64_MAX - e if e >= 0 else INT64_MIN - e,
+        )
+    )  # fmt: skip
+    return plan, values
+
+
 @functools.cache
 def _picker(name: str) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
     """Parameters by name (a dict) as the positional values of :func:`driver_sql`'s statement
@@ -166,24 +195,21 @@ class SqliteStatements(Statements):
     ) -> None:
         if absolute:
             plan = _token_plan(None)
-            bounds: tuple[int | None, ...] = (None,) * len(counts)
+            values = plan.pick((session_id, *counts, *costs, *texts, *(None,) * len(counts)))
         else:
-            signs, bounds = token_guards(counts)
-            plan = _token_plan(signs)
+            plan, values = _increment(session_id, counts, costs, texts)
         sql, guarded = plan.sql, plan.guarded
-        values = plan.pick((session_id, *counts, *costs, *texts, *bounds))
         if key is None or absolute:
 
-            def unit(conn: Connection) -> None:
-                driver = conn.connection.driver_connection
+            def unit(driver: Any) -> None:
                 try:
-                    if driver.execute(sql, values).rowcount == 0 and guarded:  # type: ignore[union-attr]
+                    if driver.execute(sql, values).rowcount == 0 and guarded:
                         # No row changed: an unknown session (a no-op), or a bound held it back.
                         _refuse_overflow(driver, session_id)
-                except fastpath.driver_errors(conn) as error:
-                    raise fastpath.driver_error(conn, sql, error) from error
+                except uow.dbapi_error as error:
+                    raise uow.driver_error(sql, error) from error
 
-            uow.run(unit, driver_only=True)
+            uow.run_on_driver(unit)
             return
         lookup_sql, lookup = _bound("key_lookup", {"key": key.key})
         record_sql, record = _bound("key_insert", key.row(None))
@@ -221,20 +247,21 @@ class SqliteStatements(Statements):
         row = pick_row(values)
         if key is None:
 
-            def unit(conn: Connection) -> int:
-                # One driver lookup and no cursor object of our own: the two statements are
-                # the whole unit, and what a lone write pays beyond the SQL is what matters.
-                driver = conn.connection.driver_connection
+            def unit(driver: Any) -> int:
+                # Given the driver connection and no cursor object of our own: the two
+                # statements are the whole unit, and what a lone write pays beyond the SQL is
+                # what matters.
                 sql = bump_sql
                 try:
-                    if driver.execute(sql, bump).rowcount != 1:  # type: ignore[union-attr]
+                    if driver.execute(sql, bump).rowcount != 1:
                         raise missing_session(session_id)
                     sql = insert_sql
-                    return int(driver.execute(sql, row).lastrowid)  # type: ignore[union-attr]
-                except fastpath.driver_errors(conn) as error:
-                    raise fastpath.driver_error(conn, sql, error) from error
+                    message_id: int = driver.execute(sql, row).lastrowid
+                    return message_id
+                except uow.dbapi_error as error:
+                    raise uow.driver_error(sql, error) from error
 
-            return uow.run(unit, driver_only=True)
+            return uow.run_on_driver(unit)
         lookup = _bound("key_lookup", {"key": key.key})
         record_sql, record_keys = driver_sql("key_insert")
 

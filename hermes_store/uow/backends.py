@@ -63,6 +63,15 @@ class Units(Protocol):
     def read(self, fn: Callable[[Connection], T]) -> T: ...
 
 
+def on_driver(fn: Callable[[Any], T]) -> Callable[[Connection], T]:
+    """A unit given the DB-API connection itself, as a unit given the Connection."""
+
+    def unit(conn: Connection) -> T:
+        return fn(conn.connection.driver_connection)
+
+    return unit
+
+
 #: The turn of a backend whose writers need none (the server orders them).
 _NO_TURN: nullcontext[None] = nullcontext()
 
@@ -175,6 +184,22 @@ class SqliteBackend:
             straight = uncontended.run(fn)
             if not isinstance(straight, Missed):
                 return straight
+        return self._in_line(fn)
+
+    def hot_driver_write(self, units: Units, fn: Callable[[Any], T]) -> T:
+        """:meth:`hot_write` of a unit given the DB-API connection itself (straight in, no
+        Connection to look it up from: the hottest units)."""
+        uncontended = self.uncontended
+        if uncontended is not None:
+            straight = uncontended.run(fn, True)
+            if not isinstance(straight, Missed):
+                return straight
+        return self._in_line(on_driver(fn))
+
+    def _in_line(self, fn: Callable[[Connection], T]) -> T:
+        """A single-call write that did not go straight in: in the line, in a group when group
+        commit is on, or alone on the writer's driver connection; a lock met re-runs it
+        whole."""
         group = self.group
         if group is not None:
             done, grouped = group.run(fn)
@@ -395,6 +420,10 @@ class PostgresBackend:
     def hot_write(self, units: Units, fn: Callable[[Connection], T]) -> T:
         """A single-call write: a unit like any other (its statements need a transaction)."""
         return units.run(fn)
+
+    def hot_driver_write(self, units: Units, fn: Callable[[Any], T]) -> T:
+        """:meth:`hot_write` of a unit given the DB-API connection itself."""
+        return units.run(on_driver(fn))
 
     def statement(
         self,

@@ -62,7 +62,7 @@ from hermes_store.errors import (
     wrap_driver_error,
 )
 from hermes_store.uow import fork, groupcommit, pggroup, retry, uncontended, writequeue
-from hermes_store.uow.backends import PostgresBackend, SqliteBackend
+from hermes_store.uow.backends import PostgresBackend, SqliteBackend, on_driver
 from hermes_store.uow.counters import Counters, StoreStats
 from hermes_store.uow.fork import FORK_WAIT_S
 from hermes_store.uow.readers import MAX_HELD_READERS
@@ -476,6 +476,27 @@ class UnitOfWork:
                 if not is_retryable(error):
                     raise
                 retry.pause(self.retry, waits, error, self.counters)
+
+    def run_on_driver(self, fn: Callable[[Any], T]) -> T:
+        """:meth:`run` with ``driver_only``, ``fn`` given the unit's DB-API connection itself
+        (the SQLite hot path's units): a write that goes straight in hands it over as it is,
+        with no Connection to look it up from. ``fn`` wraps the driver errors it lets out as
+        SQLAlchemy wraps them (:meth:`driver_error`), or lets them out raw."""
+        if self._current.get() is None and not self._blocks and not self._asyncio:
+            return self.backend.hot_driver_write(self, fn)
+        return self.run(on_driver(fn), driver_only=True)
+
+    @property
+    def dbapi_error(self) -> type[Exception]:
+        """The base class of the driver's errors (for units given the DB-API connection, as
+        ``except uow.dbapi_error``: looked up only when something was raised)."""
+        dbapi_error: type[Exception] = self._dialect.loaded_dbapi.Error
+        return dbapi_error
+
+    def driver_error(self, sql: str, error: Exception) -> sa_exc.StatementError:
+        """A driver error (:attr:`dbapi_error`) raised while running ``sql`` on the DB-API
+        connection, wrapped as SQLAlchemy wraps it, so retries and the error mapping see it."""
+        return fastpath.dialect_error(self._dialect, sql, error)
 
     def run_driver(self, fn: Callable[[Any], T]) -> T:
         """:meth:`run` with ``fn`` given the unit's DB-API cursor (statements compiled once);

@@ -208,6 +208,8 @@ def _unlock(fd: int, start: int, length: int) -> None:
 _ANY_SLOT = _flock(fcntl.F_WRLCK, SLOTS_AT, SLOTS)
 #: The question "does a head starve?" (see :meth:`Turn.mark_starving`).
 _STARVING = _flock(fcntl.F_WRLCK, STARVING_AT, 1)
+#: The question "is anyone in line, holding a turn or starving?": the mark and every slot.
+_QUIET = _flock(fcntl.F_WRLCK, STARVING_AT, SLOTS_AT + SLOTS - STARVING_AT)
 #: The answer "none": ``l_type`` F_UNLCK in the returned struct.
 _NONE_LOCKED = struct.pack("h", fcntl.F_UNLCK)
 
@@ -457,6 +459,14 @@ class WriteQueue:
         """No writer of any process or thread is in line or holds a turn: no ticket's byte is
         locked (one ``F_OFD_GETLK`` over the slots). True when the queue is off."""
         return not self._locked(_ANY_SLOT)
+
+    def quiet(self) -> bool:
+        """No writer of any process or thread is in line, holds a turn or starves: nothing is
+        locked from the starving mark to the last ticket slot (one ``F_OFD_GETLK``). A head
+        forming after this answer needs its share at the head before it marks the line, so
+        :mod:`~hermes_store.uow.uncontended` asks :meth:`starving` again only after half of
+        it. True when the queue is off."""
+        return not self._locked(_QUIET)
 
     def starving(self) -> bool:
         """The head of the line has waited past its share and asks newcomers to queue

@@ -165,3 +165,24 @@ def test_many_shapes_of_increments_each_land_once(db: SessionDB) -> None:
         )
         expected = [a + b for a, b in zip(expected, steps, strict=True)]
     assert list(_counters(db)[:5]) == expected
+
+
+def test_the_hot_increment_binds_what_the_general_guards_bind() -> None:
+    """The SQLite hot path works out an increment's plan and values without a loop
+    (``repo.sqlite._increment``): for every sign pattern of the five counters, at the edges of
+    64 bits too, the same plan and the same values as :func:`token_guards` and the plan's
+    own picker give."""
+    import itertools
+
+    from hermes_store.repo import sqlite as repo
+    from hermes_store.repo.statements import token_guards
+
+    magnitudes = {1: (1, 7, TOP), -1: (-1, -7, BOTTOM), 0: (0,)}
+    costs, texts = (1.5, None), (None, "ok", None, None, None, None, "model")
+    for signs in itertools.product((1, -1, 0), repeat=5):
+        for pick in range(3):
+            counts = tuple(magnitudes[s][pick % len(magnitudes[s])] for s in signs)
+            expected_signs, bounds = token_guards(counts)
+            plan = repo._token_plan(expected_signs)
+            expected = plan.pick(("s", *counts, *costs, *texts, *bounds))
+            assert repo._increment("s", counts, costs, texts) == (plan, expected), counts

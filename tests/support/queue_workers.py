@@ -6,10 +6,20 @@ ready and what it did, and waits for the test's word before acting.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from hermes_store import SessionDB
 from hermes_store.uow import writequeue
+from hermes_store.uow.writer import STARVE_AFTER_S
+
+
+def starve(turn: writequeue.Turn) -> None:
+    """Mark the line starving as a real head does: once it has waited its share at the head
+    (``STARVE_AFTER_S``). A writer that found the line empty before the head took its turn looks
+    at it again within ``uncontended.QUIET_S``, less than that share, so it sees the mark."""
+    time.sleep(STARVE_AFTER_S)
+    turn.mark_starving()
 
 
 def append_on_go(db: str, label: str, conn: Any) -> None:

@@ -29,6 +29,7 @@ from hermes_store import (
 from hermes_store.uow import writequeue
 from hermes_store.uow.groupcommit import MAX_GROUP
 from tests.support import disks, legacy
+from tests.support.queue_workers import starve
 
 GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
 
@@ -166,7 +167,7 @@ def other_in_line(db: SessionDB) -> Iterator[Callable[[], None]]:
     turn = queue.turn()
     entered = turn.__enter__()
     assert entered.queued
-    entered.mark_starving()
+    starve(entered)
     left: list[bool] = []
 
     def let_go() -> None:

@@ -32,6 +32,7 @@ from hermes_store import (
 )
 from hermes_store.uow import writequeue
 from tests.support.backends import is_sqlite, url_string
+from tests.support.queue_workers import starve
 
 FAST_RETRY = RetryPolicy(attempts=400, min_wait=0.002, max_wait=0.005)
 TIMEOUT = 60  # a deadlock guard only
@@ -233,7 +234,7 @@ def test_every_unit_begins_through_the_one_begin(store: SessionDB, db_url: URL) 
         assert queue is not None
         with writequeue.WriteQueue(path).turn() as turn:  # another member of the line
             assert turn.queued
-            turn.mark_starving()
+            starve(turn)
             issued = queue.tickets()[0]
             found: list[tuple[bool, int]] = []
             behind = threading.Thread(target=lambda: found.append(store.uow.run_driver(inside)))

@@ -8,6 +8,7 @@ store's own counters, never inferred from a pause.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -19,6 +20,9 @@ import pytest
 
 from hermes_store import SessionDB
 from hermes_store.uow import uncontended, writequeue
+from hermes_store.uow.writer import STARVE_AFTER_S
+from tests.support.clock import FakeClock
+from tests.support.queue_workers import starve
 
 GUARD = 120.0  # a bound on waits that only a bug reaches
 
@@ -113,7 +117,7 @@ def test_a_starving_head_is_never_overtaken(db: SessionDB) -> None:
     before = db.stats()
     with other.turn() as turn:
         assert turn.queued
-        turn.mark_starving()
+        starve(turn)
         assert queue.starving()
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
@@ -139,7 +143,7 @@ def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> No
     queue = _queue(db)
     other = writequeue.WriteQueue(_path(db))
     with other.turn() as turn:  # a starving head: both writes queue, in one group
-        turn.mark_starving()
+        starve(turn)
         issued = queue.tickets()[0]
         first = _in_thread(lambda: db.append_message("s", "user", "one"))
         _wait_until(lambda: queue.tickets()[0] > issued, "the leader to take a ticket")
@@ -240,23 +244,30 @@ def test_another_thread_writing_sends_the_write_to_its_group(db: SessionDB) -> N
     assert _contents(db) == ["in the block", "after the block"]
 
 
-def test_a_lock_met_after_the_begin_runs_the_write_again_in_the_line(db: SessionDB) -> None:
+@pytest.mark.parametrize("given", ["connection", "driver"])
+def test_a_lock_met_after_the_begin_runs_the_write_again_in_the_line(
+    db: SessionDB, given: str
+) -> None:
     """A unit that meets SQLITE_BUSY midway on the straight path (which waits for nothing) is
-    rolled back whole and runs again, once, in the line."""
+    rolled back whole and runs again, once, in the line: a unit given the Connection
+    (``run(fn, driver_only=True)``) or the DB-API connection itself (``run_on_driver``)."""
     runs: list[int] = []
     busy = sqlite3.OperationalError("database is locked")
     busy.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
 
-    def unit(conn: Any) -> int:
+    def on_driver(driver: Any) -> int:
         runs.append(1)
-        cursor = conn.connection.driver_connection.cursor()
-        cursor.execute("UPDATE sessions SET title = 'once' WHERE id = 's'")
+        driver.execute("UPDATE sessions SET title = 'once' WHERE id = 's'")
         if len(runs) == 1:
             raise busy
         return len(runs)
 
     before = db.stats()
-    assert db.uow.run(unit, driver_only=True) == 2
+    if given == "driver":
+        assert db.uow.run_on_driver(on_driver) == 2
+    else:
+        assert db.uow.run(lambda conn: on_driver(conn.connection.driver_connection),
+                          driver_only=True) == 2  # fmt: skip
     after = db.stats()
     assert after.rollbacks == before.rollbacks + 1
     assert after.uncontended_writes == before.uncontended_writes
@@ -279,3 +290,120 @@ def test_switched_off_every_write_takes_its_turn(
         assert after.queue_turns == before.queue_turns + 1
     finally:
         store.close()
+
+
+# -- the look at the line: once per QUIET_S while it is empty, every write while it is not -------
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The straight path's clock (when it looks at the line again), moved only by the test;
+    far past any look taken before it was put in."""
+    fake = FakeClock(start=time.monotonic() + 3600.0, tick=0.0)
+    monkeypatch.setattr(uncontended, "_monotonic", fake)
+    return fake
+
+
+def _asked(queue: writequeue.WriteQueue, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often the straight path asks the lock file each question (counted, then asked)."""
+    asked = dict.fromkeys(("quiet", "starving", "empty"), 0)
+    for name in asked:
+        real = getattr(queue, name)
+
+        def spy(real: Callable[[], bool] = real, name: str = name) -> bool:
+            asked[name] += 1
+            return real()
+
+        monkeypatch.setattr(queue, name, spy)
+    return asked
+
+
+def test_the_head_needs_longer_to_starve_than_a_look_at_an_empty_line_lasts() -> None:
+    """What the skipped questions rest on: a head that forms after a writer found the line empty
+    marks it only after its share at the head, and by then the writer looks again."""
+    assert 0 < uncontended.QUIET_S < STARVE_AFTER_S
+
+
+def test_a_lone_writer_asks_the_lock_file_once_per_quiet_interval(
+    db: SessionDB, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = _asked(_queue(db), monkeypatch)
+    before = db.stats()
+    for index in range(5):
+        db.append_message("s", "user", f"m{index}")
+        db.update_token_counts("s", input_tokens=1)
+    assert asked == {"quiet": 1, "starving": 0, "empty": 0}
+    clock.advance(uncontended.QUIET_S)
+    db.append_message("s", "user", "later")
+    assert asked == {"quiet": 2, "starving": 0, "empty": 0}
+    assert db.stats().uncontended_writes == before.uncontended_writes + 11
+
+
+def test_a_head_that_waited_its_share_is_seen_by_a_writer_that_found_the_line_empty(
+    db: SessionDB, clock: FakeClock
+) -> None:
+    """The writer found the line empty just before another writer took its turn; that head
+    marks the line starving after its share at the head: the writer's next write queues
+    behind it, never past it."""
+    queue = _queue(db)
+    db.append_message("s", "user", "alone")  # the line is empty: the next look is in QUIET_S
+    with writequeue.WriteQueue(_path(db)).turn() as turn:
+        assert turn.queued
+        clock.advance(STARVE_AFTER_S)  # the head waited its share at the head
+        turn.mark_starving()
+        issued = queue.tickets()[0]
+        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
+        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        assert thread.is_alive() and not outcome
+        assert _contents(db) == ["alone"]
+    thread.join(GUARD)
+    assert outcome and outcome[0][0] == "ok", outcome
+    assert _contents(db) == ["alone", "behind"]
+
+
+def test_while_anyone_is_in_line_every_write_asks_whether_its_head_starves(
+    db: SessionDB, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member of the line that has not starved: writes go straight in, each asking whether
+    the head starves (the clock does not move, so no skipped question explains it); a mark
+    made even at once is seen by the very next write."""
+    queue = _queue(db)
+    asked = _asked(queue, monkeypatch)
+    before = db.stats()
+    with writequeue.WriteQueue(_path(db)).turn() as turn:
+        assert turn.queued
+        for index in range(3):
+            db.append_message("s", "user", f"past {index}")
+        assert asked == {"quiet": 1, "starving": 3, "empty": 0}
+        assert db.stats().uncontended_writes == before.uncontended_writes + 3
+        turn.mark_starving()
+        issued = queue.tickets()[0]
+        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
+        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        assert thread.is_alive() and not outcome
+    thread.join(GUARD)
+    assert outcome and outcome[0][0] == "ok", outcome
+    assert _contents(db) == ["past 0", "past 1", "past 2", "behind"]
+
+
+def test_a_head_that_died_starving_sends_no_one_to_the_line(
+    db: SessionDB, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock is the truth: a head of another process held a ticket's byte and the starving
+    mark, then died (the kernel drops the locks of its descriptors); the next writer finds the
+    line empty and goes straight in, taking no ticket."""
+    queue = _queue(db)
+    head = os.open(queue.lock_path, os.O_RDWR | os.O_CLOEXEC)  # the other process's descriptor
+    try:
+        assert writequeue._lock(head, queue._slot(queue.tickets()[0]), 1, wait=False)
+        assert writequeue._lock(head, writequeue.STARVING_AT, 1, wait=False)
+        assert queue.starving() and not queue.quiet() and not queue.empty()
+    finally:
+        os.close(head)  # it dies
+    asked = _asked(queue, monkeypatch)
+    before, issued = db.stats(), queue.tickets()[0]
+    db.append_message("s", "user", "past the dead head")
+    assert asked == {"quiet": 1, "starving": 0, "empty": 0}
+    assert queue.tickets()[0] == issued
+    assert db.stats().uncontended_writes == before.uncontended_writes + 1
+    assert _contents(db) == ["past the dead head"]
