@@ -12,13 +12,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import queue
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import bindparam, func, select, update
@@ -36,6 +38,7 @@ from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
 
 RowDict = dict[str, Any]
+T = TypeVar("T")
 
 
 class ImportCheckError(HermesStoreError):
@@ -404,7 +407,11 @@ def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: lis
     if renumber:
         top = max([int(conn.scalar(_TOP_MESSAGE_ID) or 0), *(m["id"] for m in keep)])
         renumber = [{**m, "id": number} for number, m in enumerate(renumber, top + 1)]
-    rows = keep + renumber
+    # In id order: an export is newest session first, and FTS5 writes out what it holds in
+    # memory as a new segment whenever a rowid comes lower than the last one (a segment per
+    # session, then merged over and over); in order, a batch makes a few large segments, and
+    # the table's B-tree is appended to rather than split in the middle.
+    rows = sorted(keep + renumber, key=_by_id)
     with fulltext.SQLITE.bulk_load(conn) as index:
         _insert(conn, M, rows)
         index.add((m["id"], m["content"]) for m in rows)
@@ -413,6 +420,10 @@ def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: lis
         raise ImportCheckError(
             f"the full-text index disagrees with the batch: {'; '.join(problems)}"
         )
+
+
+def _by_id(row: RowDict) -> int:
+    return int(row["id"])
 
 
 def _advance_message_sequence(conn: Connection) -> None:
@@ -460,31 +471,103 @@ def import_sessions(
     """
     total = ImportReport() if report is None else report
     pending: dict[str, str] = {}
-    batch: list[_Prepared] = []
-    batch_messages = 0
-
-    def flush() -> None:
-        nonlocal batch, batch_messages
-        if not batch:
-            return
-        frozen, links = batch, dict(pending)
-        outcome = db.uow.run(lambda conn: _write_batch(conn, frozen, links))
+    batches = _batches(
+        records,
+        batch_size,
+        max_batch_messages,
+        nul_ok=db.is_sqlite,
+        allow_redacted=allow_redacted,
+    )
+    for batch in read_ahead(batches, _READ_AHEAD):
+        links = dict(pending)
+        outcome = db.uow.run(lambda conn: _write_batch(conn, batch, links))  # noqa: B023
         for child in outcome.linked:
             pending.pop(child, None)
         pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})
         for name, value in asdict(outcome.report).items():
             setattr(total, name, getattr(total, name) + value)
-        batch, batch_messages = [], 0
+    total.parents_missing = len(pending)
+    return total
 
+
+def _batches(
+    records: Iterable[tuple[int, Any]],
+    batch_size: int,
+    max_batch_messages: int,
+    *,
+    nul_ok: bool,
+    allow_redacted: bool,
+) -> Iterator[list[_Prepared]]:
+    """The records validated, in batches of ``batch_size`` sessions or ``max_batch_messages``
+    messages (whichever comes first); an invalid record raises once the batches before it
+    have been taken."""
+    batch: list[_Prepared] = []
+    batch_messages = 0
     for line, record in records:
-        prepared = _prepare(record, line, nul_ok=db.is_sqlite, allow_redacted=allow_redacted)
+        prepared = _prepare(record, line, nul_ok=nul_ok, allow_redacted=allow_redacted)
         batch.append(prepared)
         batch_messages += len(prepared.messages)
         if len(batch) >= batch_size or batch_messages >= max_batch_messages:
-            flush()
-    flush()
-    total.parents_missing = len(pending)
-    return total
+            yield batch
+            batch, batch_messages = [], 0
+    if batch:
+        yield batch
+
+
+#: Batches read, parsed and validated ahead of the one being written.
+_READ_AHEAD = 1
+
+
+def read_ahead(items: Iterator[T], depth: int) -> Iterator[T]:
+    """``items`` in order, produced by a thread of their own up to ``depth`` ahead of the
+    consumer; an exception of ``items`` is raised where its item would have come, after the
+    items before it.
+
+    Why: an import's writer spends most of its time inside SQLite (inserting, tokenizing for
+    the full-text index), which releases the GIL while it steps; reading, parsing and
+    validating the next batch meanwhile uses the machine's second core instead of waiting its
+    turn. The producer only ever touches ``items`` (never the database). When the consumer
+    stops early (an error, an interrupt), the producer stops at its next hand-off.
+    """
+    handoff: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def hand(done: bool, value: Any) -> bool:
+        while not stop.is_set():
+            try:
+                handoff.put((done, value), timeout=_HANDOFF_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not hand(False, item):
+                    return
+        except BaseException as error:  # handed to the consumer, raised there
+            hand(True, error)
+        else:
+            hand(True, None)
+
+    producer = threading.Thread(target=produce, name="hermes-store-read-ahead", daemon=True)
+    producer.start()
+    try:
+        while True:
+            done, value = handoff.get()
+            if not done:
+                yield value
+            elif value is None:
+                return
+            else:
+                raise value
+    finally:
+        stop.set()
+
+
+#: How often a producer waiting on a full hand-off looks whether the consumer has gone.
+_HANDOFF_POLL = 0.05
 
 
 @dataclass

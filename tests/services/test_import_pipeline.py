@@ -1,0 +1,170 @@
+"""The import reads, parses and validates the next batch in a thread of its own while the
+current one is written (:func:`hermes_store.transfer.read_ahead`).
+
+What must hold, as when it did one after the other: batches land whole and in file order; an
+invalid record stops the import with exactly the batches before its own committed (nothing of
+its own batch, valid records included); a batch that fails to write stops the reading; on
+PostgreSQL the rows go in through ``COPY``, never as INSERT statements.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermes_store import SessionDB, transfer
+from hermes_store.errors import InvalidInputError
+from hermes_store.schema import fulltext
+from tests.support import import_workers as workers
+
+BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+
+
+def counted(records: list[dict[str, Any]], taken: list[int]) -> Iterator[tuple[int, Any]]:
+    """(line, record) of each, noting in ``taken`` how many the import has taken so far."""
+    for line, record in enumerate(records, 1):
+        taken[0] = line
+        yield line, record
+
+
+def read_ahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "hermes-store-read-ahead"]
+
+
+def wait_for_no_reader() -> None:
+    """The producer thread is gone (it stops at its next hand-off once the consumer left)."""
+    for thread in read_ahead_threads():
+        thread.join(30)
+    assert read_ahead_threads() == []
+
+
+def test_read_ahead_gives_every_item_in_order_then_the_error_after_them() -> None:
+    def items() -> Iterator[int]:
+        yield from range(50)
+        raise InvalidInputError("line 51: broken")
+
+    got: list[int] = []
+    with pytest.raises(InvalidInputError, match="line 51"):
+        for item in transfer.read_ahead(items(), 2):
+            got.append(item)
+    assert got == list(range(50))
+    wait_for_no_reader()
+
+
+def test_a_consumer_that_stops_early_stops_the_producer() -> None:
+    taken = 0
+
+    def endless() -> Iterator[int]:
+        nonlocal taken
+        while True:
+            taken += 1
+            yield taken
+
+    stream = transfer.read_ahead(endless(), 1)
+    assert [next(stream) for _ in range(3)] == [1, 2, 3]
+    stream.close()
+    wait_for_no_reader()
+    assert taken <= 3 + 2  # at most what the hand-off holds and one more in hand
+
+
+@BOTH
+def test_an_invalid_record_leaves_exactly_the_batches_before_its_own(store: SessionDB) -> None:
+    """Batches of 3 sessions; the 8th record is invalid: the first two batches (6 sessions)
+    are in, the 7th session (valid, in the invalid one's batch) is not."""
+    records = workers.export_records(sessions=12, per_session=4)
+    del records[7]["messages"][2]["role"]
+    taken = [0]
+    with pytest.raises(InvalidInputError, match=r"line 8, message 2: role is required"):
+        transfer.import_sessions(store, counted(records, taken), batch_size=3)
+    wait_for_no_reader()
+    assert {s["id"] for s in store.search_sessions(limit=100)} == {r["id"] for r in records[:6]}
+    assert store.message_count() == 24
+    for record in records[:6]:
+        exported = store.export_session(record["id"])
+        assert exported is not None
+        assert exported["messages"] == record["messages"]
+    assert taken[0] == 8  # nothing read past the invalid record
+
+
+@BOTH
+def test_a_batch_that_fails_to_write_stops_the_reading(
+    store: SessionDB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second batch's write fails: the first batch stays, the second is rolled back, and
+    the reader stopped within the batches it may hold ahead (not the whole file)."""
+    records = workers.export_records(sessions=40, per_session=3)
+    real = transfer._write_batch
+    writes = [0]
+
+    def failing(conn: Any, batch: Any, pending: Any) -> Any:
+        writes[0] += 1
+        outcome = real(conn, batch, pending)
+        if writes[0] == 2:
+            raise transfer.ImportCheckError("the second batch disagrees")
+        return outcome
+
+    monkeypatch.setattr(transfer, "_write_batch", failing)
+    taken = [0]
+    with pytest.raises(transfer.ImportCheckError, match="second batch"):
+        transfer.import_sessions(store, counted(records, taken), batch_size=2)
+    wait_for_no_reader()
+    assert {s["id"] for s in store.search_sessions(limit=100)} == {r["id"] for r in records[:2]}
+    assert store.message_count() == 6
+    # two batches written, one handed over, one in the making (and its first record)
+    assert taken[0] <= 2 * (2 + 2) + 1 < len(records)
+
+
+def test_sqlite_indexes_each_batch_in_id_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newest-first file's batch reaches the full-text index in ascending ids (FTS5 starts a
+    new segment at every lower rowid): the rows handed to the index are sorted."""
+    records = workers.export_records(sessions=9, per_session=5)
+    seen: list[list[int]] = []
+    real = fulltext.SQLITE.unindexed
+
+    def spy(conn: Any, rows: Any) -> list[str]:
+        seen.append([row[0] for row in rows])
+        return real(conn, rows)
+
+    monkeypatch.setattr(fulltext.SQLITE, "unindexed", spy)
+    with SessionDB(tmp_path / "state.db") as store:
+        transfer.import_sessions(store, enumerate(records, 1), batch_size=3)
+        assert [m["id"] for r in store.iter_export() for m in r["messages"]] == [
+            m["id"] for r in records for m in r["messages"]
+        ]
+    assert len(seen) == 3
+    assert all(ids == sorted(ids) and len(ids) == 15 for ids in seen)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_postgresql_imports_through_copy(store: SessionDB) -> None:
+    """Sessions and messages (kept and renumbered ids alike) go in by ``COPY``: no INSERT
+    statement reaches the server through SQLAlchemy's cursor."""
+    from sqlalchemy import event
+
+    store.create_session("local", "cli")
+    store.append_message("local", "user", "holds message id 1")
+    records = workers.export_records(sessions=6, per_session=4)
+    statements: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        report = transfer.import_sessions(store, enumerate(records, 1), batch_size=4)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", seen)
+    assert (report.sessions, report.messages, report.messages_renumbered) == (6, 24, 1)
+    assert [s for s in statements if s.lstrip().upper().startswith("INSERT")] == []
+    for record in records:
+        exported = store.export_session(record["id"])
+        assert exported is not None
+        assert [m["content"] for m in exported["messages"]] == [
+            m["content"] for m in record["messages"]
+        ]
