@@ -4,13 +4,17 @@ current one is written (:func:`hermes_store.transfer.read_ahead`).
 What must hold, as when it did one after the other: batches land whole and in file order; an
 invalid record stops the import with exactly the batches before its own committed (nothing of
 its own batch, valid records included); a batch that fails to write stops the reading; on
-PostgreSQL the rows go in through ``COPY``, never as INSERT statements.
+PostgreSQL the rows go in through ``COPY``, never as INSERT statements. On SQLite each batch
+reaches the full-text index in id order, FTS5's automerge is off while the batches go in, one
+merge follows them, and the table's settings are put back (after a failure too).
 """
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,8 @@ import pytest
 
 from hermes_store import SessionDB, transfer
 from hermes_store.errors import InvalidInputError
-from hermes_store.schema import fulltext
+from hermes_store.ops import maintenance
+from hermes_store.schema import ddl, fulltext
 from tests.support import import_workers as workers
 
 BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -168,3 +173,62 @@ def test_postgresql_imports_through_copy(store: SessionDB) -> None:
         assert [m["content"] for m in exported["messages"]] == [
             m["content"] for m in record["messages"]
         ]
+
+
+def fts5_settings(conn: Any) -> dict[str, dict[str, int]]:
+    return {
+        table: {
+            str(k): int(v)
+            for k, v in conn.exec_driver_sql(
+                f"SELECT k, v FROM {table}_config WHERE k IN ('automerge', 'crisismerge')"
+            )
+        }
+        for table in (ddl.FTS_TABLE, ddl.CJK_TABLE)
+    }
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_sqlite_batches_go_in_without_automerge_then_one_merge_and_the_settings_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    """While the batches are written FTS5's automerge is off (crisis merges far off); after
+    them one merge leaves no level with ``usermerge`` (4) segments, and the table's settings
+    are what they were (FTS5's defaults), also when the import fails midway."""
+    records = workers.export_records(sessions=30, per_session=4)
+    during: list[dict[str, dict[str, int]]] = []
+    real = transfer._write_batch
+
+    def spy(conn: Any, batch: Any, pending: Any) -> Any:
+        during.append(fts5_settings(conn))
+        if fail and len(during) == 20:
+            raise transfer.ImportCheckError("the twentieth batch disagrees")
+        return real(conn, batch, pending)
+
+    monkeypatch.setattr(transfer, "_write_batch", spy)
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        if fail:
+            with pytest.raises(transfer.ImportCheckError):
+                transfer.import_sessions(store, enumerate(records, 1), batch_size=1)
+        else:
+            transfer.import_sessions(store, enumerate(records, 1), batch_size=1)
+        assert during and all(
+            settings == {table: maintenance.JOB_FTS5_SETTINGS for table in settings}
+            for settings in during
+        )
+        after = store.uow.run(fts5_settings, write=False)
+        assert after == {
+            table: maintenance.FTS5_DEFAULT_SETTINGS for table in (ddl.FTS_TABLE, ddl.CJK_TABLE)
+        }
+        shape = store.uow.run(fulltext.structure, write=False)
+        assert shape is not None
+        if not fail:  # 30 batches made 30 segments or more: merged as automerge would
+            assert shape.segments <= 3 * shape.levels
+        assert store.message_count() == (19 if fail else 30) * 4
+    assert index_problems(path) == []
+
+
+def index_problems(path: Path) -> list[str]:
+    """FTS5's integrity check of both indexes."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        return fulltext.index_damage(conn)
