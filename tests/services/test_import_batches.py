@@ -1,18 +1,16 @@
-"""The import reads, parses and validates the next batch in a thread of its own while the
-current one is written (:func:`hermes_store.transfer.read_ahead`).
+"""How an import goes batch by batch, and what the SQLite bulk path does around the batches.
 
-What must hold, as when it did one after the other: batches land whole and in file order; an
-invalid record stops the import with exactly the batches before its own committed (nothing of
-its own batch, valid records included); a batch that fails to write stops the reading; on
-PostgreSQL the rows go in through ``COPY``, never as INSERT statements. On SQLite each batch
-reaches the full-text index in id order, FTS5's automerge is off while the batches go in, one
-merge follows them, and the table's settings are put back (after a failure too).
+What must hold: batches land whole and in file order; an invalid record stops the import with
+exactly the batches before its own committed (nothing of its own batch, valid records
+included); a batch that fails to write stops the reading; on PostgreSQL the rows go in through
+``COPY``, never as INSERT statements. On SQLite each batch reaches the full-text index in id
+order, FTS5's automerge is off while the batches go in, one merge follows them, and the
+table's settings are put back (after a failure too).
 """
 
 from __future__ import annotations
 
 import sqlite3
-import threading
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -36,46 +34,6 @@ def counted(records: list[dict[str, Any]], taken: list[int]) -> Iterator[tuple[i
         yield line, record
 
 
-def read_ahead_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "hermes-store-read-ahead"]
-
-
-def wait_for_no_reader() -> None:
-    """The producer thread is gone (it stops at its next hand-off once the consumer left)."""
-    for thread in read_ahead_threads():
-        thread.join(30)
-    assert read_ahead_threads() == []
-
-
-def test_read_ahead_gives_every_item_in_order_then_the_error_after_them() -> None:
-    def items() -> Iterator[int]:
-        yield from range(50)
-        raise InvalidInputError("line 51: broken")
-
-    got: list[int] = []
-    with pytest.raises(InvalidInputError, match="line 51"):
-        for item in transfer.read_ahead(items(), 2):
-            got.append(item)
-    assert got == list(range(50))
-    wait_for_no_reader()
-
-
-def test_a_consumer_that_stops_early_stops_the_producer() -> None:
-    taken = 0
-
-    def endless() -> Iterator[int]:
-        nonlocal taken
-        while True:
-            taken += 1
-            yield taken
-
-    stream = transfer.read_ahead(endless(), 1)
-    assert [next(stream) for _ in range(3)] == [1, 2, 3]
-    stream.close()
-    wait_for_no_reader()
-    assert taken <= 3 + 2  # at most what the hand-off holds and one more in hand
-
-
 @BOTH
 def test_an_invalid_record_leaves_exactly_the_batches_before_its_own(store: SessionDB) -> None:
     """Batches of 3 sessions; the 8th record is invalid: the first two batches (6 sessions)
@@ -85,7 +43,6 @@ def test_an_invalid_record_leaves_exactly_the_batches_before_its_own(store: Sess
     taken = [0]
     with pytest.raises(InvalidInputError, match=r"line 8, message 2: role is required"):
         transfer.import_sessions(store, counted(records, taken), batch_size=3)
-    wait_for_no_reader()
     assert {s["id"] for s in store.search_sessions(limit=100)} == {r["id"] for r in records[:6]}
     assert store.message_count() == 24
     for record in records[:6]:
@@ -116,11 +73,9 @@ def test_a_batch_that_fails_to_write_stops_the_reading(
     taken = [0]
     with pytest.raises(transfer.ImportCheckError, match="second batch"):
         transfer.import_sessions(store, counted(records, taken), batch_size=2)
-    wait_for_no_reader()
     assert {s["id"] for s in store.search_sessions(limit=100)} == {r["id"] for r in records[:2]}
     assert store.message_count() == 6
-    # two batches written, one handed over, one in the making (and its first record)
-    assert taken[0] <= 2 * (2 + 2) + 1 < len(records)
+    assert taken[0] == 4  # nothing read past the batch that failed
 
 
 def test_sqlite_indexes_each_batch_in_id_order(
