@@ -13,6 +13,11 @@ then exports the same bytes, and the full-text index passes FTS5's integrity che
 per run the wall time, the CPU time of the process, messages/s on the wall clock and on CPU;
 then the median [min..max] of the runs (``--before DIR`` runs another checkout in the same,
 interleaved rounds).
+
+``--ceiling`` adds, in the same rounds, what bare ``sqlite3`` does with the same messages (read
+from the file before the clock starts, inserted in id order in one transaction, FTS5 with its
+default settings): ``raw rows`` (the messages table only), ``raw fts`` (the full-text table
+only) and ``raw rows+fts`` (both: what no import of this schema can beat on one core).
 """
 
 from __future__ import annotations
@@ -289,6 +294,48 @@ def check_exact(target: str, export: Path) -> None:
             raise SystemExit("the full-text index failed its check after the import")
 
 
+RAW_SIDES = ("raw rows", "raw fts", "raw rows+fts")
+_RAW_SCHEMA = (
+    "CREATE TABLE messages (id INTEGER PRIMARY KEY, content TEXT)",
+    "CREATE VIRTUAL TABLE messages_fts USING fts5(content, content=messages, content_rowid=id)",
+)
+
+
+def raw_insert(export: Path, target: Path, what: str) -> None:
+    """(child process) Insert the export's messages with bare ``sqlite3``, WAL and
+    ``synchronous=FULL`` as the store writes; print the insert's wall and CPU seconds."""
+    import sqlite3
+
+    with open(export, "rb") as handle:
+        rows = sorted(
+            (message["id"], message["content"])
+            for line in handle
+            for message in json.loads(line)["messages"]
+        )
+    conn = sqlite3.connect(target, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    for statement in _RAW_SCHEMA:
+        conn.execute(statement)
+    started, cpu = time.perf_counter(), time.process_time()
+    conn.execute("BEGIN")
+    if "rows" in what:
+        conn.executemany("INSERT INTO messages (id, content) VALUES (?, ?)", rows)
+    if "fts" in what:
+        conn.executemany("INSERT INTO messages_fts (rowid, content) VALUES (?, ?)", rows)
+    conn.execute("COMMIT")
+    conn.close()
+    print(json.dumps([time.perf_counter() - started, time.process_time() - cpu]))
+
+
+def raw_once(target: str, export: Path, what: str) -> tuple[float, float]:
+    """:func:`raw_insert` in a fresh process: its wall and CPU seconds."""
+    argv = [sys.executable, "-m", "bench.import_speed", "--raw", what, str(export), target]
+    out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    wall, cpu = json.loads(out)
+    return float(wall), float(cpu)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=100_000)
@@ -299,25 +346,38 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--before", type=Path, help="another checkout, in the same rounds")
+    parser.add_argument(
+        "--ceiling", action="store_true", help="bare sqlite3 on the same messages, same rounds"
+    )
+    parser.add_argument("--raw", nargs=3, metavar=("WHAT", "EXPORT", "DB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.raw:
+        raw_insert(Path(args.raw[1]), Path(args.raw[2]), args.raw[0])
+        return
     export = cached_export(args.messages, args.seed, args.tool_calls)
     sides = {"hermes_store": ROOT}
     if args.before is not None:
         sides["before"] = args.before.resolve()
+    if args.ceiling and args.backend == "sqlite":
+        sides.update({side: ROOT for side in RAW_SIDES})
     megabytes = export.stat().st_size / 1e6
+    load_before = os.getloadavg()[0]
     samples: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="import-bench-") as scratch:
         names = list(sides)
         for run in range(max(3, args.runs)):
             for side in names[run % len(names) :] + names[: run % len(names)]:
                 target = fresh_target(args.backend, Path(scratch), run)
-                wall, cpu = import_once(target, export, sides[side])
-                check_exact(target, export)
+                if side in RAW_SIDES:
+                    wall, cpu = raw_once(target, export, side.split()[1])
+                else:
+                    wall, cpu = import_once(target, export, sides[side])
+                    check_exact(target, export)
                 samples[side].append((wall, cpu))
                 print(
                     f"run {run + 1} {side}: {wall:.1f} s wall, {cpu:.1f} s CPU, "
                     f"{args.messages / wall:,.0f} messages/s ({args.messages / cpu:,.0f} per "
-                    "CPU second)",
+                    f"CPU second), load {os.getloadavg()[0]:.1f}",
                     file=sys.stderr,
                 )
                 if args.backend == "sqlite":
@@ -327,7 +387,8 @@ def main() -> None:
         f"Import of {args.messages:,} messages ({megabytes:,.0f} MB of JSON Lines; an assistant "
         f"turn calls a tool {args.tool_calls:.0%} of the time) into a new {args.backend} "
         f"database with `hermes-store import`, fresh process per run, {max(3, args.runs)} "
-        "interleaved rounds, median [min..max]:\n"
+        f"interleaved rounds, median [min..max]; load average {load_before:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end:\n"
     )
     print("| side | messages/s (wall) | messages/s per CPU second | MB/s (wall) |")
     print("| --- | --- | --- | --- |")

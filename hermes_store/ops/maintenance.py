@@ -278,6 +278,7 @@ def merge_index(
     pause: float | None = None,
     on_step: OnStep | None = None,
     stop: threading.Event | None = None,
+    full: bool = True,
 ) -> int:
     """Merge each full-text index's segments in paced steps until it is compact.
 
@@ -287,6 +288,11 @@ def merge_index(
     :mod:`hermes_store.ops.pacing`); ``stop``, once set, ends it between two steps. Returns
     the number of steps. PostgreSQL: one unit that flushes the GIN pending lists and refreshes
     statistics.
+
+    ``full=False`` starts no merge of every segment: it finishes a merge in progress and merges
+    the levels holding ``usermerge`` segments or more (what FTS5's automerge would have done
+    as it went), so its work follows what was added, not the size of the whole index (an
+    import that ran with automerge off).
     """
     bound = pacing.check_bound(step_seconds)
     report = report or Report(uow.engine.dialect.name, 0)
@@ -313,8 +319,8 @@ def merge_index(
     steps = 0
     for table, leaves, shape in plans:
         # One start per job (see the module's docstring); the steps after it continue it.
-        start = shape is not None and shape.levels + 2 <= fulltext.DEEP_LEVELS
-        if shape is not None and not start:
+        start = full and shape is not None and shape.levels + 2 <= fulltext.DEEP_LEVELS
+        if full and shape is not None and not start:
             report.notes.append(
                 f"the full-text index {table} has {shape.levels} levels, so no full merge was "
                 f"started (each start adds levels; FTS5 fails past "
