@@ -387,7 +387,9 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     help="Sessions a transaction considers at most; each holds the write lock ~0.1 s at most.",
 )
 @click.option(
-    "--secure-delete", is_flag=True, help="Overwrite the freed pages with zeros (SQLite)."
+    "--secure-delete",
+    is_flag=True,
+    help="Overwrite the freed pages with zeros (SQLite) and merge the whole full-text index.",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @yes_option
@@ -412,8 +414,9 @@ def sessions_prune(
     --yes is required. The dry run lists exactly what the prune would delete. Deletes in short
     transactions (about 0.1 s of the write lock each; a session with a lot of text goes over
     several), so agents writing meanwhile wait for one at most. Safe as a periodic job: two
-    runs at once delete each session once. The full-text index is merged afterwards, in short
-    steps too, so deleted words leave it.
+    runs at once delete each session once. The full-text index's delete records are folded
+    together as it goes, in short steps too; the deleted words leave the index's big segments
+    when `db optimize` merges it whole (--secure-delete does it here).
 
     \b
     Examples:
