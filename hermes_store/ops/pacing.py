@@ -82,17 +82,57 @@ class StepLog:
         return sum(1 for s in self.steps if kind in (None, s.kind))
 
 
+#: How often (seconds) a step asks whether a writer waits for it (a lock-file read).
+WAITERS_EVERY_S = 0.002
+
+
 @dataclass
 class Budget:
     """What one step may do: at most ``size`` units of work, and nothing new once the clock
-    passes ``deadline`` (``time.monotonic()``), which leaves room for the commit."""
+    passes ``deadline`` (``time.monotonic()``), which leaves room for the commit, or once a
+    writer waits for the write lock (``waiting``, asked every :data:`WAITERS_EVERY_S`): the
+    step then commits after the piece in progress, so the writer waits for that piece, not
+    for the rest of the step."""
 
     size: int
     deadline: float
+    waiting: Callable[[], bool] | None = None
+    _next_look: float = 0.0
 
     def left(self) -> bool:
         """Whether the step may start another piece of work."""
-        return time.monotonic() < self.deadline
+        now = time.monotonic()
+        if now >= self.deadline:
+            return False
+        if self.waiting is None or now < self._next_look:
+            return True
+        self._next_look = now + WAITERS_EVERY_S
+        if self.waiting():
+            self.deadline = now  # once a writer waits, the step ends
+            return False
+        return True
+
+
+def waiters(uow: UnitOfWork) -> Callable[[], bool] | None:
+    """Inside a step's unit: a question "does a writer wait for the lock now?", from the fair
+    writer queue's lock file: a ticket issued since the question was made (a writer joined
+    the line behind the step), or a head marking the line starving. None without a queue
+    (PostgreSQL, the queue off): the steps then end by their clock only."""
+    queue = uow.write_queue if uow.is_sqlite else None
+    if queue is None or not queue.enabled:
+        return None
+    try:
+        issued = queue.tickets()[0]
+    except OSError:
+        return None
+
+    def waiting() -> bool:
+        try:
+            return queue.tickets()[0] != issued or queue.starving()
+        except OSError:  # the lock file went away: the clock alone ends the step
+            return False
+
+    return waiting
 
 
 class Pace:
@@ -144,7 +184,9 @@ def run_step(
 
     def unit(conn: Connection) -> tuple[T, int]:
         marks[0] = time.monotonic()
-        result, work = body(conn, pace.budget(marks[0]))
+        budget = pace.budget(marks[0])
+        budget.waiting = waiters(uow)
+        result, work = body(conn, budget)
         marks[1] = time.monotonic()
         return result, work
 

@@ -488,3 +488,57 @@ def test_the_cli_prune_merges_the_whole_index_only_with_secure_delete(
     assert shown.exit_code == 0, shown.output
     assert re.search(r"By kind: prune \d+ \(longest [\d.]+ ms, \d+ over\)", shown.output)
     assert ("db optimize` merges them" in shown.output) is not secure
+
+
+# -- a step yields to a writer that waits --------------------------------------------------------
+
+
+def test_a_step_ends_after_its_piece_once_a_writer_waits_for_it(tmp_path: Path) -> None:
+    """A writer that joins the line behind a step waits for the piece of work in progress,
+    not for the rest of the step: the step's budget says "no more" as soon as the writer's
+    ticket is issued, and the writer's append lands once the step has committed."""
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    writer = context.Process(target=fts_damage_workers.append_on_request, args=(str(path), theirs))
+    writer.start()
+    try:
+        assert ours.poll(DEADLINE) and ours.recv() == "ready"
+        with SessionDB(path) as store:
+            queue = store.uow.write_queue
+            assert queue is not None and queue.enabled
+            seen: list[bool] = []
+
+            def body(conn: Any, budget: pacing.Budget) -> tuple[None, int]:
+                seen.append(budget.left())  # nobody waits yet
+                issued = queue.tickets()[0]
+                ours.send(1)  # the writer's append now waits for this step
+                guard = time.monotonic() + DEADLINE  # a hang guard only
+                while queue.tickets()[0] == issued and time.monotonic() < guard:
+                    time.sleep(0.001)
+                time.sleep(pacing.WAITERS_EVERY_S)
+                seen.extend([budget.left(), budget.left()])
+                return None, 1
+
+            # A bound of 10 s: only the writer can end this step early.
+            pace = pacing.Pace("test", 1, 1, 1, bound=10.0)
+            pacing.run_step(store.uow, pace, pacing.StepLog(), body)
+        assert seen == [True, False, False]
+        assert ours.poll(DEADLINE)
+        assert isinstance(ours.recv(), int)  # its append landed after the step
+    finally:
+        ours.send(None)
+        writer.join(DEADLINE)
+
+
+def test_without_the_writer_queue_a_step_ends_by_its_clock_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_STORE_WRITE_QUEUE", "0")
+    path = tmp_path / "state.db"
+    budgets: list[pacing.Budget] = []
+    with SessionDB(path) as store:
+        pace = pacing.Pace("test", 1, 1, 1, bound=10.0)
+        pacing.run_step(store.uow, pace, pacing.StepLog(), lambda _, b: (budgets.append(b), 1))
+    assert budgets[0].waiting is None and budgets[0].left()
