@@ -9,7 +9,9 @@ sets the next step's size. Between steps the job checkpoints the WAL (PASSIVE: i
 no reader still needs and never waits, so the WAL stays as small as one step) and pauses, so
 writers waiting for SQLite's one write lock get it first: the fair writer queue puts them ahead
 of the job's next step; writers outside it (the original store, a ``sqlite3`` shell) poll from
-SQLite's busy handler and find the lock free during the pause.
+SQLite's busy handler and find the lock free during the pause. A writer that joins the fair
+queue while a step runs ends the step early: the step commits after the piece of work in
+progress (:meth:`Budget.left`, :func:`waiters`), so the writer waits for that piece only.
 
 Every step is recorded (:class:`StepLog`): how long it held the lock, what it did. Tests and
 benchmarks assert on those records, not on wall-clock thresholds of a noisy machine.
