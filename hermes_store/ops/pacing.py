@@ -86,6 +86,10 @@ class StepLog:
 
 #: How often (seconds) a step asks whether a writer waits for it (a lock-file read).
 WAITERS_EVERY_S = 0.002
+#: The share of the bound a step works before it yields to a waiting writer: writers that
+#: append back to back would otherwise cut every step to one piece, and a merge whose steps
+#: are one statement each spends them on the writers' new segments and never ends.
+YIELD_AFTER = 0.15
 
 
 @dataclass
@@ -99,16 +103,17 @@ class Budget:
     size: int
     deadline: float
     waiting: Callable[[], bool] | None = None
-    _next_look: float = 0.0
+    #: Before this (``time.monotonic()``) the step works on even when a writer waits.
+    next_look: float = 0.0
 
     def left(self) -> bool:
         """Whether the step may start another piece of work."""
         now = time.monotonic()
         if now >= self.deadline:
             return False
-        if self.waiting is None or now < self._next_look:
+        if self.waiting is None or now < self.next_look:
             return True
-        self._next_look = now + WAITERS_EVERY_S
+        self.next_look = now + WAITERS_EVERY_S
         if self.waiting():
             self.deadline = now  # once a writer waits, the step ends
             return False
@@ -188,6 +193,7 @@ def run_step(
         marks[0] = time.monotonic()
         budget = pace.budget(marks[0])
         budget.waiting = waiters(uow)
+        budget.next_look = marks[0] + pace.bound * YIELD_AFTER
         result, work = body(conn, budget)
         marks[1] = time.monotonic()
         return result, work

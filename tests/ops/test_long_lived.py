@@ -493,10 +493,16 @@ def test_the_cli_prune_merges_the_whole_index_only_with_secure_delete(
 # -- a step yields to a writer that waits --------------------------------------------------------
 
 
-def test_a_step_ends_after_its_piece_once_a_writer_waits_for_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("floor", [0.0, 1.0])
+def test_a_step_ends_after_its_piece_once_a_writer_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, floor: float
+) -> None:
     """A writer that joins the line behind a step waits for the piece of work in progress,
-    not for the rest of the step: the step's budget says "no more" as soon as the writer's
-    ticket is issued, and the writer's append lands once the step has committed."""
+    not for the rest of the step: once the step has worked its floor (``YIELD_AFTER`` of the
+    bound), its budget says "no more" as soon as the writer's ticket is issued, and the
+    writer's append lands once the step has committed. Within the floor the step works on
+    (a floor of the whole bound: it never yields)."""
+    monkeypatch.setattr(pacing, "YIELD_AFTER", floor)
     path = tmp_path / "state.db"
     SessionDB(path).close()
     context = mp.get_context("spawn")
@@ -524,7 +530,7 @@ def test_a_step_ends_after_its_piece_once_a_writer_waits_for_it(tmp_path: Path) 
             # A bound of 10 s: only the writer can end this step early.
             pace = pacing.Pace("test", 1, 1, 1, bound=10.0)
             pacing.run_step(store.uow, pace, pacing.StepLog(), body)
-        assert seen == [True, False, False]
+        assert seen == ([True, False, False] if floor == 0.0 else [True, True, True])
         assert ours.poll(DEADLINE)
         assert isinstance(ours.recv(), int)  # its append landed after the step
     finally:
