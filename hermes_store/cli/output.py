@@ -171,13 +171,27 @@ def iso(ts: float | None) -> str:
     return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts is not None else ""
 
 
-def lock_holds(steps: int, longest_s: float, over: int, bound_s: float) -> str:
+def lock_holds(
+    steps: int,
+    longest_s: float,
+    over: int,
+    bound_s: float,
+    by_kind: dict[str, list[float]] | None = None,
+) -> str:
     """How long a paced job's steps held the write lock: a writer beside it waited for one
-    step at most, so a step over the bound is a wait the writer was not promised."""
-    return (
+    step at most, so a step over the bound is a wait the writer was not promised.
+    ``by_kind``: [steps, over, longest seconds] of each kind of step, said after."""
+    line = (
         f"{steps} step(s); the longest held the write lock {longest_s * 1000:.1f} ms; "
         f"{over} over the {bound_s * 1000:.0f} ms bound."
     )
+    if by_kind:
+        kinds = ", ".join(
+            f"{kind} {int(count):,} (longest {longest * 1000:.1f} ms, {int(late)} over)"
+            for kind, (count, late, longest) in by_kind.items()
+        )
+        line += f" By kind: {kinds}."
+    return line
 
 
 def num(value: int | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
@@ -386,7 +387,9 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     help="Sessions a transaction considers at most; each holds the write lock ~0.1 s at most.",
 )
 @click.option(
-    "--secure-delete", is_flag=True, help="Overwrite the freed pages with zeros (SQLite)."
+    "--secure-delete",
+    is_flag=True,
+    help="Overwrite the freed pages with zeros (SQLite) and merge the whole full-text index.",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @yes_option
@@ -411,8 +414,9 @@ def sessions_prune(
     --yes is required. The dry run lists exactly what the prune would delete. Deletes in short
     transactions (about 0.1 s of the write lock each; a session with a lot of text goes over
     several), so agents writing meanwhile wait for one at most. Safe as a periodic job: two
-    runs at once delete each session once. The full-text index is merged afterwards, in short
-    steps too, so deleted words leave it.
+    runs at once delete each session once. The full-text index's delete records are folded
+    together as it goes, in short steps too; the deleted words leave the index's big segments
+    when `db optimize` merges it whole (--secure-delete does it here).
 
     \b
     Examples:
@@ -420,7 +424,7 @@ def sessions_prune(
       hermes-store sessions prune --older-than 90 --source cli --source telegram --keep-titled
       hermes-store sessions prune --older-than 90 --yes    # from cron
     """
-    from hermes_store.ops import maintenance, retention
+    from hermes_store.ops import retention
 
     store = app.store()
     policy = retention.Policy(days, sources, keep_titled=keep_titled, keep_lineage=keep_lineage)
@@ -470,21 +474,30 @@ def sessions_prune(
         "the others are kept."
     )
     total = sum(row["message_count"] or 0 for row in candidates)
-    with progress(total, "pruning (messages)") as bar:
+    bars = contextlib.ExitStack()
+    shown: list[Any] = []
+
+    def merge_done(_kind: str, pages: int) -> None:
+        if len(shown) == 1:  # the deletes are done: the index's merge gets its own bar
+            bars.close()
+            shown.append(bars.enter_context(progress(None, "merging the full-text index (pages)")))
+        shown[-1].advance(pages)
+
+    with bars:
+        bar = bars.enter_context(progress(total, "pruning (messages)"))
+        shown.append(bar)
+        # The whole index is merged (deleted words leave its big segments too) only with
+        # --secure-delete: its steps for common words hold the write lock past the bound,
+        # and `db optimize` runs that merge.
         report = retention.run(
-            store.uow, policy, chunk=chunk, secure_delete=secure_delete, on_chunk=chunk_done
+            store.uow,
+            policy,
+            chunk=chunk,
+            secure_delete=secure_delete,
+            merge_index=secure_delete,
+            on_chunk=chunk_done,
+            on_merge=merge_done,
         )
-    if report.sessions:
-        # Deleted words leave the full-text index only when its segments are merged.
-        with progress(None, "merging the full-text index (pages)") as bar:
-            merged = maintenance.Report(store.engine.dialect.name, 0)
-            maintenance.merge_index(
-                store.uow,
-                merged,
-                secure_delete=secure_delete,
-                on_step=lambda _kind, work: bar.advance(work),
-            )
-        report.add_merge(merged)
     if chosen_format(fmt, as_json, piped="table") == "json":
         echo_json(asdict(report))
         return
@@ -492,4 +505,17 @@ def sessions_prune(
         f"Deleted {report.sessions} session(s) and {report.messages} message(s) started more "
         f"than {days:g} days ago, in {report.chunks} chunk(s)."
     )
-    echo(lock_holds(report.steps, report.longest_step_s, report.steps_over_bound, report.bound_s))
+    echo(
+        lock_holds(
+            report.steps,
+            report.longest_step_s,
+            report.steps_over_bound,
+            report.bound_s,
+            report.by_kind,
+        )
+    )
+    if report.sessions and not report.index_merged:
+        echo(
+            "The deleted words' records stay in the full-text index's big segments until "
+            "`hermes-store db optimize` merges them (or prune with --secure-delete)."
+        )

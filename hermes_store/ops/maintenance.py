@@ -101,14 +101,21 @@ class Report:
     steps_over_bound: int = 0
     #: What the longest step did ("merge", "analyze", "vacuum"; empty before any step).
     longest_step_kind: str = ""
+    #: By kind of step: [steps, over the bound, longest hold in seconds].
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
 
     def record(self, step: pacing.Step) -> None:
         self.steps += 1
-        if step.seconds > self.bound_s:
+        over = step.seconds > self.bound_s
+        if over:
             self.steps_over_bound += 1
         if step.seconds >= self.longest_step_s:
             self.longest_step_s = step.seconds
             self.longest_step_kind = step.kind
+        kind = self.by_kind.setdefault(step.kind, [0, 0, 0.0])
+        kind[0] += 1
+        kind[1] += int(over)
+        kind[2] = max(kind[2], step.seconds)
 
 
 def database_bytes(uow: UnitOfWork) -> int:
@@ -199,21 +206,81 @@ def tidy_step(
     """One paced merge step over ``tables`` ('merge' with a positive count: the merge in
     progress continues, or a level holding ``usermerge`` segments is merged), so the segments
     a job's deletes and the writers' appends add are merged as they come, in bounded pieces."""
+    return _tidy(uow, pace, log, tables, secure_delete)[1]
 
-    def body(conn: Connection, budget: pacing.Budget) -> tuple[None, int]:
+
+def _tidy(
+    uow: UnitOfWork,
+    pace: pacing.Pace,
+    log: pacing.StepLog,
+    tables: list[str],
+    secure_delete: bool,
+) -> tuple[bool, pacing.Step]:
+    """:func:`tidy_step`, and whether work may be left: a statement of it found some, or
+    the budget ended before every table was looked at."""
+
+    def body(conn: Connection, budget: pacing.Budget) -> tuple[bool, int]:
         pages = 0
-        for table in tables:
+        worked = False
+        for number, table in enumerate(tables, 1):
             while True:
                 piece = max(1, min(MERGE_STATEMENT_PAGES, budget.size - pages))
                 found = _merge_step(conn, piece, table=table, secure=secure_delete, start=False)
+                worked = worked or found
                 pages += piece
                 if not found or pages >= budget.size or not budget.left():
                     break
             if pages >= budget.size or not budget.left():
-                break
-        return None, pages
+                return worked or number < len(tables), pages
+        return worked, pages
 
-    return pacing.run_step(uow, pace, log, body)[1]
+    return pacing.run_step(uow, pace, log, body)
+
+
+def settle_index(
+    uow: UnitOfWork,
+    tables: list[str],
+    report: Report | None = None,
+    *,
+    secure_delete: bool = False,
+    step_seconds: float = pacing.STEP_SECONDS,
+    step_log: pacing.StepLog | None = None,
+    pause: float | None = None,
+    on_step: OnStep | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Merge only the levels holding ``usermerge`` segments ('merge' with a positive count),
+    in paced steps, until none does: what a prune leaves (its delete records, the writers'
+    small segments) is folded into a few segments, and the index's big segments are left
+    alone. Their merge (:func:`merge_index`, what ``db optimize`` runs) writes each common
+    word's whole list of rows in one statement, which no bound can cut (SQLite 3.40 stops a
+    merge between words only), so a prune does not run it. Call it inside
+    :func:`paced_index_merging` (``tables``: what it yields). Returns the number of steps."""
+    bound = pacing.check_bound(step_seconds)
+    report = report or Report("sqlite", 0)
+    report.bound_s = bound
+    log = step_log if step_log is not None else pacing.StepLog()
+    if not tables:
+        return 0
+    with uow.connect(write=False) as conn:
+        leaves = sum(int(conn.exec_driver_sql(_LEAVES[table]).scalar() or 0) for table in tables)
+    pace = pacing.Pace("merge", MERGE_PAGES, MIN_MERGE_PAGES, 4096, bound)
+    steps = done = 0
+    # Writers keep adding small segments, so the work is capped at the index's size.
+    while steps < MAX_STEPS and done <= leaves + 16 * MERGE_PAGES:
+        if stop is not None and stop.is_set():
+            break
+        found, step = _tidy(uow, pace, log, tables, secure_delete)
+        steps += 1
+        done += step.work
+        report.record(step)
+        if on_step is not None:
+            on_step("merge", step.work)
+        pacing.between_steps(uow, step, pause)
+        if not found:
+            break
+    report.merge_steps += steps
+    return steps
 
 
 def _merge_step(

@@ -9,7 +9,9 @@ sets the next step's size. Between steps the job checkpoints the WAL (PASSIVE: i
 no reader still needs and never waits, so the WAL stays as small as one step) and pauses, so
 writers waiting for SQLite's one write lock get it first: the fair writer queue puts them ahead
 of the job's next step; writers outside it (the original store, a ``sqlite3`` shell) poll from
-SQLite's busy handler and find the lock free during the pause.
+SQLite's busy handler and find the lock free during the pause. A writer that joins the fair
+queue while a step runs ends the step early: the step commits after the piece of work in
+progress (:meth:`Budget.left`, :func:`waiters`), so the writer waits for that piece only.
 
 Every step is recorded (:class:`StepLog`): how long it held the lock, what it did. Tests and
 benchmarks assert on those records, not on wall-clock thresholds of a noisy machine.
@@ -82,17 +84,62 @@ class StepLog:
         return sum(1 for s in self.steps if kind in (None, s.kind))
 
 
+#: How often (seconds) a step asks whether a writer waits for it (a lock-file read).
+WAITERS_EVERY_S = 0.002
+#: The share of the bound a step works before it yields to a waiting writer: writers that
+#: append back to back would otherwise cut every step to one piece, and a merge whose steps
+#: are one statement each spends them on the writers' new segments and never ends.
+YIELD_AFTER = 0.15
+
+
 @dataclass
 class Budget:
     """What one step may do: at most ``size`` units of work, and nothing new once the clock
-    passes ``deadline`` (``time.monotonic()``), which leaves room for the commit."""
+    passes ``deadline`` (``time.monotonic()``), which leaves room for the commit, or once a
+    writer waits for the write lock (``waiting``, asked every :data:`WAITERS_EVERY_S`): the
+    step then commits after the piece in progress, so the writer waits for that piece, not
+    for the rest of the step."""
 
     size: int
     deadline: float
+    waiting: Callable[[], bool] | None = None
+    #: Before this (``time.monotonic()``) the step works on even when a writer waits.
+    next_look: float = 0.0
 
     def left(self) -> bool:
         """Whether the step may start another piece of work."""
-        return time.monotonic() < self.deadline
+        now = time.monotonic()
+        if now >= self.deadline:
+            return False
+        if self.waiting is None or now < self.next_look:
+            return True
+        self.next_look = now + WAITERS_EVERY_S
+        if self.waiting():
+            self.deadline = now  # once a writer waits, the step ends
+            return False
+        return True
+
+
+def waiters(uow: UnitOfWork) -> Callable[[], bool] | None:
+    """Inside a step's unit: a question "does a writer wait for the lock now?", from the fair
+    writer queue's lock file: a ticket issued since the question was made (a writer joined
+    the line behind the step), or a head marking the line starving. None without a queue
+    (PostgreSQL, the queue off): the steps then end by their clock only."""
+    queue = uow.write_queue if uow.is_sqlite else None
+    if queue is None or not queue.enabled:
+        return None
+    try:
+        issued = queue.tickets()[0]
+    except OSError:
+        return None
+
+    def waiting() -> bool:
+        try:
+            return queue.tickets()[0] != issued or queue.starving()
+        except OSError:  # the lock file went away: the clock alone ends the step
+            return False
+
+    return waiting
 
 
 class Pace:
@@ -144,7 +191,10 @@ def run_step(
 
     def unit(conn: Connection) -> tuple[T, int]:
         marks[0] = time.monotonic()
-        result, work = body(conn, pace.budget(marks[0]))
+        budget = pace.budget(marks[0])
+        budget.waiting = waiters(uow)
+        budget.next_look = marks[0] + pace.bound * YIELD_AFTER
+        result, work = body(conn, budget)
         marks[1] = time.monotonic()
         return result, work
 

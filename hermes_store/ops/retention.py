@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,19 +180,33 @@ class Report:
     bound_s: float = pacing.STEP_SECONDS
     steps: int = 0
     steps_over_bound: int = 0
+    #: By kind of step ("prune": deletes, "merge": the index): [steps, over the bound,
+    #: longest hold in seconds].
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
 
     def record(self, step: pacing.Step) -> None:
         self.steps += 1
-        if step.seconds > self.bound_s:
+        over = step.seconds > self.bound_s
+        if over:
             self.steps_over_bound += 1
         self.longest_step_s = max(self.longest_step_s, step.seconds)
+        kind = self.by_kind.setdefault(step.kind, [0, 0, 0.0])
+        kind[0] += 1
+        kind[1] += int(over)
+        kind[2] = max(kind[2], step.seconds)
 
-    def add_merge(self, merged: maintenance.Report) -> None:
-        """Count the index merge that followed the deletes."""
-        self.index_merged = True
+    def add_merge(self, merged: maintenance.Report, *, full: bool = True) -> None:
+        """Count the index merge that followed the deletes (``full``: the whole index was
+        merged, not only its small segments)."""
+        self.index_merged = self.index_merged or full
         self.steps += merged.steps
         self.steps_over_bound += merged.steps_over_bound
         self.longest_step_s = max(self.longest_step_s, merged.longest_step_s)
+        for kind, (count, over, longest) in merged.by_kind.items():
+            mine = self.by_kind.setdefault(kind, [0, 0, 0.0])
+            mine[0] += count
+            mine[1] += over
+            mine[2] = max(mine[2], longest)
 
 
 #: What deleting a message costs beside its text (its row, its index entries, the full-text
@@ -293,6 +307,7 @@ def run(
     step_seconds: float = pacing.STEP_SECONDS,
     step_log: pacing.StepLog | None = None,
     stop: threading.Event | None = None,
+    on_merge: maintenance.OnStep | None = None,
 ) -> Report:
     """Delete what ``policy`` selects, in steps that each hold the write lock for about
     ``step_seconds`` at most (see :mod:`hermes_store.ops.pacing`), until none is left.
@@ -301,9 +316,13 @@ def run(
     as much of their text as the pace says fits; a session with more than that loses its
     oldest messages first and goes in a later step. The cutoff is fixed when the run starts.
     ``secure_delete`` (SQLite) overwrites the freed pages with zeros, so deleted text does not
-    linger in the file's free pages; ``merge_index`` then compacts the full-text index in
-    bounded steps so the deleted words leave its segments too (see
-    :func:`hermes_store.ops.maintenance.merge_index`). ``on_chunk(sessions, messages)`` is
+    linger in the file's free pages. The deletes' records in the full-text index are merged
+    as the run goes, and at its end the small segments are folded together
+    (:func:`hermes_store.ops.maintenance.settle_index`); ``merge_index`` merges the whole
+    index instead, so the deleted words leave its big segments too (see
+    :func:`hermes_store.ops.maintenance.merge_index`: its steps for common words hold the
+    write lock longer than the bound; ``db optimize`` runs it too). ``on_merge(kind, pages)``
+    follows those merge steps. ``on_chunk(sessions, messages)`` is
     called after each committed step (progress bars). Between steps the WAL is checkpointed
     and the job pauses (``pause`` seconds; default: half the step's hold on SQLite, none on
     PostgreSQL) so waiting writers go first. ``step_log`` receives every step. ``stop``, once
@@ -351,20 +370,26 @@ def run(
                 )
                 report.record(tidied)
                 pacing.between_steps(uow, tidied, pause)
+        stopped = stop is not None and stop.is_set()
+        if report.sessions and not stopped:
+            # Inside the job's FTS5 settings: with FTS5's own merging back on, a writer's
+            # append continued the merge in progress inside its own transaction.
+            merged = maintenance.Report(uow.engine.dialect.name, 0)
+            options: dict[str, Any] = {
+                "secure_delete": secure_delete,
+                "step_seconds": bound,
+                "step_log": steps,
+                "pause": pause,
+                "on_step": on_merge,
+                "stop": stop,
+            }
+            if merge_index:
+                maintenance.merge_index(uow, merged, **options)
+            else:
+                maintenance.settle_index(uow, tables, merged, **options)
+            report.add_merge(merged, full=merge_index)
     if not (stop is not None and stop.is_set()):
         expire_write_keys(uow, now=started)
-    if merge_index and report.sessions and not (stop is not None and stop.is_set()):
-        merged = maintenance.Report(uow.engine.dialect.name, 0)
-        maintenance.merge_index(
-            uow,
-            merged,
-            secure_delete=secure_delete,
-            step_seconds=bound,
-            step_log=steps,
-            pause=pause,
-            stop=stop,
-        )
-        report.add_merge(merged)
     return report
 
 

@@ -86,7 +86,7 @@ def beside_a_writer(year: Path, tmp_path_factory: pytest.TempPathFactory) -> Bes
     store = SessionDB(path)
     try:
         assert ready.wait(DEADLINE)
-        pruned = retention.run(store.uow, retention.Policy(180), merge_index=True)
+        pruned = retention.run(store.uow, retention.Policy(180))  # as the CLI prunes
         optimized = maintenance.optimize(store.uow)
     finally:
         stop.set()
@@ -360,11 +360,14 @@ def _fts5_settings(path: Path) -> dict[str, int]:
     return {str(k): int(v) for k, v in rows}
 
 
+@pytest.mark.parametrize("merge_index", [False, True])
 def test_a_job_turns_fts5_merging_inside_writes_off_and_puts_the_settings_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, merge_index: bool
 ) -> None:
     """FTS5 merges hundreds of pages inside whichever write crosses its counter (a prune step,
-    a writer's append): while a job runs that is off, and the job merges in paced steps."""
+    a writer's append): while a job runs that is off, and the job merges in paced steps. The
+    merge a prune ends with runs within those settings too: with FTS5's merging back on, a
+    writer's append continued a full merge in progress inside its own transaction."""
     path = tmp_path / "state.db"
     _old_sessions(path, 12, 10)
     connection = sqlite3.connect(path, isolation_level=None)
@@ -379,9 +382,12 @@ def test_a_job_turns_fts5_merging_inside_writes_off_and_puts_the_settings_back(
 
     monkeypatch.setattr(pacing, "run_step", watched)
     with SessionDB(path) as store:
-        pruned = retention.run(store.uow, retention.Policy(30), chunk=2)
+        pruned = retention.run(store.uow, retention.Policy(30), chunk=2, merge_index=merge_index)
         assert pruned.sessions == 12 and pruned.chunks >= 6
+        assert pruned.index_merged is merge_index
+        ends = len(seen)
         maintenance.optimize(store.uow)
+    assert seen[ends - 1][0] == "merge"  # the prune ended with its index merge
     writing = [settings for kind, settings in seen if kind in ("prune", "merge")]
     assert len(writing) > 12 and {kind for kind, _ in seen} >= {"prune", "merge"}
     assert all(settings == maintenance.JOB_FTS5_SETTINGS for settings in writing), seen
@@ -400,3 +406,145 @@ def test_settings_a_killed_job_left_are_not_kept_as_the_tables_own(tmp_path: Pat
     with SessionDB(path) as store:
         maintenance.optimize(store.uow)
     assert _fts5_settings(path) == maintenance.FTS5_DEFAULT_SETTINGS
+
+
+# -- what a prune merges -------------------------------------------------------------------------
+
+
+def _merged_whole(path: Path) -> int:
+    """The index made one segment (FTS5 'optimize'); that segment's id."""
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        connection.execute("INSERT INTO messages_fts(messages_fts) VALUES ('optimize')")
+    finally:
+        connection.close()
+    segments = [s for _, ids in long_lived_workers.index_levels(str(path)) for s in ids]
+    assert len(segments) == 1
+    return segments[0]
+
+
+def _recent_sessions(path: Path, count: int) -> None:
+    with SessionDB(path) as store:
+        for number in range(count):
+            sid = f"new-{number:03d}"
+            store.create_session(sid, "cli")
+            store.append_messages(sid, [{"role": "user", "content": f"kept {number} " * 30}])
+
+
+def test_a_prune_folds_its_delete_records_and_leaves_the_big_segments_alone(
+    tmp_path: Path,
+) -> None:
+    """The merge of the whole index writes each common word's list of rows in one statement
+    (no bound cuts it), so a prune only merges the levels its deletes and the writers fill:
+    at its end no level holds FTS5's ``usermerge`` (4) segments, none is half merged, and the
+    index's big segment is the one it had before; ``db optimize`` merges the rest."""
+    path = tmp_path / "state.db"
+    _old_sessions(path, 30, 8)
+    _recent_sessions(path, 5)
+    big = _merged_whole(path)
+    with SessionDB(path) as store:
+        pruned = retention.run(store.uow, retention.Policy(30), chunk=1)
+        assert pruned.sessions == 30 and pruned.chunks >= 30 and not pruned.index_merged
+        assert pruned.by_kind["prune"][0] >= 30 and pruned.by_kind["merge"][0] >= 1
+        assert sum(int(kind[0]) for kind in pruned.by_kind.values()) == pruned.steps
+        assert store.search_messages("lorem") == []
+        assert len(store.search_messages("kept")) == 5
+    levels = long_lived_workers.index_levels(str(path))
+    assert all(merging == 0 and len(ids) < 4 for merging, ids in levels), levels
+    assert big in [s for _, ids in levels for s in ids]
+    with SessionDB(path) as store:
+        maintenance.optimize(store.uow)
+        assert len(store.search_messages("kept")) == 5
+    after = [s for _, ids in long_lived_workers.index_levels(str(path)) for s in ids]
+    assert len(after) == 1 and after != [big]
+    connection = sqlite3.connect(path)
+    try:
+        connection.execute(fulltext.integrity_statement("messages_fts"))
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_cli_prune_merges_the_whole_index_only_with_secure_delete(
+    tmp_path: Path, secure: bool
+) -> None:
+    path = tmp_path / "state.db"
+    _old_sessions(path, 10, 6)
+    _recent_sessions(path, 3)
+    big = _merged_whole(path)
+    argv = ["--db", str(path), "sessions", "prune", "--older-than", "30", "--yes"]
+    argv += ["--secure-delete"] if secure else []
+    shown = CliRunner().invoke(cli, [*argv, "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.stdout)
+    assert report["sessions"] == 10 and report["index_merged"] is secure
+    assert set(report["by_kind"]) == {"prune", "merge"}
+    segments = [s for _, ids in long_lived_workers.index_levels(str(path)) for s in ids]
+    assert (big in segments) is not secure
+    if secure:
+        assert len(segments) == 1
+    _old_sessions(path, 2, 2)
+    shown = CliRunner().invoke(cli, argv)
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"By kind: prune \d+ \(longest [\d.]+ ms, \d+ over\)", shown.output)
+    assert ("db optimize` merges them" in shown.output) is not secure
+
+
+# -- a step yields to a writer that waits --------------------------------------------------------
+
+
+@pytest.mark.parametrize("floor", [0.0, 1.0])
+def test_a_step_ends_after_its_piece_once_a_writer_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, floor: float
+) -> None:
+    """A writer that joins the line behind a step waits for the piece of work in progress,
+    not for the rest of the step: once the step has worked its floor (``YIELD_AFTER`` of the
+    bound), its budget says "no more" as soon as the writer's ticket is issued, and the
+    writer's append lands once the step has committed. Within the floor the step works on
+    (a floor of the whole bound: it never yields)."""
+    monkeypatch.setattr(pacing, "YIELD_AFTER", floor)
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    writer = context.Process(target=fts_damage_workers.append_on_request, args=(str(path), theirs))
+    writer.start()
+    try:
+        assert ours.poll(DEADLINE) and ours.recv() == "ready"
+        with SessionDB(path) as store:
+            queue = store.uow.write_queue
+            assert queue is not None and queue.enabled
+            seen: list[bool] = []
+
+            def body(conn: Any, budget: pacing.Budget) -> tuple[None, int]:
+                seen.append(budget.left())  # nobody waits yet
+                issued = queue.tickets()[0]
+                ours.send(1)  # the writer's append now waits for this step
+                guard = time.monotonic() + DEADLINE  # a hang guard only
+                while queue.tickets()[0] == issued and time.monotonic() < guard:
+                    time.sleep(0.001)
+                time.sleep(pacing.WAITERS_EVERY_S)
+                seen.extend([budget.left(), budget.left()])
+                return None, 1
+
+            # A bound of 10 s: only the writer can end this step early.
+            pace = pacing.Pace("test", 1, 1, 1, bound=10.0)
+            pacing.run_step(store.uow, pace, pacing.StepLog(), body)
+        assert seen == ([True, False, False] if floor == 0.0 else [True, True, True])
+        assert ours.poll(DEADLINE)
+        assert isinstance(ours.recv(), int)  # its append landed after the step
+    finally:
+        ours.send(None)
+        writer.join(DEADLINE)
+
+
+def test_without_the_writer_queue_a_step_ends_by_its_clock_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_STORE_WRITE_QUEUE", "0")
+    path = tmp_path / "state.db"
+    budgets: list[pacing.Budget] = []
+    with SessionDB(path) as store:
+        pace = pacing.Pace("test", 1, 1, 1, bound=10.0)
+        pacing.run_step(store.uow, pace, pacing.StepLog(), lambda _, b: (budgets.append(b), 1))
+    assert budgets[0].waiting is None and budgets[0].left()

@@ -48,3 +48,46 @@ def retention_when_told(path: str, days: float, arrived: Any, start: Any, pipe: 
         pipe.send(f"{type(error).__name__}: {error}")
     finally:
         store.close()
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = 0
+    for i in range(9):
+        byte = data[at]
+        at += 1
+        if i == 8:
+            return (value << 8) | byte, at
+        value = (value << 7) | (byte & 0x7F)
+        if not byte & 0x80:
+            return value, at
+    raise AssertionError("unreachable")
+
+
+def index_levels(path: str, table: str = "messages_fts") -> list[tuple[int, list[int]]]:
+    """An FTS5 index's levels as its structure record has them: (segments of the level still
+    being merged into the next, [segment ids]), lowest level first."""
+    import sqlite3
+
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        block = connection.execute(f"SELECT block FROM {table}_data WHERE id = 10").fetchone()[0]
+    finally:
+        connection.close()
+    at = 4  # the cookie
+    second_format = block[at : at + 4] == b"\xff\x00\x00\x01"  # SQLite >= 3.44
+    at += 4 if second_format else 0
+    count, at = _varint(block, at)
+    _, at = _varint(block, at)  # segments
+    _, at = _varint(block, at)  # the write counter
+    levels: list[tuple[int, list[int]]] = []
+    for _ in range(count):
+        merging, at = _varint(block, at)
+        segments, at = _varint(block, at)
+        ids: list[int] = []
+        for _ in range(segments):
+            segment, at = _varint(block, at)
+            for _ in range(2 + (5 if second_format else 0)):  # first and last page, more
+                _, at = _varint(block, at)
+            ids.append(segment)
+        levels.append((merging, ids))
+    return levels
