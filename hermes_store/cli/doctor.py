@@ -27,7 +27,10 @@ MARKS = {
 
 @click.command(short_help="Check the database's health; exit 1 on a problem.")
 @click.option(
-    "--rebuild-index", is_flag=True, help="Rebuild the full-text index first (then check)."
+    "--rebuild-index",
+    is_flag=True,
+    help="Rebuild the full-text index first (then check). It holds the write lock throughout "
+    "(about a minute per 2 GB): stop the agent first.",
 )
 @click.option(
     "--budget",
@@ -49,9 +52,11 @@ def doctor(
 ) -> None:
     """Check schema, journal, integrity, full-text index and orphan rows; exit 1 on a problem.
 
-    Reads only (nothing is migrated or written) unless --rebuild-index, and never holds the
-    write lock long enough to make an agent wait: a large file is checked table by table
-    within --budget, its full-text index by a sample; --full checks everything on a copy.
+    Reads only (nothing is migrated or written) unless --rebuild-index, and never takes the
+    write lock: a large file is checked table by table within --budget, its full-text index
+    by a sample; --full checks everything on a copy. --rebuild-index is the repair: it
+    rebuilds the whole index in one transaction, so writers wait for it (and give up after
+    their patience on a large file).
 
     \b
     Examples:
