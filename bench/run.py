@@ -1101,8 +1101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     q = args.quick
     chosen = _chosen(parser, args)
-    large = {n.strip() for n in args.scale.split(",") if n.strip()}
-    if large - set(COMPANIONS):
+    large_sizes = {n.strip() for n in args.scale.split(",") if n.strip()}
+    if large_sizes - set(COMPANIONS):
         parser.error(f"--scale takes companions: {', '.join(COMPANIONS)}")
     sizes = [s.strip().lower() for s in (args.sizes or ("1k,10k" if q else "10k,100k")).split(",")]
     for size in sizes:
@@ -1270,7 +1270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in COMPANIONS:
         if key not in chosen:
             continue
-        job = companion(key, quick=q, scale=key in large, pg=pg, search_db=largest)
+        job = companion(key, quick=q, scale=key in large_sizes, pg=pg, search_db=largest)
         if key in ("scale", "doctor_scale") and args.scale_cache and not isinstance(job, str):
             job = dataclasses.replace(job, argv=(*job.argv, "--cache", args.scale_cache))
         if isinstance(job, str):
