@@ -262,13 +262,7 @@ def db_optimize(app: App, vacuum: bool, swap: bool, fmt: str | None, as_json: bo
         f"{report.merge_steps} index merge step(s), {report.pages_freed:,} page(s) freed."
     )
     echo(
-        lock_holds(
-            report.steps,
-            report.longest_step_s,
-            report.steps_over_bound,
-            report.bound_s,
-            report.by_kind,
-        )
+        lock_holds(report)
         + (f" (the longest: {report.longest_step_kind})" if report.longest_step_kind else "")
     )
     for note in report.notes:

@@ -22,7 +22,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import click
 
@@ -171,16 +171,22 @@ def iso(ts: float | None) -> str:
     return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts is not None else ""
 
 
-def lock_holds(
-    steps: int,
-    longest_s: float,
-    over: int,
-    bound_s: float,
-    by_kind: dict[str, list[float]] | None = None,
-) -> str:
+class PacedReport(Protocol):
+    """What a paced job's report says of its steps (prune's and optimize's alike)."""
+
+    steps: int
+    longest_step_s: float
+    steps_over_bound: int
+    bound_s: float
+    by_kind: dict[str, list[float]]
+
+
+def lock_holds(report: PacedReport) -> str:
     """How long a paced job's steps held the write lock: a writer beside it waited for one
-    step at most, so a step over the bound is a wait the writer was not promised.
-    ``by_kind``: [steps, over, longest seconds] of each kind of step, said after."""
+    step at most, so a step over the bound is a wait the writer was not promised. Each kind
+    of step ([steps, over, longest seconds]) is said after."""
+    steps, longest_s, over = report.steps, report.longest_step_s, report.steps_over_bound
+    bound_s, by_kind = report.bound_s, report.by_kind
     line = (
         f"{steps} step(s); the longest held the write lock {longest_s * 1000:.1f} ms; "
         f"{over} over the {bound_s * 1000:.0f} ms bound."

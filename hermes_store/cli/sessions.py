@@ -505,15 +505,7 @@ def sessions_prune(
         f"Deleted {report.sessions} session(s) and {report.messages} message(s) started more "
         f"than {days:g} days ago, in {report.chunks} chunk(s)."
     )
-    echo(
-        lock_holds(
-            report.steps,
-            report.longest_step_s,
-            report.steps_over_bound,
-            report.bound_s,
-            report.by_kind,
-        )
-    )
+    echo(lock_holds(report))
     if report.sessions and not report.index_merged:
         echo(
             "The deleted words' records stay in the full-text index's big segments until "
