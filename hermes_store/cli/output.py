@@ -22,9 +22,12 @@ import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
+
+if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
+    from hermes_store.ops.pacing import StepTally
 
 FORMATS = ("table", "tsv", "csv", "json")
 RowDict = dict[str, Any]
@@ -171,17 +174,7 @@ def iso(ts: float | None) -> str:
     return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts is not None else ""
 
 
-class PacedReport(Protocol):
-    """What a paced job's report says of its steps (prune's and optimize's alike)."""
-
-    steps: int
-    longest_step_s: float
-    steps_over_bound: int
-    bound_s: float
-    by_kind: dict[str, list[float]]
-
-
-def lock_holds(report: PacedReport) -> str:
+def lock_holds(report: StepTally) -> str:
     """How long a paced job's steps held the write lock: a writer beside it waited for one
     step at most, so a step over the bound is a wait the writer was not promised. Each kind
     of step ([steps, over, longest seconds]) is said after."""

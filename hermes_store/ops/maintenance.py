@@ -79,9 +79,9 @@ OnStep = Callable[[str, int], None]
 
 
 @dataclass
-class Report:
-    """What :func:`optimize` did and how long its steps held the write lock: the longest one
-    (and what it did), and how many went over the bound a writer may wait for."""
+class Report(pacing.StepTally):
+    """What :func:`optimize` did and how long its steps held the write lock (the tally: the
+    longest one and what it did, and how many went over the bound a writer may wait for)."""
 
     backend: str
     bytes_before: int
@@ -89,33 +89,10 @@ class Report:
     merge_steps: int = 0
     vacuum_steps: int = 0
     pages_freed: int = 0
-    longest_step_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     #: The file's free pages left after the job (SQLite; 0 elsewhere): what a file whose
     #: ``auto_vacuum`` is not INCREMENTAL keeps for reuse.
     free_pages: int = 0
-    #: The bound each step aimed to stay within (seconds).
-    bound_s: float = pacing.STEP_SECONDS
-    #: Every step run (merge, analyze, vacuum), and those that held the lock past the bound.
-    steps: int = 0
-    steps_over_bound: int = 0
-    #: What the longest step did ("merge", "analyze", "vacuum"; empty before any step).
-    longest_step_kind: str = ""
-    #: By kind of step: [steps, over the bound, longest hold in seconds].
-    by_kind: dict[str, list[float]] = field(default_factory=dict)
-
-    def record(self, step: pacing.Step) -> None:
-        self.steps += 1
-        over = step.seconds > self.bound_s
-        if over:
-            self.steps_over_bound += 1
-        if step.seconds >= self.longest_step_s:
-            self.longest_step_s = step.seconds
-            self.longest_step_kind = step.kind
-        kind = self.by_kind.setdefault(step.kind, [0, 0, 0.0])
-        kind[0] += 1
-        kind[1] += int(over)
-        kind[2] = max(kind[2], step.seconds)
 
 
 def database_bytes(uow: UnitOfWork) -> int:
@@ -265,21 +242,48 @@ def settle_index(
     with uow.connect(write=False) as conn:
         leaves = sum(int(conn.exec_driver_sql(_LEAVES[table]).scalar() or 0) for table in tables)
     pace = pacing.Pace("merge", MERGE_PAGES, MIN_MERGE_PAGES, 4096, bound)
+    steps = _merge_steps(
+        uow,
+        lambda _first: _tidy(uow, pace, log, tables, secure_delete),
+        report,
+        budget=leaves + 16 * MERGE_PAGES,
+        max_steps=MAX_STEPS,
+        on_step=on_step,
+        pause=pause,
+        stop=stop,
+    )
+    report.merge_steps += steps
+    return steps
+
+
+def _merge_steps(
+    uow: UnitOfWork,
+    step: Callable[[bool], tuple[bool, pacing.Step]],
+    report: Report,
+    *,
+    budget: int,
+    max_steps: int,
+    on_step: OnStep | None,
+    pause: float | None,
+    stop: threading.Event | None,
+) -> int:
+    """Paced merge steps (``step(first)``: whether work may be left, and the step) until one
+    finds no work, ``stop`` is set, or ``budget`` pages or ``max_steps`` steps are spent:
+    writers keep adding small segments, so "no work left" may never come under load, and the
+    budget is what merging the index as it stands would take. Returns the number of steps."""
     steps = done = 0
-    # Writers keep adding small segments, so the work is capped at the index's size.
-    while steps < MAX_STEPS and done <= leaves + 16 * MERGE_PAGES:
+    while steps < max_steps and done <= budget:
         if stop is not None and stop.is_set():
             break
-        found, step = _tidy(uow, pace, log, tables, secure_delete)
+        found, ran = step(steps == 0)
         steps += 1
-        done += step.work
-        report.record(step)
+        done += ran.work
+        report.record(ran)
         if on_step is not None:
-            on_step("merge", step.work)
-        pacing.between_steps(uow, step, pause)
+            on_step("merge", ran.work)
+        pacing.between_steps(uow, ran, pause)
         if not found:
             break
-    report.merge_steps += steps
     return steps
 
 
@@ -395,38 +399,37 @@ def merge_index(
                 "makes it shallow again"
             )
         pace = pacing.Pace("merge", MERGE_PAGES, MIN_MERGE_PAGES, MAX_MERGE_PAGES, bound)
-        # Writers keep adding small segments, so "no work left" may never come under load:
-        # the budget is what merging the index as it stands would take.
-        budget = leaves + 16 * MERGE_PAGES
-        done = 0
-        first = start
-        while steps < MAX_STEPS and done <= budget:
-            if stop is not None and stop.is_set():
-                break
 
-            def body(
-                conn: Connection, budget: pacing.Budget, table: str = table, start: bool = first
-            ) -> tuple[bool, int]:
+        def merge(
+            first: bool, table: str = table, start: bool = start, pace: pacing.Pace = pace
+        ) -> tuple[bool, pacing.Step]:
+            def body(conn: Connection, budget: pacing.Budget) -> tuple[bool, int]:
                 pages = 0
                 while True:
                     piece = max(1, min(MERGE_STATEMENT_PAGES, budget.size - pages))
                     found = _merge_step(
-                        conn, piece, table=table, secure=secure_delete, start=start and not pages
+                        conn,
+                        piece,
+                        table=table,
+                        secure=secure_delete,
+                        start=start and first and not pages,
                     )
                     pages += piece
                     if not found or pages >= budget.size or not budget.left():
                         return found, pages
 
-            found, step = pacing.run_step(uow, pace, log, body)
-            first = False
-            steps += 1
-            done += step.work
-            report.record(step)
-            if on_step is not None:
-                on_step("merge", step.work)
-            pacing.between_steps(uow, step, pause)
-            if not found:
-                break
+            return pacing.run_step(uow, pace, log, body)
+
+        steps += _merge_steps(
+            uow,
+            merge,
+            report,
+            budget=leaves + 16 * MERGE_PAGES,
+            max_steps=MAX_STEPS - steps,
+            on_step=on_step,
+            pause=pause,
+            stop=stop,
+        )
     report.merge_steps += steps
     return steps
 

@@ -67,6 +67,41 @@ class Step:
     started: float = 0.0
 
 
+@dataclass(kw_only=True)
+class StepTally:
+    """How a job's steps held the write lock, as its report says it: every step, those past
+    ``bound_s`` (the wait a writer beside the job was promised), the longest hold and what
+    it did, and by kind of step [steps, over the bound, longest hold in seconds]."""
+
+    bound_s: float = STEP_SECONDS
+    steps: int = 0
+    steps_over_bound: int = 0
+    longest_step_s: float = 0.0
+    #: What the longest step did ("prune", "merge", "vacuum", ...; empty before any step).
+    longest_step_kind: str = ""
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
+
+    def record(self, step: Step) -> None:
+        """Count one step."""
+        self._count(step.kind, 1, int(step.seconds > self.bound_s), step.seconds)
+
+    def add(self, other: StepTally) -> None:
+        """Count the steps another job's tally holds (a prune's index merge)."""
+        for kind, (count, over, longest) in other.by_kind.items():
+            self._count(kind, int(count), int(over), longest)
+
+    def _count(self, kind: str, count: int, over: int, longest: float) -> None:
+        self.steps += count
+        self.steps_over_bound += over
+        if longest >= self.longest_step_s:
+            self.longest_step_s = longest
+            self.longest_step_kind = kind
+        mine = self.by_kind.setdefault(kind, [0, 0, 0.0])
+        mine[0] += count
+        mine[1] += over
+        mine[2] = max(mine[2], longest)
+
+
 @dataclass
 class StepLog:
     """Every step a job ran, in order."""

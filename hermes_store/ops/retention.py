@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -164,49 +164,22 @@ def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
 
 
 @dataclass
-class Report:
+class Report(pacing.StepTally):
     """What a retention run did. ``chunks``: the steps (write units) that deleted something;
-    ``largest_chunk``: the most sessions one of them deleted; ``longest_step_s``: the longest
-    any step held the write lock (first statement to commit); ``steps``: every step, the
-    index merge's included; ``steps_over_bound``: those that held it past ``bound_s``, the
-    wait a writer beside the job was promised."""
+    ``largest_chunk``: the most sessions one of them deleted; the tally counts every step, the
+    index merge's included (kinds "prune": deletes, "merge": the index)."""
 
     sessions: int = 0
     messages: int = 0
     chunks: int = 0
     largest_chunk: int = 0
     index_merged: bool = False
-    longest_step_s: float = 0.0
-    bound_s: float = pacing.STEP_SECONDS
-    steps: int = 0
-    steps_over_bound: int = 0
-    #: By kind of step ("prune": deletes, "merge": the index): [steps, over the bound,
-    #: longest hold in seconds].
-    by_kind: dict[str, list[float]] = field(default_factory=dict)
-
-    def record(self, step: pacing.Step) -> None:
-        self.steps += 1
-        over = step.seconds > self.bound_s
-        if over:
-            self.steps_over_bound += 1
-        self.longest_step_s = max(self.longest_step_s, step.seconds)
-        kind = self.by_kind.setdefault(step.kind, [0, 0, 0.0])
-        kind[0] += 1
-        kind[1] += int(over)
-        kind[2] = max(kind[2], step.seconds)
 
     def add_merge(self, merged: maintenance.Report, *, full: bool = True) -> None:
         """Count the index merge that followed the deletes (``full``: the whole index was
         merged, not only its small segments)."""
         self.index_merged = self.index_merged or full
-        self.steps += merged.steps
-        self.steps_over_bound += merged.steps_over_bound
-        self.longest_step_s = max(self.longest_step_s, merged.longest_step_s)
-        for kind, (count, over, longest) in merged.by_kind.items():
-            mine = self.by_kind.setdefault(kind, [0, 0, 0.0])
-            mine[0] += count
-            mine[1] += over
-            mine[2] = max(mine[2], longest)
+        self.add(merged)
 
 
 #: What deleting a message costs beside its text (its row, its index entries, the full-text
