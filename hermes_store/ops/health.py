@@ -45,6 +45,7 @@ from hermes_store.errors import (
     SchemaTooNewError,
     mapped_errors,
 )
+from hermes_store.ops import maintenance
 from hermes_store.schema import ddl, fulltext, migrate
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
@@ -585,8 +586,10 @@ def _cjk_sample(conn: Connection, message_id: int, text: str, draw: random.Rando
 def _structure_check(conn: Connection) -> Check | str:
     """Each FTS5 table's structure record (read as a plain row): an error Check when FTS5
     cannot read it (every write to ``messages`` fails then), else a warning text when it is
-    so deep that merging stops starting ("" when fine)."""
-    deep = []
+    so deep that merging stops starting, or left with a maintenance job's merge settings
+    ("" when fine)."""
+    deep: list[str] = []
+    merging_off: list[str] = []
     for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
         if not conn.exec_driver_sql(
             "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
@@ -603,13 +606,21 @@ def _structure_check(conn: Connection) -> Check | str:
             )
         if shape is not None and shape.levels >= fulltext.DEEP_LEVELS:
             deep.append(f"{table} has {shape.levels} levels")
-    if not deep:
-        return ""
-    return (
-        f"in step with messages, but {', '.join(deep)} (FTS5 fails past "
-        f"{fulltext.FTS5_MAX_STRUCTURE:,}; merging no longer compacts it): run "
-        "`hermes-store doctor --rebuild-index`"
-    )
+        if maintenance.fts5_settings(conn, table) == maintenance.JOB_FTS5_SETTINGS:
+            merging_off.append(table)
+    warnings = []
+    if deep:
+        warnings.append(
+            f"{', '.join(deep)} (FTS5 fails past {fulltext.FTS5_MAX_STRUCTURE:,}; merging no "
+            "longer compacts it): run `hermes-store doctor --rebuild-index`"
+        )
+    if merging_off:
+        warnings.append(
+            f"FTS5's automatic merging is off for {', '.join(merging_off)} (a maintenance "
+            "job's setting: a prune, optimize or import is running, or was killed; search "
+            "slows as segments pile up): `hermes-store db optimize` puts it back"
+        )
+    return f"in step with messages, but {'; and '.join(warnings)}" if warnings else ""
 
 
 _ORPHAN_MESSAGES = (

@@ -128,7 +128,7 @@ JOB_FTS5_SETTINGS = {"automerge": 0, "crisismerge": 64}
 FTS5_DEFAULT_SETTINGS = {"automerge": 4, "crisismerge": 16}
 
 
-def _fts5_settings(conn: Connection, table: str) -> dict[str, int]:
+def fts5_settings(conn: Connection, table: str) -> dict[str, int]:
     """The table's own 'automerge' and 'crisismerge' (FTS5's defaults where unset)."""
     rows = conn.exec_driver_sql(
         f"SELECT k, v FROM {table}_config WHERE k IN ('automerge', 'crisismerge')"
@@ -156,7 +156,7 @@ def paced_index_merging(uow: UnitOfWork) -> Iterator[list[str]]:
         tables = _present_tables(conn)
         for table in tables:  # a damaged index is said so before anything is written to it
             index_shape(conn, table)
-        previous = {table: _fts5_settings(conn, table) for table in tables}
+        previous = {table: fts5_settings(conn, table) for table in tables}
     for table, settings in previous.items():
         if settings == JOB_FTS5_SETTINGS:  # a job's, left by a process that was killed
             previous[table] = dict(FTS5_DEFAULT_SETTINGS)

@@ -23,7 +23,7 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
 from hermes_store.engine.factory import to_url
-from hermes_store.ops import health
+from hermes_store.ops import health, maintenance
 from tests.support import fts_damage_workers as workers
 
 #: A hang guard only: every wait is on an event or a pipe.
@@ -211,6 +211,42 @@ def test_full_finds_every_damage_on_a_large_file(
     DAMAGE[damage](state)
     checks = health.run_doctor(_url(state), full=True)
     assert _statuses(checks)["full check (snapshot)"] == "error", checks
+
+
+def _merge_settings(path: Path) -> dict[str, dict[str, int]]:
+    conn = sqlite3.connect(path)
+    try:
+        return {
+            table: dict(conn.execute(f"SELECT k, v FROM {table}_config WHERE k LIKE '%merge'"))
+            for table in ("messages_fts", "messages_cjk")
+        }
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_merge_settings_a_killed_job_left_are_reported_and_optimize_puts_them_back(
+    state: Path, size: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prune, optimize or import killed mid-run leaves FTS5's automerge off (its settings
+    are the table's, stored in the file): the doctor says so and names the fix."""
+    _sized(monkeypatch, size)
+    conn = sqlite3.connect(state, isolation_level=None)
+    try:  # what maintenance.paced_index_merging writes as a job starts
+        for key, value in maintenance.JOB_FTS5_SETTINGS.items():
+            conn.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES (?, ?)", (key, value))
+    finally:
+        conn.close()
+    checks = health.run_doctor(_url(state))
+    assert _statuses(checks)["full-text index"] == "warn", checks
+    detail = _detail(checks, "full-text index")
+    assert "automatic merging is off for messages_fts" in detail
+    assert "messages_cjk" not in detail
+    assert "db optimize" in detail
+    with SessionDB(state) as store:
+        maintenance.optimize(store.uow)
+    assert _merge_settings(state)["messages_fts"] == {"automerge": 4, "crisismerge": 16}
+    assert _statuses(health.run_doctor(_url(state)))["full-text index"] == "ok"
 
 
 @pytest.mark.parametrize("size", SIZES)
