@@ -570,8 +570,8 @@ def one_run(source: Path, folder: Path, days: int, ours_first: bool = True) -> R
     shutil.copyfile(source, copy)
     sync_to_disk(copy)
     load = os.getloadavg()[0]
-    start = disk_bytes(copy)
     reads = read_steps(copy, folder, ours_first)
+    start = disk_bytes(copy)  # the file the prune meets (the reads' writers added a little)
     prune = beside_writer(copy, "prune", ["sessions", "prune", "--older-than", str(days), "--yes"])
     optimize = beside_writer(copy, "optimize", ["db", "optimize"])
     fresh = fresh_bytes(copy, folder)
