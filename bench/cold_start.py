@@ -156,6 +156,21 @@ def import_seconds(argv: list[str], env: dict[str, str]) -> tuple[float, set[str
     return total_us / 1e6, packages
 
 
+def process_env(folder: Path) -> dict[str, str]:
+    """The contenders' environment: this checkout first on the path, ``folder`` as
+    ``HERMES_HOME`` (and the working folder), bytecode cached as an installed package has it
+    (the warm-up run writes it) in a folder of its own, so no checkout gets a __pycache__."""
+    env = {
+        **os.environ,
+        "HERMES_HOME": str(folder),
+        "PYTHONPATH": str(ROOT),
+        "PYTHONPYCACHEPREFIX": str(folder / "pycache"),
+    }
+    for name in ("HERMES_STORE_URL", "PYTHONDONTWRITEBYTECODE"):
+        env.pop(name, None)
+    return env
+
+
 def build(db: Path, sessions: int) -> str:
     """A state.db at head with ``sessions`` sessions of 10 messages; returns a session id."""
     from hermes_store import SessionDB
@@ -211,16 +226,7 @@ def main() -> None:
             session_id = middle_session(db)
         else:
             session_id = build(db, args.sessions)
-        # Bytecode cached as an installed package has it (the warm-up writes it), in a folder
-        # of its own so no checkout gets a __pycache__.
-        env = {
-            **os.environ,
-            "HERMES_HOME": folder,
-            "PYTHONPATH": str(ROOT),
-            "PYTHONPYCACHEPREFIX": str(Path(folder) / "pycache"),
-        }
-        for name in ("HERMES_STORE_URL", "PYTHONDONTWRITEBYTECODE"):
-            env.pop(name, None)
+        env = process_env(Path(folder))
         contenders = {name: (argv, env) for name, argv in programs(db, session_id).items()}
         if args.before is not None:
             before_env = {**env, "PYTHONPATH": str(args.before.resolve())}

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.scale import BOUND_MS, CACHE, ROOT, Step, beside_writer, cached
+from bench.scale import BOUND_MS, CACHE, ROOT, Step, beside_writer, cached, sync_to_disk
 
 
 @dataclass
@@ -70,13 +70,7 @@ def main() -> None:
     try:
         copy = folder / "copy.db"
         shutil.copyfile(source, copy)  # the doctor writes nothing; the writers add a session each
-        # On disk before the first round: a writer's fsync would otherwise wait behind the
-        # write-back of the copy's 2 GB of dirty pages, and that wait be counted as the doctor's.
-        descriptor = os.open(copy, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        sync_to_disk(copy)  # on disk before the first round
         for number in range(args.runs):
             shift = number % len(contenders)
             for contender in contenders[shift:] + contenders[:shift]:

@@ -718,14 +718,18 @@ def companion(
         mb, sessions, runs = sizes[size]
         return Companion(
             key,
-            "A state.db that lives for years: prune and online optimize beside a writer",
+            "A state.db that lives for years: cold open, search, list, backup, prune and "
+            "online optimize beside a writer",
             f"`bench/scale.py`: a realistic {mb} MB file ({sessions} sessions of ~51 messages "
             "over 12 months: chat turns, 5-50 KB tool outputs, 5% CJK; built with `hermes-store "
-            "import`), `sessions prune --older-than 274` then `db optimize`, each in its own "
-            "process beside one writer process appending every 50 ms: the writer's errors, "
-            "worst wait and p99, the file's size at start, most and end against a fresh import "
-            "of what remains. `--scale`: 2 GB, 3 runs (10 GB by hand: `--size-mb 10240 "
-            "--sessions 100000 --messages 5100000`).",
+            "import`); on a copy of it, each step in its own process beside one writer process "
+            "appending every 50 ms: cold open + first `get_session`, searches (a common, a rare "
+            "and a CJK word) and the first page of sessions, against the original store on the "
+            "same file, the order alternating; `hermes-store backup`; then `sessions prune "
+            "--older-than 274` and `db optimize`. The writer's errors, worst wait and p99, the "
+            "file's size at start, most and end against a fresh import of what remains. "
+            "`--scale`: 2 GB, 3 runs (10 GB by hand: `--size-mb 10240 --sessions 100000 "
+            "--messages 5100000`).",
             argv=(
                 "--size-mb",
                 mb,
