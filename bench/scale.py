@@ -605,7 +605,7 @@ def _seconds(values: list[float]) -> str:
 
 
 def _sides(steps: dict[str, list[Step]], of: Callable[[Step], float]) -> str:
-    """A figure of each store's steps, median [min..max], ``ours / original``."""
+    """A figure of each store's steps, median [min..max], shown as ``ours / original``."""
     return " / ".join(_spread([of(step) for step in taken]) for taken in steps.values())
 
 
@@ -620,11 +620,11 @@ def read_report(runs: list[Run]) -> None:
         f"calls once untimed (warm, as in a running agent), then times {READ_REPEATS} calls: "
         f"the step's figure is their median. Backup: the CLI's process from start to exit "
         f"(the original store has no backup). Median [min..max] of {len(runs)} run(s); "
-        f"original / ours above 1x: hermes_store is faster; the writer's figures as "
+        f"ours / original below 1x: hermes_store is faster; the writer's figures as "
         f"hermes_store / the original store:\n"
     )
     print(
-        "| step | hermes_store | original store | original / ours | rows (ours / original) "
+        "| step | hermes_store | original store | ours / original | rows (ours / original) "
         "| writer's worst wait ms | writer's errors | exit codes |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -638,10 +638,10 @@ def read_report(runs: list[Run]) -> None:
         ours = _seconds([s.seconds for s in steps[OURS]])
         if ORIGINAL in steps:
             original = _seconds([s.seconds for s in steps[ORIGINAL]])
-            ratio = statistics.median([s.seconds for s in steps[ORIGINAL]]) / statistics.median(
-                [s.seconds for s in steps[OURS]]
+            ratio = statistics.median([s.seconds for s in steps[OURS]]) / statistics.median(
+                [s.seconds for s in steps[ORIGINAL]]
             )
-            shown_ratio = f"{ratio:,.1f}x" if ratio < 10 else f"{ratio:,.0f}x"
+            shown_ratio = f"{ratio:,.2f}x" if ratio >= 0.01 else f"{ratio:,.4f}x"
         else:
             original, shown_ratio = "no backup", ""
         hits = " / ".join(
