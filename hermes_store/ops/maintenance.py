@@ -21,6 +21,7 @@ only when no other connection has the database open, and refuses otherwise.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import sqlite3
 import stat
@@ -641,8 +642,11 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
     swap landed meanwhile). Under the lock the old file leaves WAL mode (its WAL
     checkpointed into it and removed, its ``-shm`` removed), so no side file of it is left
     under the names the new file's WAL and shared memory take, and the copy is renamed over
-    it: a crash at any point leaves the old file or the new one, each whole. A symbolic link
-    stays a link, to the new file. Returns bytes before and after (the WAL included).
+    it: a crash at any point leaves the old file or the new one, each whole (and perhaps the
+    copy, ``.NAME.PID.HEX.compact``, which the next swap removes). A symbolic link stays a
+    link, to the new file. A connection opened before the swap but not yet used (so holding
+    no lock) reads the old file afterwards and cannot write it (SQLite refuses writes to a
+    file moved away). Returns bytes before and after (the WAL included).
     """
     if not path.exists():
         raise InvalidInputError(f"there is no database at {path}")
@@ -656,7 +660,8 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
             probe.execute("ROLLBACK")
     finally:
         probe.close()
-    partial = real.parent / f".{real.name}.compact-{secrets.token_hex(6)}"
+    _remove_dead_copies(real)
+    partial = real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(6)}.compact"
     if not create_private_file(partial):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
     try:
@@ -704,6 +709,29 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
         for sidecar in files.sidecars(partial):
             sidecar.unlink(missing_ok=True)
     return before, _size(real)
+
+
+def _remove_dead_copies(real: Path) -> None:
+    """Remove what swaps killed during their copy left beside the file: ``.NAME.PID.HEX.compact``
+    (and its side files) whose process is gone. Called once the file was found unused, so no
+    swap is copying it then; a live process's copy is never touched."""
+    pattern = re.compile(
+        rf"\.{re.escape(real.name)}\.(?P<pid>\d{{1,10}})\.[0-9a-f]{{12}}\.compact"
+        r"(?:-wal|-shm|-journal)?"
+    )
+    with os.scandir(real.parent) as entries:
+        dead = [
+            entry.path
+            for entry in entries
+            if (found := pattern.fullmatch(entry.name)) is not None
+            and entry.is_file(follow_symlinks=False)
+            and not files.pid_alive(int(found.group("pid")))
+        ]
+    for name in dead:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:  # removed meanwhile
+            continue
 
 
 def _file_key(path: Path) -> tuple[int, int]:

@@ -339,6 +339,8 @@ def test_a_swap_killed_during_its_copy_leaves_the_file_whole(state: Path) -> Non
     finally:
         swapping.join(DEADLINE)
     assert swapping.exitcode == -signal.SIGKILL
+    left = [name for name in _beside(state) if name.endswith(".compact")]
+    assert len(left) == 1 and os.path.getsize(state.parent / left[0]) > 0
     assert _dump(state) == dump
     assert _pragmas(state)["integrity_check"] == "ok"
     with SessionDB(state) as store:
@@ -347,6 +349,7 @@ def test_a_swap_killed_during_its_copy_leaves_the_file_whole(state: Path) -> Non
         assert store.search_messages("東京タワー", limit=100)
     before, after = maintenance.vacuum_swap(state)  # the next run goes through
     assert after < before
+    assert _beside(state) == ["state.db"]  # and removed the killed run's copy
 
 
 def test_a_connection_opened_before_the_swap_cannot_write_into_the_old_file(

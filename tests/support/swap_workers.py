@@ -34,7 +34,7 @@ def swap_until_killed(path: str, copying: Any, never: Any) -> None:
     connect = files.connect_sqlite
 
     def copy_started() -> bool:
-        copies = database.parent.glob(f".{database.name}.compact-*")
+        copies = database.parent.glob(f".{database.name}.*.compact")
         return any(copy.stat().st_size > 0 for copy in copies)
 
     def watched(where: Path, **options: Any) -> sqlite3.Connection:

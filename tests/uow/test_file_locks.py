@@ -293,6 +293,9 @@ FILE_ACCESS_ALLOWED = {
     ("maintenance.py", "os.replace"): "vacuum_swap: renames its own checked copy onto the "
     "database while holding the database's exclusive lock (nobody else has it open) after the "
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
+    ("maintenance.py", "os.unlink"): "vacuum_swap: removes the compacted copies "
+    "(.NAME.PID.HEX.compact) that killed swaps left, once their process is gone; never the "
+    "database",
     ("retention.py", "os.open"): "<db>-retention, the retention policy's marker (0600, "
     "O_NOFOLLOW, refused unless a regular file); never the database",
     ("health.py", "shutil.rmtree"): "doctor --full: removes its own mkdtemp folder holding the "
