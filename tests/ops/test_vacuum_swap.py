@@ -325,31 +325,54 @@ def test_a_copy_that_cannot_be_given_the_files_owner_is_not_swapped(
     unchanged()
 
 
-def test_a_swap_killed_during_its_copy_leaves_the_file_whole(state: Path) -> None:
-    dump = _dump(state)
-    copying, never = SPAWN.Event(), SPAWN.Event()
+@pytest.mark.parametrize("point", ["copying", "before-rename", "after-rename"])
+def test_a_swap_killed_at_any_point_leaves_a_whole_file(state: Path, point: str) -> None:
+    """SIGKILLed during its copy, with the old file out of WAL mode just before the rename,
+    or just after it: the file at the path is the old one or the new one, every row in it
+    (one only in the old file's WAL when the swap began its copy included), usable by the
+    store and the original store; the next swap removes a copy left behind."""
+    dump, inode = _dump(state), state.stat().st_ino
+    reached, never = SPAWN.Event(), SPAWN.Event()
     swapping = SPAWN.Process(
-        target=swap_workers.swap_until_killed, args=(str(state), copying, never)
+        target=swap_workers.swap_until_killed, args=(str(state), point, reached, never)
     )
     swapping.start()
     try:
-        assert copying.wait(DEADLINE), "the swap never started its copy"
+        assert reached.wait(DEADLINE), f"the swap never got to {point}"
         assert swapping.pid is not None
         os.kill(swapping.pid, signal.SIGKILL)
     finally:
         swapping.join(DEADLINE)
     assert swapping.exitcode == -signal.SIGKILL
-    left = [name for name in _beside(state) if name.endswith(".compact")]
-    assert len(left) == 1 and os.path.getsize(state.parent / left[0]) > 0
-    assert _dump(state) == dump
+    copies = [name for name in _beside(state) if name.endswith(".compact")]
+    if point == "after-rename":
+        assert state.stat().st_ino != inode and copies == []
+    else:
+        assert state.stat().st_ino == inode and len(copies) == 1
+    if point != "copying":  # taken out of WAL mode, the old file left no WAL for the new one
+        assert _beside(state) == sorted(["state.db", *copies])
+    after = _dump(state)  # the commit that was only in the WAL is in the file
+    assert [line for line in after if "in-the-wal" not in line] == dump
+    assert len(after) == len(dump) + 1
     assert _pragmas(state)["integrity_check"] == "ok"
     with SessionDB(state) as store:
         assert store.check_search_index()
+        assert store.get_session("in-the-wal") is not None
         store.append_message("s000", "user", "after the killed swap")
-        assert store.search_messages("東京タワー", limit=100)
-    before, after = maintenance.vacuum_swap(state)  # the next run goes through
-    assert after < before
+        assert store.search_messages("東京タワー")
+    seed = SeedSessionDB(state)
+    try:
+        seed.append_message("s001", "user", "the original store after the killed swap")
+    finally:
+        seed.close()
+    maintenance.vacuum_swap(state)  # the next run goes through
     assert _beside(state) == ["state.db"]  # and removed the killed run's copy
+    assert _pragmas(state) == {
+        "auto_vacuum": 2,
+        "journal_mode": "wal",
+        "freelist_count": 0,
+        "integrity_check": "ok",
+    }
 
 
 def test_a_connection_opened_before_the_swap_cannot_write_into_the_old_file(
