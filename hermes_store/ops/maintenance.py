@@ -44,6 +44,7 @@ from hermes_store.errors import (
     NotADatabaseError,
     UnsafePathError,
     mapped_errors,
+    translate,
 )
 from hermes_store.ops import backup, pacing
 from hermes_store.schema import ddl, fulltext
@@ -567,6 +568,22 @@ def _damage(connection: sqlite3.Connection) -> list[str]:
     return ([] if problems == ["ok"] else problems[:3]) + fulltext.index_damage(connection)
 
 
+@contextmanager
+def _driver_errors() -> Iterator[None]:
+    """:func:`mapped_errors` for the plain ``sqlite3`` connections of the vacuums, whose
+    errors SQLAlchemy never wraps: a full disk is :class:`StorageFullError`, a damaged file
+    :class:`NotADatabaseError`, not a bare driver error."""
+    try:
+        with mapped_errors():
+            yield
+    except sqlite3.Error as error:
+        wrapped = sa.exc.DBAPIError.instance(None, None, error, sqlite3.Error)
+        mapped = translate(wrapped) if isinstance(wrapped, sa.exc.DBAPIError) else None
+        if mapped is None:
+            raise
+        raise mapped from error
+
+
 def vacuum_offline(path: Path) -> tuple[int, int]:
     """A full ``VACUUM`` of a SQLite file nobody else has open; turns on incremental vacuum.
 
@@ -586,7 +603,7 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     before = size()
     connection = files.connect_sqlite(path, timeout=0)
     try:
-        with mapped_errors():
+        with _driver_errors():
             _take_alone(connection, path)
             connection.execute("COMMIT")
             damage = _damage(connection)
@@ -655,7 +672,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
     before = _size(real)
     probe = files.connect_sqlite(real, timeout=0)
     try:  # the cheap refusal first: a copy of a file in use would be made for nothing
-        with mapped_errors():
+        with _driver_errors():
             _take_alone(probe, path)
             probe.execute("ROLLBACK")
     finally:
@@ -669,7 +686,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
         copied = _file_key(real)  # the file the connection opens, unless swapped meanwhile
         connection = files.connect_sqlite(real)  # the copy only reads: it waits as a reader
         try:
-            with mapped_errors():
+            with _driver_errors():
                 version = connection.execute("PRAGMA data_version").fetchone()[0]
                 if connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 0:
                     # Read by VACUUM INTO for its copy; on a file without auto-vacuum the

@@ -24,7 +24,12 @@ from click.testing import CliRunner
 from hermes_store import SessionDB
 from hermes_store.cli import cli
 from hermes_store.engine import files
-from hermes_store.errors import AccessDeniedError, DatabaseLockedError, NotADatabaseError
+from hermes_store.errors import (
+    AccessDeniedError,
+    DatabaseLockedError,
+    NotADatabaseError,
+    StorageFullError,
+)
 from hermes_store.ops import backup, maintenance, retention
 from hermes_store.schema import migrate
 from tests.support import swap_workers
@@ -263,17 +268,55 @@ def test_the_swap_is_refused_while_another_process_has_the_file_open(state: Path
     assert after < before
 
 
-def test_a_damaged_file_is_not_swapped(state: Path) -> None:
-    conn = sqlite3.connect(state, isolation_level=None)
-    try:  # the full-text index's structure record as the issue found it: 2,001 levels
+def _damage_index(path: Path) -> None:
+    """The full-text index's structure record as the issue found it: 2,001 levels."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
         garbage = bytes(4) + bytes([0x8F, 0x51]) + bytes(40)
         conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = 10", (garbage,))
     finally:
         conn.close()
+
+
+def _damage_btree(path: Path) -> None:
+    """Garbage over the messages table's root page (no connection has the file open)."""
+    conn = sqlite3.connect(path)
+    try:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'messages'").fetchone()
+    finally:
+        conn.close()
+    with path.open("r+b") as raw:
+        raw.seek((root[0] - 1) * page_size)
+        raw.write(b"\xa5" * page_size)
+
+
+@pytest.mark.parametrize("damage", [_damage_index, _damage_btree], ids=["index", "b-tree"])
+def test_a_damaged_file_is_not_swapped(state: Path, damage: Callable[[Path], None]) -> None:
+    damage(state)
     unchanged = _unchanged(state)
-    with pytest.raises(NotADatabaseError, match="compacted copy failed the checks"):
+    with pytest.raises(NotADatabaseError):
         maintenance.vacuum_swap(state)
     unchanged()
+    result = CliRunner().invoke(cli, ["--db", str(state), "db", "optimize", "--vacuum", "--swap"])
+    assert result.exit_code == 3, result.output
+    unchanged()
+
+
+def test_a_disk_too_full_for_the_copy_changes_nothing(state: Path, tiny_disk: Path) -> None:
+    """The copy needs room beside the file; without it the swap fails and leaves no part of
+    the copy behind."""
+    path = Path(shutil.copy(state, tiny_disk / "state.db"))
+    room = os.statvfs(tiny_disk)
+    filler = tiny_disk / "filler"
+    filler.write_bytes(bytes(room.f_bavail * room.f_frsize - 128 * 1024))  # 128 KiB stay free
+    unchanged = _unchanged(path)
+    with pytest.raises(StorageFullError):
+        maintenance.vacuum_swap(path)
+    unchanged()
+    filler.unlink()
+    maintenance.vacuum_swap(path)  # with room again, it goes through
+    assert _dump(path) == _dump(state)
 
 
 def test_a_symlinked_database_stays_a_symlink_and_the_file_keeps_its_mode(
