@@ -15,7 +15,9 @@ finished, and at 2,001 levels FTS5 could no longer read its structure record: ev
 statement on the table, the writer's appends and DROP TABLE included, failed as corrupt.
 
 A full ``VACUUM`` rewrites the whole file under an exclusive lock: :func:`vacuum_offline` runs it
-only when no other connection has the database open, and refuses otherwise.
+only when no other connection has the database open, and refuses otherwise. A replica that
+ships the WAL (Litestream) cannot follow a file rewritten in place: :func:`vacuum_swap` writes
+a compacted copy instead and renames it over the file.
 """
 
 from __future__ import annotations
