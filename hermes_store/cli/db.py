@@ -206,8 +206,8 @@ def db_check(app: App) -> None:
 @click.option(
     "--swap",
     is_flag=True,
-    help="With --vacuum: write a compacted copy beside the file and swap it in, never "
-    "rewriting the file in place.",
+    help="With --vacuum: write a compacted copy beside the file and rename it over the file, "
+    "never rewriting the file in place (for files a replica such as Litestream follows).",
 )
 @format_option
 @pass_app
@@ -216,9 +216,9 @@ def db_optimize(app: App, vacuum: bool, swap: bool, fmt: str | None, as_json: bo
 
     Each step holds the write lock about 0.1 s at most, so agents keep writing. A file created
     by the original store (auto_vacuum off) keeps its freed pages for reuse: --vacuum, run once
-    with every agent stopped, rewrites it and turns incremental vacuum on; with --swap the
-    compacted copy is written beside it (while agents still run) and swapped in once nobody
-    has the file open.
+    with every agent stopped, rewrites it and turns incremental vacuum on. With --swap the file
+    is never rewritten in place: a compacted copy is written beside it and renamed over it
+    (also with every agent, and a replicator such as Litestream, stopped).
 
     \b
     Examples:
@@ -231,6 +231,8 @@ def db_optimize(app: App, vacuum: bool, swap: bool, fmt: str | None, as_json: bo
     from hermes_store.engine.factory import sqlite_file
     from hermes_store.ops import maintenance
 
+    if swap and not vacuum:
+        raise click.UsageError("--swap goes with --vacuum (--vacuum --swap)")
     as_json = chosen_format(fmt, as_json, piped="table") == "json"
     if vacuum:
         path = sqlite_file(app.url)
@@ -243,13 +245,11 @@ def db_optimize(app: App, vacuum: bool, swap: bool, fmt: str | None, as_json: bo
         else:
             before, after = maintenance.vacuum_offline(path)
         if as_json:
-            echo_json({"vacuum": True, "bytes_before": before, "bytes_after": after})
+            echo_json({"vacuum": True, "swap": swap, "bytes_before": before, "bytes_after": after})
             return
         how = "compacted copy swapped in" if swap else "rewritten (full vacuum)"
         echo(f"{app.where}: {how}, {before:,} -> {after:,} bytes.")
         return
-    if swap:
-        raise Problem("--swap goes with --vacuum (it swaps in a compacted copy)")
     with progress(None, "optimizing (pages)") as bar:
         report = maintenance.optimize(
             app.store().uow, on_step=lambda _kind, work: bar.advance(work)

@@ -91,6 +91,20 @@ def sidecars(path: Path) -> list[Path]:
     return [p for p in found if p.exists()]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process here (another user's counts as alive): whether a
+    temporary file named after its creator's pid may still be in use."""
+    if pid <= 0 or pid == os.getpid():  # ours, or no creator's at all: keep the file
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:
     """Processes holding this database's WAL open although the file was unlinked.
 

@@ -15,14 +15,18 @@ finished, and at 2,001 levels FTS5 could no longer read its structure record: ev
 statement on the table, the writer's appends and DROP TABLE included, failed as corrupt.
 
 A full ``VACUUM`` rewrites the whole file under an exclusive lock: :func:`vacuum_offline` runs it
-only when no other connection has the database open, and refuses otherwise.
+only when no other connection has the database open, and refuses otherwise. A replica that
+ships the WAL (Litestream) cannot follow a file rewritten in place: :func:`vacuum_swap` writes
+a compacted copy instead and renames it over the file.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,11 +40,13 @@ from sqlalchemy.engine import Connection
 from hermes_store.engine import files
 from hermes_store.engine.factory import create_private_file, sqlite_file
 from hermes_store.errors import (
+    AccessDeniedError,
     DatabaseLockedError,
     InvalidInputError,
     NotADatabaseError,
     UnsafePathError,
     mapped_errors,
+    translate,
 )
 from hermes_store.ops import backup, pacing
 from hermes_store.schema import ddl, fulltext
@@ -564,6 +570,22 @@ def _damage(connection: sqlite3.Connection) -> list[str]:
     return ([] if problems == ["ok"] else problems[:3]) + fulltext.index_damage(connection)
 
 
+@contextmanager
+def _driver_errors() -> Iterator[None]:
+    """:func:`mapped_errors` for the plain ``sqlite3`` connections of the vacuums, whose
+    errors SQLAlchemy never wraps: a full disk is :class:`StorageFullError`, a damaged file
+    :class:`NotADatabaseError`, not a bare driver error."""
+    try:
+        with mapped_errors():
+            yield
+    except sqlite3.Error as error:
+        wrapped = sa.exc.DBAPIError.instance(None, None, error, sqlite3.Error)
+        mapped = translate(wrapped) if isinstance(wrapped, sa.exc.DBAPIError) else None
+        if mapped is None:
+            raise
+        raise mapped from error
+
+
 def vacuum_offline(path: Path) -> tuple[int, int]:
     """A full ``VACUUM`` of a SQLite file nobody else has open; turns on incremental vacuum.
 
@@ -583,7 +605,7 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     before = size()
     connection = files.connect_sqlite(path, timeout=0)
     try:
-        with mapped_errors():
+        with _driver_errors():
             _take_alone(connection, path)
             connection.execute("COMMIT")
             damage = _damage(connection)
@@ -625,77 +647,163 @@ def _take_alone(connection: sqlite3.Connection, path: Path) -> None:
 
 def vacuum_swap(path: Path) -> tuple[int, int]:
     """A compacted copy of a SQLite file swapped in for it: the file is never rewritten in
-    place. Turns on incremental vacuum in the copy.
+    place (a replica following its WAL, such as Litestream, sees a new file instead of pages
+    changing under it). Turns on incremental vacuum in the copy.
 
-    ``VACUUM INTO`` writes the copy beside the file from one read snapshot while other
-    processes may still be writing; the copy is checked (:func:`backup.check_snapshot`). Then
-    the swap needs the file to itself: it takes SQLite's exclusive lock, which fails at once
-    while any other connection (any process) has the file open, and refuses with
-    :class:`DatabaseLockedError` then, or when anything was committed after the snapshot
-    (``PRAGMA data_version`` moved): nothing is changed, the copy is removed. Under the lock
-    the old file leaves WAL mode (its WAL checkpointed and removed, so nothing of it is left
-    under the names the new file's WAL and shared memory take) and the copy, flushed to disk,
-    is renamed over it: a crash leaves the old file or the new one, each whole. Returns bytes
-    before and after (the WAL included).
+    Refuses with :class:`DatabaseLockedError` while any other connection (any process) has
+    the file open. ``VACUUM INTO`` writes the copy beside the file (owner-only, then given
+    the file's mode and owner) from one read snapshot, without the write lock; the copy is
+    checked (:func:`backup.check_snapshot`, :class:`NotADatabaseError` when it fails), put in
+    WAL mode and flushed to disk. Only then is the file taken alone, under SQLite's exclusive
+    lock: refused with :class:`DatabaseLockedError`, nothing changed and the copy removed,
+    when that lock cannot be had, when anything was committed after the snapshot (``PRAGMA
+    data_version`` moved) or when the path names another file than the one copied (another
+    swap landed meanwhile). Under the lock the old file leaves WAL mode (its WAL
+    checkpointed into it and removed, its ``-shm`` removed), so no side file of it is left
+    under the names the new file's WAL and shared memory take, and the copy is renamed over
+    it: a crash at any point leaves the old file or the new one, each whole (and perhaps the
+    copy, ``.NAME.PID.HEX.compact``, which the next swap removes). A symbolic link stays a
+    link, to the new file. A connection opened before the swap but not yet used (so holding
+    no lock) reads the old file afterwards and cannot write it (SQLite refuses writes to a
+    file moved away). Returns bytes before and after (the WAL included).
     """
     if not path.exists():
         raise InvalidInputError(f"there is no database at {path}")
     real = Path(os.path.realpath(path))  # a symlink stays a symlink to the new file
+    old = real.stat()
     before = _size(real)
     probe = files.connect_sqlite(real, timeout=0)
     try:  # the cheap refusal first: a copy of a file in use would be made for nothing
-        with mapped_errors():
+        with _driver_errors():
             _take_alone(probe, path)
             probe.execute("ROLLBACK")
     finally:
         probe.close()
-    partial = real.parent / f".{real.name}.compact-{secrets.token_hex(6)}"
+    _remove_dead_copies(real)
+    partial = real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(6)}.compact"
     if not create_private_file(partial):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
-    connection = files.connect_sqlite(real, timeout=0)
     try:
-        with mapped_errors():
-            version = connection.execute("PRAGMA data_version").fetchone()[0]
-            connection.execute("PRAGMA auto_vacuum=INCREMENTAL")  # the copy's mode
-            connection.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
-            problems = backup.check_snapshot(partial)
-            if problems:
-                raise NotADatabaseError(
-                    f"{path} was not swapped: its compacted copy failed the checks "
-                    f"({'; '.join(problems[:3])}). Run `hermes-store doctor`"
-                )
-            for sidecar in files.sidecars(partial):  # left by the checks' connection, if any
-                sidecar.unlink()
-            _take_alone(connection, path)
-            if connection.execute("PRAGMA data_version").fetchone()[0] != version:
-                connection.execute("ROLLBACK")
-                raise DatabaseLockedError(
-                    f"{path} was written while its compacted copy was made, so the copy is "
-                    "not swapped in: stop every process using it and run this again"
-                )
-            connection.execute("COMMIT")  # the exclusive lock stays (locking_mode)
-            connection.execute("PRAGMA journal_mode=DELETE")
-            for sidecar in files.sidecars(real):  # a stale -shm: nobody else has the file
-                sidecar.unlink()
-            copy = files.connect_sqlite(partial)
-            try:
-                copy.execute("PRAGMA journal_mode=WAL")
-            finally:
-                copy.close()
-            for sidecar in files.sidecars(partial):
-                sidecar.unlink()
-            descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                os.fsync(descriptor)  # our own copy, not yet the database: no lock to lose
-            finally:
-                os.close(descriptor)
-            os.replace(partial, real)
-            folder = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(folder)
-            finally:
-                os.close(folder)
+        _take_mode_and_owner(partial, old, path)
+        copied = _file_key(real)  # the file the connection opens, unless swapped meanwhile
+        connection = files.connect_sqlite(real)  # the copy only reads: it waits as a reader
+        try:
+            with _driver_errors():
+                version = connection.execute("PRAGMA data_version").fetchone()[0]
+                if connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 0:
+                    # Read by VACUUM INTO for its copy; on a file without auto-vacuum the
+                    # pragma cannot change the file itself and takes no lock (on a file with
+                    # it, it would write the file: the copy is set instead, below).
+                    connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                connection.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
+                _ready_copy(partial, path)
+                connection.execute("PRAGMA busy_timeout=0")
+                _take_alone(connection, path)
+                moved = _file_key(real) != copied
+                if moved or connection.execute("PRAGMA data_version").fetchone()[0] != version:
+                    connection.execute("ROLLBACK")
+                    raise DatabaseLockedError(
+                        f"{path} was {'replaced' if moved else 'written'} while its compacted "
+                        "copy was made, so the copy is not swapped in: stop every process "
+                        "using it and run this again"
+                    )
+                connection.execute("COMMIT")  # the exclusive lock stays (locking_mode)
+                # The WAL checkpointed into the old file and removed: nothing of the old file
+                # is left under the new one's -wal; a crash from here leaves the old file
+                # whole, in rollback-journal mode (the store's next open puts it back in WAL).
+                connection.execute("PRAGMA journal_mode=DELETE")
+                for sidecar in files.sidecars(real):  # the -shm (and the emptied -journal)
+                    sidecar.unlink()
+                os.replace(partial, real)
+                folder = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(folder)
+                finally:
+                    os.close(folder)
+        finally:
+            # The old inode, in rollback-journal mode: its close touches no side file by name.
+            connection.close()
     finally:
-        connection.close()  # the old inode, in rollback-journal mode: no side file by name
         partial.unlink(missing_ok=True)
+        for sidecar in files.sidecars(partial):
+            sidecar.unlink(missing_ok=True)
     return before, _size(real)
+
+
+def _remove_dead_copies(real: Path) -> None:
+    """Remove what swaps killed during their copy left beside the file: ``.NAME.PID.HEX.compact``
+    (and its side files) whose process is gone. Called once the file was found unused, so no
+    swap is copying it then; a live process's copy is never touched."""
+    pattern = re.compile(
+        rf"\.{re.escape(real.name)}\.(?P<pid>\d{{1,10}})\.[0-9a-f]{{12}}\.compact"
+        r"(?:-wal|-shm|-journal)?"
+    )
+    with os.scandir(real.parent) as entries:
+        dead = [
+            entry.path
+            for entry in entries
+            if (found := pattern.fullmatch(entry.name)) is not None
+            and entry.is_file(follow_symlinks=False)
+            and not files.pid_alive(int(found.group("pid")))
+        ]
+    for name in dead:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:  # removed meanwhile
+            continue
+
+
+def _file_key(path: Path) -> tuple[int, int]:
+    found = path.stat()
+    return found.st_dev, found.st_ino
+
+
+def _take_mode_and_owner(partial: Path, old: os.stat_result, path: Path) -> None:
+    """Give the (still empty) copy the replaced file's permission bits and owner: a file a
+    group or another user's process reads (a replicator, a backup job) stays readable by it,
+    and SQLite gives the new -wal and -shm the same. :class:`AccessDeniedError` when this
+    process may not give it that owner (the file would change hands)."""
+    descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:  # no SQLite connection has the copy open yet: closing drops no lock
+        mine = os.fstat(descriptor)
+        if (mine.st_uid, mine.st_gid) != (old.st_uid, old.st_gid):
+            try:
+                os.fchown(descriptor, old.st_uid, old.st_gid)
+            except PermissionError:
+                raise AccessDeniedError(
+                    f"{path} belongs to uid {old.st_uid} gid {old.st_gid}: its compacted copy "
+                    "cannot be given that owner by this user, so it is not swapped; run this "
+                    "as the file's owner"
+                ) from None
+        os.fchmod(descriptor, stat.S_IMODE(old.st_mode))
+    finally:
+        os.close(descriptor)
+
+
+def _ready_copy(partial: Path, path: Path) -> None:
+    """Check the copy, put it in WAL mode with incremental vacuum, and flush it to disk; it
+    is still our private file, not the database, so this happens before the lock is taken."""
+    problems = backup.check_snapshot(partial)
+    if problems:
+        raise NotADatabaseError(
+            f"{path} was not swapped: its compacted copy failed the checks "
+            f"({'; '.join(problems[:3])}). Run `hermes-store doctor`"
+        )
+    copy = files.connect_sqlite(partial)
+    try:
+        # From full to incremental is a header change; from none it would need a VACUUM
+        # (the copy of such a file got incremental from VACUUM INTO already).
+        copy.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        copy.execute("PRAGMA journal_mode=WAL")
+        mode = copy.execute("PRAGMA auto_vacuum").fetchone()[0]
+    finally:
+        copy.close()
+    if mode != 2:
+        raise NotADatabaseError(f"{path} was not swapped: its copy has auto_vacuum={mode}")
+    for sidecar in files.sidecars(partial):  # left by the connections, if any
+        sidecar.unlink()
+    descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        os.fsync(descriptor)  # our own copy, every connection on it closed: no lock to lose
+    finally:
+        os.close(descriptor)

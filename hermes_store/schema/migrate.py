@@ -864,7 +864,7 @@ def remove_stale_temps(path: Path, *, older_than: float = STALE_TEMP_AFTER_S) ->
             stale = entry.is_file(follow_symlinks=False) and (
                 now - entry.stat(follow_symlinks=False).st_mtime > older_than
             )
-            if stale and (pid is None or not _pid_alive(int(pid))):
+            if stale and (pid is None or not files.pid_alive(int(pid))):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
         except OSError as error:  # gone meanwhile, or not ours to delete: leave it
@@ -872,19 +872,6 @@ def remove_stale_temps(path: Path, *, older_than: float = STALE_TEMP_AFTER_S) ->
     if removed:
         log.info("removed %d stale temporary file(s) beside %s", len(removed), path)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` names a live process here (another user's counts as alive)."""
-    if pid <= 0 or pid == os.getpid():  # ours, or no creator's at all: keep the file
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 def _close_wal(path: Path) -> None:

@@ -287,11 +287,15 @@ FILE_ACCESS_ALLOWED = {
     ("app.py", "os.open"): "the CLI: os.devnull, standing in for a stdout whose reader left",
     ("files.py", "read_text"): "/proc/locks, the kernel's list of locks: whom a writer waits for",
     ("maintenance.py", "os.open"): "vacuum_swap: a read-only descriptor on its own compacted "
-    "copy (0600, not yet the database) to fsync it, and the folder (O_DIRECTORY) to fsync the "
-    "rename; never the database",
+    "copy (0600, not yet the database) to give it the database's mode and owner before any "
+    "connection opens it and to fsync it after the last one closed, and the folder "
+    "(O_DIRECTORY) to fsync the rename; never the database",
     ("maintenance.py", "os.replace"): "vacuum_swap: renames its own checked copy onto the "
     "database while holding the database's exclusive lock (nobody else has it open) after the "
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
+    ("maintenance.py", "os.unlink"): "vacuum_swap: removes the compacted copies "
+    "(.NAME.PID.HEX.compact) that killed swaps left, once their process is gone; never the "
+    "database",
     ("retention.py", "os.open"): "<db>-retention, the retention policy's marker (0600, "
     "O_NOFOLLOW, refused unless a regular file); never the database",
     ("health.py", "shutil.rmtree"): "doctor --full: removes its own mkdtemp folder holding the "
