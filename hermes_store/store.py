@@ -11,7 +11,6 @@ Hot paths use Core statements (SQLAlchemy caches their compiled form); the ORM m
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -314,7 +313,7 @@ class SessionDB:
     def stats(self) -> StoreStats:
         """A snapshot of the counters (units, lock waits, retries, checkpoints) of the file's
         shared writer in this process; also logged at debug level."""
-        snapshot = dataclasses.replace(self.uow.stats)
+        snapshot = self.uow.stats
         log.debug("store stats: %s", snapshot)
         return snapshot
 
