@@ -11,7 +11,6 @@ Hot paths use Core statements (SQLAlchemy caches their compiled form); the ORM m
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -314,7 +313,7 @@ class SessionDB:
     def stats(self) -> StoreStats:
         """A snapshot of the counters (units, lock waits, retries, checkpoints) of the file's
         shared writer in this process; also logged at debug level."""
-        snapshot = dataclasses.replace(self.uow.stats)
+        snapshot = self.uow.stats
         log.debug("store stats: %s", snapshot)
         return snapshot
 
@@ -689,8 +688,9 @@ class SessionDB:
             _check_text("role", role, required=True, nul_ok=nul_ok)
             if content is not None:
                 _check_text("content", content, nul_ok=nul_ok)
-        if not (tool_name is None and tool_call_id is None and finish_reason is None
-                and reasoning is None):  # fmt: skip
+        plain = (tool_name is None and tool_call_id is None and finish_reason is None
+                 and reasoning is None)  # fmt: skip
+        if not plain:
             for name, value in (
                 ("tool_name", tool_name),
                 ("tool_call_id", tool_call_id),
@@ -709,7 +709,8 @@ class SessionDB:
             if codex_reasoning_items
             else None
         )
-        if not (calls_json is None and details_json is None and codex_json is None):
+        no_json = calls_json is None and details_json is None and codex_json is None
+        if not no_json:
             for name, value in (
                 ("tool_calls", calls_json),
                 ("reasoning_details", details_json),
@@ -734,9 +735,7 @@ class SessionDB:
         limit = self.max_message_bytes
         if limit is not None:  # counted from the arguments: no lookups in the row
             chars = 0 if content is None else len(content)
-            if not (tool_name is None and tool_call_id is None and finish_reason is None
-                    and reasoning is None and calls_json is None and details_json is None
-                    and codex_json is None):  # fmt: skip
+            if not (plain and no_json):
                 for value in (tool_name, tool_call_id, finish_reason, reasoning, calls_json,
                               details_json, codex_json):  # fmt: skip
                     if value is not None:

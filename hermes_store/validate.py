@@ -187,11 +187,20 @@ def token_counts(
     """``update_token_counts``' numbers: ``counts`` (named by ``names``) 64-bit integers, the
     costs finite numbers or None. The usual call (plain ints, no costs) is settled in one
     pass without a call per value."""
-    for value in counts:
-        if type(value) is not int or not INT64_MIN <= value <= INT64_MAX:
-            break
-    else:
-        if estimated is None and actual is None:
+    if estimated is None and actual is None and len(counts) == 5:
+        a, b, c, d, e = counts  # the usual call, settled in plain bytecode: no loop, no call
+        if (
+            type(a) is int
+            and type(b) is int
+            and type(c) is int
+            and type(d) is int
+            and type(e) is int
+            and INT64_MIN <= a <= INT64_MAX
+            and INT64_MIN <= b <= INT64_MAX
+            and INT64_MIN <= c <= INT64_MAX
+            and INT64_MIN <= d <= INT64_MAX
+            and INT64_MIN <= e <= INT64_MAX
+        ):
             return
     for name, value in zip(names, counts, strict=True):
         integer(name, value)

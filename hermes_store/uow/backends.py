@@ -194,6 +194,10 @@ class SqliteBackend:
             straight = uncontended.run(fn, True)
             if not isinstance(straight, Missed):
                 return straight
+        return self.in_line_on_driver(fn)
+
+    def in_line_on_driver(self, fn: Callable[[Any], T]) -> T:
+        """:meth:`hot_driver_write` past its straight-in try (made, and missed, already)."""
         return self._in_line(on_driver(fn))
 
     def _in_line(self, fn: Callable[[Connection], T]) -> T:

@@ -89,6 +89,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: A SQLite file's straight-in try (:meth:`Uncontended.run`) and its line when that missed
+#: (:meth:`SqliteBackend.in_line_on_driver`).
+_Straight = tuple[
+    Callable[[Callable[[Any], Any], bool], Any], Callable[[Callable[[Any], Any]], Any]
+]
+
 #: Frames that can be suspended and resumed in another thread: generators and coroutines.
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
@@ -211,15 +217,19 @@ class UnitOfWork:
         self._blocks: set[Unit] = set()  # open write blocks (transaction(), connect(), session())
         self.counters = Counters(self.checkpoint_every)
         self._blocks_lock = self.counters.lock
-        self.backend = self._make_backend(self.counters)
-        self.counters.checkpoint = self.backend.checkpoint
+        self.backend = backend = self._make_backend(self.counters)
+        self.counters.checkpoint = backend.checkpoint
+        # The hottest writes' straight-in try and their line, looked up once (run_on_driver).
+        self._straight: _Straight | None = None
+        if isinstance(backend, SqliteBackend) and backend.uncontended is not None:
+            self._straight = (backend.uncontended.run, backend.in_line_on_driver)
 
     # -- what it holds and counts --------------------------------------------------------------
 
     @property
     def stats(self) -> StoreStats:
-        """The counters (shared by every store on the file in this process)."""
-        return self.counters.stats
+        """A snapshot of the counters (shared by every store on the file in this process)."""
+        return self.counters.snapshot()
 
     @property
     def writes(self) -> int:
@@ -483,6 +493,12 @@ class UnitOfWork:
         with no Connection to look it up from. ``fn`` wraps the driver errors it lets out as
         SQLAlchemy wraps them (:meth:`driver_error`), or lets them out raw."""
         if self._current.get() is None and not self._blocks and not self._asyncio:
+            straight = self._straight
+            if straight is not None:  # the backend's hot_driver_write, one frame less
+                result = straight[0](fn, True)
+                if not isinstance(result, uncontended.Missed):
+                    return result  # type: ignore[no-any-return]
+                return straight[1](fn)  # type: ignore[no-any-return]
             return self.backend.hot_driver_write(self, fn)
         return self.run(on_driver(fn), driver_only=True)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
 from hermes_store import SessionDB
 from hermes_store.uow import uncontended, writequeue
@@ -86,6 +87,55 @@ def test_a_lone_writer_takes_no_queue_turn_and_forms_no_group(db: SessionDB) -> 
     session = db.get_session("s")
     assert session is not None
     assert (session["message_count"], session["input_tokens"]) == (13, 10)
+
+
+@pytest.mark.unit
+def test_a_lone_writer_checkpoints_on_its_own_idle_connection(tmp_path: Path) -> None:
+    """The checkpoint every ``checkpoint_every`` writes runs on the writer connection the
+    straight-in write holds idle, as the original store's runs on its one connection: no
+    pooled connection is checked out for it (a checkout and return cost ~100 µs of CPU)."""
+    store = SessionDB(tmp_path / "state.db", checkpoint_every=5)
+    try:
+        store.create_session("s", "cli")
+        store.append_message("s", "user", "warm")  # opens the writer connection
+        checkouts: list[object] = []
+        event.listen(store.engine, "checkout", lambda *args: checkouts.append(args))
+        before = store.stats()
+        for index in range(10):
+            store.append_message("s", "user", f"m{index}")
+        after = store.stats()
+        assert after.uncontended_writes - before.uncontended_writes == 10
+        assert after.checkpoints - before.checkpoints == 2  # both succeeded
+        assert checkouts == []
+    finally:
+        store.close()
+
+
+@pytest.mark.unit
+def test_writes_straight_in_and_in_units_share_one_checkpoint_cadence(tmp_path: Path) -> None:
+    """Writes that went straight in are counted apart from the locked counters; the checkpoint
+    cadence and ``write_units`` still count every write of the file, whichever path it took."""
+    store = SessionDB(tmp_path / "state.db", checkpoint_every=4)
+    try:
+        store.create_session("s", "cli")  # write 1
+        before = store.stats()
+        for index in range(3):  # writes 2, 3: straight in; 4: in a block (checkpoint)
+            if index == 2:
+                with store.transaction():
+                    store.append_message("s", "user", f"m{index}")
+            else:
+                store.append_message("s", "user", f"m{index}")
+        middle = store.stats()
+        for index in range(4):  # writes 5-7 straight in, 8 straight in (checkpoint)
+            store.append_message("s", "user", f"n{index}")
+        after = store.stats()
+        assert middle.write_units - before.write_units == 3
+        assert middle.uncontended_writes - before.uncontended_writes == 2
+        assert middle.checkpoints - before.checkpoints == 1
+        assert after.write_units - before.write_units == 7
+        assert after.checkpoints - before.checkpoints == 2
+    finally:
+        store.close()
 
 
 def test_a_newcomer_tries_the_lock_before_a_head_that_has_not_starved(db: SessionDB) -> None:
