@@ -65,7 +65,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("engine/factory.py", "setup_connection"): "PRAGMA values: int() of the store's own settings",
     ("engine/factory.py", "prepare_driver"): "PRAGMA busy_timeout: int() of the store's settings",
     ("ops/maintenance.py", "secure_deletes"): "PRAGMA value from a fixed table of the module",
-    ("ops/maintenance.py", "_fts5_settings"): "an FTS table name from FTS_TABLES (ddl constants)",
+    ("ops/maintenance.py", "fts5_settings"): "an FTS table name from FTS_TABLES (ddl constants)",
     (
         "ops/maintenance.py",
         "_set_fts5",
