@@ -12,11 +12,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import queue
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import IO, Any
 
@@ -382,7 +386,8 @@ def _insert(conn: Connection, table: sa.Table, rows: list[RowDict]) -> None:
     elif conn.dialect.name == "sqlite":
         insert = table.insert().compile(dialect=conn.dialect, column_keys=list(rows[0]))
         names = insert.positiontup or []
-        conn.exec_driver_sql(str(insert), [tuple(row[name] for name in names) for row in rows])
+        values = itemgetter(*names) if len(names) > 1 else lambda row: (row[names[0]],)
+        conn.exec_driver_sql(str(insert), list(map(values, rows)))
     else:
         conn.execute(table.insert(), rows)
 
@@ -413,6 +418,7 @@ def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: lis
     with fulltext.SQLITE.bulk_load(conn) as index:
         _insert(conn, M, rows)
         index.add((m["id"], m["content"]) for m in rows)
+        _WHILE_INDEXING.get()()  # the index statements run as the block ends
     problems = fulltext.SQLITE.unindexed(conn, index.rows)
     if problems:
         raise ImportCheckError(
@@ -495,22 +501,103 @@ _MERGE_STEP_SECONDS = 1.0
 
 
 def _write_batches(db: SessionDB, batches: Iterator[list[_Prepared]], total: ImportReport) -> None:
-    """Write each batch as one unit; ``total`` counts what committed, batch by batch.
-
-    The next batch is read and validated after this one commits, in this thread: reading it in
-    a thread of its own while SQLite steps (which release the GIL) was measured and gained
-    nothing (30,000 realistic messages: 5.97 s against 6.02 s; chat-sized, no better either),
-    since SQLite's full-text indexing is most of the work and the rest holds the GIL."""
+    """Write each batch as one unit; ``total`` counts what committed, batch by batch. On
+    SQLite the next batch is read while this one is indexed (see :class:`_ReadAhead`)."""
     pending: dict[str, str] = {}
-    for batch in batches:
-        links = dict(pending)
-        outcome = db.uow.run(lambda conn: _write_batch(conn, batch, links))  # noqa: B023
-        for child in outcome.linked:
-            pending.pop(child, None)
-        pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})
-        for name, value in asdict(outcome.report).items():
-            setattr(total, name, getattr(total, name) + value)
+    reader = _ReadAhead(batches) if db.is_sqlite else None
+    with _reading_ahead(reader):
+        for batch in reader if reader is not None else batches:
+            links = dict(pending)
+            outcome = db.uow.run(lambda conn: _write_batch(conn, batch, links))  # noqa: B023
+            for child in outcome.linked:
+                pending.pop(child, None)
+            pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})
+            for name, value in asdict(outcome.report).items():
+                setattr(total, name, getattr(total, name) + value)
     total.parents_missing = len(pending)
+
+
+#: What to start once a batch's rows are in and SQLite is about to index them (see
+#: :class:`_ReadAhead`); nothing outside an import.
+_WHILE_INDEXING: ContextVar[Callable[[], None]] = ContextVar("while_indexing", default=lambda: None)
+
+
+class _ReadAhead:
+    """The batches, each read and validated in a thread of its own while SQLite indexes the
+    one before it.
+
+    The index is filled by one statement per batch (see ``SqliteFullText.bulk_load``), during
+    which the driver releases the GIL: the reading (Python: JSON decoding and validation, a
+    fifth of the import) runs on another core meanwhile. It runs only then, asked by
+    :meth:`read_next`: beside the row inserts (one GIL hand-over per row) a thread of Python
+    would make each row wait for the GIL (up to the 5 ms switch interval). One batch is read
+    ahead at most; an invalid record is raised when its batch is taken, after the batches
+    before it committed."""
+
+    def __init__(self, batches: Iterator[list[_Prepared]]) -> None:
+        self._batches = batches
+        self._asked = threading.Semaphore(0)
+        self._ready: queue.SimpleQueue[tuple[list[_Prepared] | None, BaseException | None]] = (
+            queue.SimpleQueue()
+        )
+        self._reading = False  # asked for the next batch and not taken yet
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._read, name="hermes-store-import-reader", daemon=True
+        )
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            self._asked.acquire()
+            if self._closed:
+                return
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                self._ready.put((None, None))
+                return
+            except BaseException as error:  # handed to the importing thread
+                self._ready.put((None, error))
+                return
+            self._ready.put((batch, None))
+
+    def read_next(self) -> None:
+        """Start reading the next batch (once: a unit run again after a lock does not ask
+        for a second one)."""
+        if not self._reading:
+            self._reading = True
+            self._asked.release()
+
+    def __iter__(self) -> Iterator[list[_Prepared]]:
+        while True:
+            self.read_next()
+            batch, error = self._ready.get()
+            self._reading = False
+            if error is not None:
+                raise error
+            if batch is None:
+                return
+            yield batch
+
+    def close(self) -> None:
+        """Stop the thread once it is done with the batch it reads (if any)."""
+        self._closed = True
+        self._asked.release()
+        self._thread.join()
+
+
+@contextmanager
+def _reading_ahead(reader: _ReadAhead | None) -> Iterator[None]:
+    if reader is None:
+        yield
+        return
+    token = _WHILE_INDEXING.set(reader.read_next)
+    try:
+        yield
+    finally:
+        _WHILE_INDEXING.reset(token)
+        reader.close()
 
 
 def _batches(

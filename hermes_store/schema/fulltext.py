@@ -13,6 +13,7 @@ must not change when this code does. Everything else (adoption, repair at open, 
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -200,25 +201,35 @@ def _normal(sql: str) -> str:
 @dataclass(frozen=True)
 class _InsertTrigger:
     """An insert trigger a bulk load does the work of: its SQL (normalised), how to drop it,
-    and the statement that does its work for one row."""
+    the statement that does its work for one row, and the one that does it for every message
+    whose id is in the JSON array ``?1`` (read from the table, in the array's order)."""
 
     sql: str
     drop: str
     work: str
+    work_all: str
 
 
+#: The messages of a bulk load, by the ids it hands over as a JSON array.
+_LOADED = "FROM json_each(?1) AS j JOIN messages AS m ON m.id = j.value"
 _INSERT_TRIGGERS = {
     ddl.FTS_TRIGGERS[0]: _InsertTrigger(
         _normal(ddl.SQLITE_FTS_TRIGGERS[0]),
         f"DROP TRIGGER {ddl.FTS_TRIGGERS[0]}",
         ddl.SQLITE_FTS_INSERT,
+        f"INSERT INTO {ddl.FTS_TABLE}(rowid, content) SELECT m.id, m.content {_LOADED}",
     ),
     ddl.CJK_TRIGGERS[0]: _InsertTrigger(
         _normal(ddl.SQLITE_CJK_TRIGGERS[0]),
         f"DROP TRIGGER {ddl.CJK_TRIGGERS[0]}",
         ddl.SQLITE_CJK_INSERT,
+        f"INSERT INTO {ddl.CJK_TABLE}(rowid, content) SELECT m.id, m.content {_LOADED} "
+        f"WHERE {ddl.cjk_matches('m.content')}",
     ),
 }
+#: Whether a connection's SQLite has ``json_each`` (built in since 3.38; a build may omit it).
+_JSON_EACH = "SELECT count(*) FROM json_each('[]')"
+_HAS_JSON_KEY = "hermes_store_json_each"
 _FIND_INSERT_TRIGGERS = sa.text(
     "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'messages' "
     "AND name IN :names"
@@ -245,6 +256,20 @@ class BulkLoad:
 
     def add(self, rows: Iterable[tuple[int, str | None]]) -> None:
         self.rows.extend(rows)
+
+
+def _has_json_each(conn: Connection) -> bool:
+    """Whether the connection's SQLite has ``json_each`` (asked once per connection)."""
+    info = conn.connection.info
+    known = info.get(_HAS_JSON_KEY)
+    if known is None:
+        try:
+            conn.exec_driver_sql(_JSON_EACH).scalar()
+            known = True
+        except sa.exc.OperationalError:
+            known = False
+        info[_HAS_JSON_KEY] = known
+    return bool(known)
 
 
 class SqliteFullText:
@@ -312,13 +337,23 @@ class SqliteFullText:
         load = BulkLoad()
         try:
             yield load
+            whole = _has_json_each(conn)
             for name in suspended:
                 rows_for = load.rows
                 if name == ddl.CJK_TRIGGERS[0]:
                     # ASCII text never meets the condition (its first test); SQL decides the rest
                     rows_for = [row for row in load.rows if row[1] and not row[1].isascii()]
-                if rows_for:
-                    conn.exec_driver_sql(_INSERT_TRIGGERS[name].work, rows_for)
+                if not rows_for:
+                    continue
+                trigger = _INSERT_TRIGGERS[name]
+                if whole:
+                    # One statement: SQLite indexes the whole batch without coming back to
+                    # Python, so the driver releases the GIL for all of it (another thread
+                    # reads the next batch meanwhile) and no text crosses back from Python.
+                    ids = json.dumps([row[0] for row in rows_for])
+                    conn.exec_driver_sql(trigger.work_all, (ids,))
+                else:
+                    conn.exec_driver_sql(trigger.work, rows_for)
         finally:
             for sql in suspended.values():
                 conn.exec_driver_sql(sql)
