@@ -187,5 +187,5 @@ class Uncontended:
             counters.straight = straight = counters.straight + 1
             every = counters.checkpoint_every
             if every > 0 and (straight + counters.stats.write_units) % every == 0:
-                writer.checkpoint_on(driver)
+                writer.checkpoint_held(driver)
         return result

@@ -455,6 +455,15 @@ class SqliteWriter:
         except (sa_exc.DBAPIError, self.dbapi_error) as error:  # the pool's checkout, return
             return self._checkpoint_failed(getattr(error, "orig", error))
 
+    def checkpoint_held(self, driver: Any) -> bool:
+        """:meth:`checkpoint` by the thread holding the writer lock, on its idle connection
+        ``driver``: never once the WAL was deleted under the writer (a checkpoint of the
+        deleted WAL would copy its pages over newer ones of the file's new WAL)."""
+        if self._wal_replaced():
+            log.error("WAL checkpoint skipped: %s", self._lose_wal())
+            return False
+        return self.checkpoint_on(driver)
+
     def checkpoint_on(self, driver: Any) -> bool:
         """The PASSIVE checkpoint on ``driver``, outside any transaction: the writer's own
         connection while its holder has it idle (the writer lock held), else a pooled one."""

@@ -370,6 +370,29 @@ def test_a_checkpoint_after_the_wal_was_deleted_is_not_called_harmless(
         db.append_message(SESSION, "user", "after the checkpoint")
 
 
+def test_a_lone_writers_checkpoint_after_the_wal_was_deleted_is_skipped(
+    tmp_path: Path, template: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lone writer checkpoints on its own connection right after its commit, between two
+    of its WAL checks: that checkpoint too looks at the WAL first, and never copies a deleted
+    one into the file."""
+    path = tmp_path / "lost.db"
+    fork_workers.fresh_copy(template, path)
+    with SessionDB(path) as db:
+        db.uow.wal_check_every = 3600.0  # the commits' own check sees nothing after the first
+        db.uow.counters.checkpoint_every = 1  # every write is followed by a checkpoint
+        db.append_message(SESSION, "user", "before")
+        checkpoints = db.stats().checkpoints
+        os.unlink(f"{path}-wal")
+        with caplog.at_level(logging.WARNING, logger="hermes_store.uow"):
+            db.append_message(SESSION, "user", "between two checks")
+        messages = [record.getMessage() for record in caplog.records]
+        assert any("WAL checkpoint skipped" in message for message in messages), messages
+        assert db.stats().checkpoints == checkpoints
+        with pytest.raises(WalDeletedError):
+            db.append_message(SESSION, "user", "after")
+
+
 def test_a_fork_refuses_nothing_when_the_store_is_idle(tmp_path: Path, template: Path) -> None:
     """Unit-sized check of the fork hook: an idle store closes its connections before the
     fork and goes on working in the parent (they reopen lazily)."""
