@@ -501,6 +501,7 @@ SQL_INTERPOLATION_ALLOWED = {
     ("schema/fulltext.py", "ddl.FTS_TRIGGERS[0]"): "a trigger name: a ddl constant",
     ("schema/fulltext.py", "ddl.CJK_TRIGGERS[0]"): "a trigger name: a ddl constant",
     ("schema/fulltext.py", "ddl.cjk_matches('m.content')"): "the CJK condition over a column",
+    ("schema/fulltext.py", "_LOADED"): "a constant: a bulk load's FROM clause, ids bound",
     ("schema/steps.py", "name"): "index name read from sqlite_master, quoted",
     ("transfer.py", "sequence"): "pg_get_serial_sequence('messages', 'id'): a quoted catalog name",
     (
