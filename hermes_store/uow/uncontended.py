@@ -51,7 +51,7 @@ from typing import Any, Final, TypeVar
 
 from sqlalchemy import exc as sa_exc
 
-from hermes_store.engine.factory import SETTINGS_KEY, begin_on_driver
+from hermes_store.engine.factory import begin_on_driver
 from hermes_store.errors import is_retryable, mapped_errors, wrap_driver_error
 from hermes_store.uow import writequeue
 from hermes_store.uow.counters import Counters
@@ -129,27 +129,15 @@ class Uncontended:
                         self._look_at = now + QUIET_S
                     if queue.starving() or (group is not None and group.met and not queue.empty()):
                         return MISSED
-            # The writer connection, as writer.connect() gives it, inline: one test per write.
-            conn = writer.connection
-            if conn is None or writer.refused is not None:
-                try:
-                    conn = writer.connect()
-                except (sa_exc.DBAPIError, sa_exc.TimeoutError):  # the connect hook, the pool
-                    with mapped_errors():
-                        raise
+            try:
+                conn = writer.connect()
+            except (sa_exc.DBAPIError, sa_exc.TimeoutError):  # the connect hook, the pool
+                with mapped_errors():
+                    raise
             driver: Any = writer.driver
-            info = writer.info
             dbapi_error = self._dbapi_error
             try:
-                if (
-                    driver.in_transaction
-                    or info.get(SETTINGS_KEY) is not self._settings
-                    or info["busy_ms"]
-                    or info.get("query_only")
-                ):  # not as the last straight write left it: the one begin sets it up
-                    begin_on_driver(driver, info, self._settings, write=True, busy_ms=0)
-                else:  # begin_on_driver's own last step, all it would do here
-                    driver.execute("BEGIN IMMEDIATE")
+                begin_on_driver(driver, writer.info, self._settings, write=True, busy_ms=0)
             except dbapi_error as orig:
                 error = wrap_driver_error(orig, self._dialect)
                 if is_retryable(error):
@@ -179,8 +167,7 @@ class Uncontended:
                     return MISSED
                 with mapped_errors():
                     raise
-            if writer.wal_check_due <= _monotonic():  # writer.acknowledge()'s own test first
-                writer.acknowledge()
+            writer.acknowledge()
             # Counted under the writer lock (Counters.straight: no second lock); the file's
             # writes, all paths together, reached the next checkpoint: on the idle writer.
             counters = self._counters

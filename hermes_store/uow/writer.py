@@ -17,7 +17,6 @@ Group commit (:mod:`hermes_store.uow.groupcommit`) drives a writer through its p
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import threading
@@ -133,8 +132,7 @@ class SqliteWriter:
             fork.REFUSED.get(file_key) if file_key is not None else None
         )
         self._wal_id: tuple[int, int] | None = None  # the WAL the writer connection writes into
-        #: When the next commit stats the WAL (see acknowledge): 0 while no WAL is known yet.
-        self.wal_check_due = 0.0
+        self._wal_check_due = 0.0  # when the next commit stats the WAL (see acknowledge)
 
     # -- the turn ----------------------------------------------------------------------------
 
@@ -349,7 +347,6 @@ class SqliteWriter:
         held, self.connection = self.connection, None
         self.driver, self.info = None, {}
         self._wal_id = None
-        self.wal_check_due = 0.0
         if held is None:
             return
         if invalidate:
@@ -376,12 +373,11 @@ class SqliteWriter:
         this check bounds how long a process that lost its locks anyway goes unnoticed."""
         path = self.wal_path
         if path is None:
-            self.wal_check_due = math.inf  # nothing to check, ever
             return
         now = time.monotonic()
-        if self._wal_id is not None and now < self.wal_check_due:
+        if self._wal_id is not None and now < self._wal_check_due:
             return
-        self.wal_check_due = now + self.wal_check_every
+        self._wal_check_due = now + self.wal_check_every
         try:
             st = os.stat(path)
         except FileNotFoundError:
