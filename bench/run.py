@@ -604,6 +604,13 @@ _COMPANION_BOOT = (
 )
 
 
+def _scale_argv(mb: str, sessions: str, runs: str) -> tuple[str, ...]:
+    """The arguments of a companion on ``bench/scale.py``'s file: its size, its sessions (of
+    51 messages each, as the generator makes them) and the runs."""
+    messages = str(int(sessions) * 51)
+    return ("--size-mb", mb, "--sessions", sessions, "--messages", messages, "--runs", runs)
+
+
 def companion(
     key: str, *, quick: bool, scale: bool, pg: str | None, search_db: Path | None
 ) -> Companion | str:
@@ -714,8 +721,9 @@ def companion(
             argv=("--size-mb", mb, "--rounds", "1" if quick else "3") + (() if scale else shipped),
         )
     if key == "scale":
-        sizes = (("32", "300", "1"), ("256", "2500", "1"), ("2048", "20000", "3"))
-        mb, sessions, runs = sizes[size]
+        mb, sessions, runs = (("32", "300", "1"), ("256", "2500", "1"), ("2048", "20000", "3"))[
+            size
+        ]
         return Companion(
             key,
             "A state.db that lives for years: cold open, search, list, backup, prune and "
@@ -730,20 +738,12 @@ def companion(
             "file's size at start, most and end against a fresh import of what remains. "
             "`--scale`: 2 GB, 3 runs (10 GB by hand: `--size-mb 10240 --sessions 100000 "
             "--messages 5100000`).",
-            argv=(
-                "--size-mb",
-                mb,
-                "--sessions",
-                sessions,
-                "--messages",
-                str(int(sessions) * 51),
-                "--runs",
-                runs,
-            ),
+            argv=_scale_argv(mb, sessions, runs),
         )
     if key == "doctor_scale":
-        sizes = (("32", "300", "1"), ("256", "2500", "3"), ("2048", "20000", "3"))
-        mb, sessions, runs = sizes[size]
+        mb, sessions, runs = (("32", "300", "1"), ("256", "2500", "3"), ("2048", "20000", "3"))[
+            size
+        ]
         return Companion(
             key,
             "doctor on a large file beside a writer",
@@ -751,16 +751,7 @@ def companion(
             f"`doctor --full` (every entry, on a snapshot copy) on a copy of `bench/scale.py`'s "
             f"{mb} MB file, each in its own process beside one writer process appending every "
             "50 ms: the doctor's time, the writer's errors, worst wait and p99. `--scale`: 2 GB.",
-            argv=(
-                "--size-mb",
-                mb,
-                "--sessions",
-                sessions,
-                "--messages",
-                str(int(sessions) * 51),
-                "--runs",
-                runs,
-            ),
+            argv=_scale_argv(mb, sessions, runs),
         )
     if key == "adoption":
         rounds, sessions = (("1", "2000"), ("5", "50000"), ("20", "300000"))[size]
