@@ -15,7 +15,7 @@ import multiprocessing as mp
 import shutil
 import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
@@ -100,87 +100,51 @@ def test_doctor_runs_while_another_connection_holds_the_write_lock(
     assert not list(state.parent.glob(".hermes-doctor-*"))  # the snapshots are removed
 
 
-def _drop_from_index(path: Path, message_id: int) -> None:
-    """One message removed from the main index behind the triggers' back (counts differ)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
+def _unindex(path: Path, table: str, message_id: int) -> None:
+    """One message removed from the full-text ``table`` behind the triggers' back."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
         content = conn.execute("SELECT content FROM messages WHERE id = ?", (message_id,))
         conn.execute(
-            "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', ?, ?)",
+            f"INSERT INTO {table}({table}, rowid, content) VALUES ('delete', ?, ?)",
             (message_id, content.fetchone()[0]),
         )
-    finally:
-        conn.close()
 
 
 def _swap_in_index(path: Path, message_id: int) -> None:
     """One message indexed with other words (counts stay equal, look-ups fail)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        content = conn.execute("SELECT content FROM messages WHERE id = ?", (message_id,))
-        conn.execute(
-            "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', ?, ?)",
-            (message_id, content.fetchone()[0]),
-        )
+    _unindex(path, "messages_fts", message_id)
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
         conn.execute(
             "INSERT INTO messages_fts(rowid, content) VALUES (?, 'zzzunrelated zzzwords')",
             (message_id,),
         )
-    finally:
-        conn.close()
+
+
+def _first_id(path: Path, query: str) -> int:
+    with closing(sqlite3.connect(path)) as conn:
+        return int(conn.execute(query).fetchone()[0])
 
 
 def _cjk_message(path: Path) -> int:
-    conn = sqlite3.connect(path)
-    try:
-        return int(conn.execute("SELECT min(id) FROM messages_cjk_docsize").fetchone()[0])
-    finally:
-        conn.close()
+    return _first_id(path, "SELECT min(id) FROM messages_cjk_docsize")
 
 
 def _latin_message(path: Path) -> int:
     """A message of Latin words (the CJK ones have no whole word to look up)."""
-    conn = sqlite3.connect(path)
-    try:
-        return int(
-            conn.execute(
-                "SELECT min(id) FROM messages WHERE id > 5 "
-                "AND id NOT IN (SELECT id FROM messages_cjk_docsize)"
-            ).fetchone()[0]
-        )
-    finally:
-        conn.close()
-
-
-def _drop_from_cjk(path: Path) -> None:
-    """A CJK message removed from the trigram index behind the triggers' back."""
-    message_id = _cjk_message(path)
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        content = conn.execute("SELECT content FROM messages WHERE id = ?", (message_id,))
-        conn.execute(
-            "INSERT INTO messages_cjk(messages_cjk, rowid, content) VALUES ('delete', ?, ?)",
-            (message_id, content.fetchone()[0]),
-        )
-    finally:
-        conn.close()
-
-
-def _damage_structure(path: Path) -> None:
-    """The issue's row 10: a level count of 2,001, then zeros (FTS5 refuses the table)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        garbage = bytes(4) + bytes([0x8F, 0x51]) + bytes(40)
-        conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = 10", (garbage,))
-    finally:
-        conn.close()
+    return _first_id(
+        path,
+        "SELECT min(id) FROM messages WHERE id > 5 "
+        "AND id NOT IN (SELECT id FROM messages_cjk_docsize)",
+    )
 
 
 DAMAGE = {
-    "a message missing": lambda path: _drop_from_index(path, _latin_message(path)),
+    "a message missing": lambda path: _unindex(path, "messages_fts", _latin_message(path)),
     "a message indexed with other words": lambda path: _swap_in_index(path, _latin_message(path)),
-    "a CJK message missing from the trigram index": _drop_from_cjk,
-    "the structure record damaged": _damage_structure,
+    "a CJK message missing from the trigram index": lambda path: _unindex(
+        path, "messages_cjk", _cjk_message(path)
+    ),
+    "the structure record damaged": workers.damage_structure_record,
 }
 
 
@@ -214,14 +178,11 @@ def test_full_finds_every_damage_on_a_large_file(
 
 
 def _merge_settings(path: Path) -> dict[str, dict[str, int]]:
-    conn = sqlite3.connect(path)
-    try:
+    with closing(sqlite3.connect(path)) as conn:
         return {
             table: dict(conn.execute(f"SELECT k, v FROM {table}_config WHERE k LIKE '%merge'"))
             for table in ("messages_fts", "messages_cjk")
         }
-    finally:
-        conn.close()
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -231,12 +192,9 @@ def test_merge_settings_a_killed_job_left_are_reported_and_optimize_puts_them_ba
     """A prune, optimize or import killed mid-run leaves FTS5's automerge off (its settings
     are the table's, stored in the file): the doctor says so and names the fix."""
     _sized(monkeypatch, size)
-    conn = sqlite3.connect(state, isolation_level=None)
-    try:  # what maintenance.paced_index_merging writes as a job starts
-        for key, value in maintenance.JOB_FTS5_SETTINGS.items():
+    with closing(sqlite3.connect(state, isolation_level=None)) as conn:
+        for key, value in maintenance.JOB_FTS5_SETTINGS.items():  # as a job starting writes
             conn.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES (?, ?)", (key, value))
-    finally:
-        conn.close()
     checks = health.run_doctor(_url(state))
     assert _statuses(checks)["full-text index"] == "warn", checks
     detail = _detail(checks, "full-text index")

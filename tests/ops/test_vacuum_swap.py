@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import stat
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from hermes_store.errors import (
 )
 from hermes_store.ops import backup, maintenance, retention
 from hermes_store.schema import migrate
-from tests.support import swap_workers
+from tests.support import fts_damage_workers, swap_workers
 from tests.support.seed_store import SeedSessionDB
 
 #: A hang guard only: every wait is on an event.
@@ -74,35 +75,26 @@ def state(pruned: Path, tmp_path: Path) -> Path:
 
 def _dump(path: Path) -> list[str]:
     """Every table's rows and the schema, as SQL text, with the header's own versions."""
-    conn = sqlite3.connect(path)
-    try:
+    with closing(sqlite3.connect(path)) as conn:
         header = [
             f"{name}={conn.execute(f'PRAGMA {name}').fetchone()[0]}"
             for name in ("user_version", "application_id", "page_size", "encoding")
         ]
         # Sorted: a VACUUM lists the schema in another order; each row names its table.
         return header + sorted(conn.iterdump())
-    finally:
-        conn.close()
 
 
 def _pragmas(path: Path) -> dict[str, Any]:
-    conn = sqlite3.connect(path)
-    try:
+    with closing(sqlite3.connect(path)) as conn:
         return {
             name: conn.execute(f"PRAGMA {name}").fetchone()[0]
             for name in ("auto_vacuum", "journal_mode", "freelist_count", "integrity_check")
         }
-    finally:
-        conn.close()
 
 
 def _revision(path: Path) -> str:
-    conn = sqlite3.connect(path)
-    try:
+    with closing(sqlite3.connect(path)) as conn:
         return str(conn.execute("SELECT version_num FROM alembic_version").fetchone()[0])
-    finally:
-        conn.close()
 
 
 def _beside(path: Path) -> list[str]:
@@ -171,13 +163,10 @@ def test_the_copy_gets_incremental_vacuum_and_a_refused_swap_leaves_the_mode_alo
     """The original store's files have no auto-vacuum; whatever the file's, the swapped file
     has it incremental. The live file is only read: setting the copy's mode through the live
     connection once wrote the live file (and took its write lock) when it had auto-vacuum."""
-    conn = sqlite3.connect(state, isolation_level=None)
-    try:
+    with closing(sqlite3.connect(state, isolation_level=None)) as conn:
         conn.execute(f"PRAGMA auto_vacuum={auto_vacuum}")
         conn.execute("VACUUM")
         assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == auto_vacuum
-    finally:
-        conn.close()
     dump = _dump(state)
     checked = backup.check_snapshot
 
@@ -268,30 +257,19 @@ def test_the_swap_is_refused_while_another_process_has_the_file_open(state: Path
     assert after < before
 
 
-def _damage_index(path: Path) -> None:
-    """The full-text index's structure record as the issue found it: 2,001 levels."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        garbage = bytes(4) + bytes([0x8F, 0x51]) + bytes(40)
-        conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = 10", (garbage,))
-    finally:
-        conn.close()
-
-
 def _damage_btree(path: Path) -> None:
     """Garbage over the messages table's root page (no connection has the file open)."""
-    conn = sqlite3.connect(path)
-    try:
+    with closing(sqlite3.connect(path)) as conn:
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
         root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'messages'").fetchone()
-    finally:
-        conn.close()
     with path.open("r+b") as raw:
         raw.seek((root[0] - 1) * page_size)
         raw.write(b"\xa5" * page_size)
 
 
-@pytest.mark.parametrize("damage", [_damage_index, _damage_btree], ids=["index", "b-tree"])
+@pytest.mark.parametrize(
+    "damage", [fts_damage_workers.damage_structure_record, _damage_btree], ids=["index", "b-tree"]
+)
 def test_a_damaged_file_is_not_swapped(state: Path, damage: Callable[[Path], None]) -> None:
     damage(state)
     unchanged = _unchanged(state)

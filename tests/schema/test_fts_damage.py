@@ -80,16 +80,6 @@ def _fts5_check(path: Path, table: str = "messages_fts") -> str | None:
     return None
 
 
-def _damage_structure(path: Path) -> None:
-    """What the issue found in row 10: a level count of 2,001, then zeros."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        garbage = bytes(4) + bytes([0x8F, 0x51]) + bytes(40)  # varint 2001
-        conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = 10", (garbage,))
-    finally:
-        conn.close()
-
-
 @pytest.mark.slow
 def test_merge_steps_interleaved_with_appends_keep_the_index_sound(
     history: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -187,7 +177,7 @@ def test_doctor_finds_a_damaged_structure_record_and_rebuild_index_repairs_it(
         store.create_session("s", "cli")
         store.append_message("s", "user", "a needle in the index")
         store.append_message("s", "user", "東京の天気は晴れです")
-    _damage_structure(path)
+    workers.damage_structure_record(path)
     assert _fts5_check(path) == "vtable constructor failed: messages_fts"
     runner = CliRunner()
 
@@ -240,7 +230,7 @@ def test_offline_vacuum_refuses_a_file_whose_index_is_damaged(tmp_path: Path) ->
     with SessionDB(path) as store:
         store.create_session("s", "cli")
         store.append_message("s", "user", "text")
-    _damage_structure(path)
+    workers.damage_structure_record(path)
     before = path.read_bytes()
 
     result = CliRunner().invoke(cli, ["--db", str(path), "db", "optimize", "--vacuum"])

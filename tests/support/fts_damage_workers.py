@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,11 @@ def append_on_request(path: str, pipe: Any) -> None:
                 return
     finally:
         store.close()
+
+
+def damage_structure_record(path: Path) -> None:
+    """The full-text index's structure record (row 10) as the issue found it: a level count
+    of 2,001 (varint ``8F 51``), then zeros; FTS5 then refuses the table."""
+    garbage = bytes(4) + bytes([0x8F, 0x51]) + bytes(40)
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = 10", (garbage,))
