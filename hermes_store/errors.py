@@ -318,11 +318,13 @@ def open_errors(where: object) -> Iterator[None]:
         raise
 
 
-def wrap_driver_error(orig: BaseException, dialect: Any) -> sa_exc.DBAPIError:
-    """A driver error wrapped as SQLAlchemy wraps it (so retries and mapping see it), for
-    statements run on the DB-API connection itself."""
+def wrap_driver_error(
+    orig: BaseException, dialect: Any, sql: str | None = None
+) -> sa_exc.DBAPIError:
+    """A driver error (raised while running ``sql``, when known) wrapped as SQLAlchemy wraps
+    it (so retries and mapping see it), for statements run on the DB-API connection itself."""
     wrapped = sa_exc.DBAPIError.instance(
-        None, None, orig, dialect.loaded_dbapi.Error, dialect=dialect
+        sql, None, orig, dialect.loaded_dbapi.Error, dialect=dialect
     )
     assert isinstance(wrapped, sa_exc.DBAPIError)
     return wrapped

@@ -24,6 +24,8 @@ from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.compiler import Compiled, SQLCompiler
 
+from hermes_store.errors import wrap_driver_error
+
 
 @dataclass(frozen=True)
 class _Compiled:
@@ -226,10 +228,4 @@ def driver_errors(conn: Connection) -> type[Exception]:
 def driver_error(conn: Connection, sql: str, error: Exception) -> sa.exc.StatementError:
     """``error`` (of :func:`driver_errors`), raised while running ``sql``, wrapped as
     :func:`driver_execute` wraps it, so retries and the error mapping see it."""
-    return dialect_error(conn.dialect, sql, error)
-
-
-def dialect_error(dialect: Dialect, sql: str, error: Exception) -> sa.exc.StatementError:
-    """:func:`driver_error` for a unit given the DB-API connection itself (no Connection)."""
-    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
-    return sa.exc.DBAPIError.instance(sql, None, error, dbapi_error, dialect=dialect)
+    return wrap_driver_error(error, conn.dialect, sql)

@@ -512,7 +512,7 @@ class UnitOfWork:
     def driver_error(self, sql: str, error: Exception) -> sa_exc.StatementError:
         """A driver error (:attr:`dbapi_error`) raised while running ``sql`` on the DB-API
         connection, wrapped as SQLAlchemy wraps it, so retries and the error mapping see it."""
-        return fastpath.dialect_error(self._dialect, sql, error)
+        return wrap_driver_error(error, self._dialect, sql)
 
     def run_driver(self, fn: Callable[[Any], T]) -> T:
         """:meth:`run` with ``fn`` given the unit's DB-API cursor (statements compiled once);
