@@ -92,16 +92,23 @@ class _TokenPlan:
         self.guarded = guarded
 
 
-_token_plans: dict[tuple[int, ...] | None, _TokenPlan] = {}
+_token_plans: dict[tuple[tuple[int, ...] | None, bool], _TokenPlan] = {}
+#: The costs and texts of a call that gives only tokens (the usual one).
+_UNPRICED = (None,) * (2 + len(TOKEN_TEXTS))
 
 
-def _token_plan(signs: tuple[int, ...] | None) -> _TokenPlan:
+def _token_plan(signs: tuple[int, ...] | None, priced: bool = True) -> _TokenPlan:
     """The plan of an absolute update (``None``) or of an incremental one with these signs (at
-    most 3**5 shapes; each compiled at its first use)."""
-    plan = _token_plans.get(signs)
+    most 3**5 shapes; each compiled at its first use), with its costs and texts bound, or NULL
+    in the SQL when the call gives none (``priced``: see
+    :func:`~hermes_store.repo.statements.token_statement`)."""
+    plan = _token_plans.get((signs, priced))
     if plan is None:
-        statement = token_statement(True) if signs is None else token_statement(False, signs)
-        plan = _token_plans[signs] = _TokenPlan(statement, signs is not None and any(signs))
+        if signs is None:
+            plan = _TokenPlan(token_statement(True, (), priced), guarded=False)
+        else:
+            plan = _TokenPlan(token_statement(False, signs, priced), guarded=any(signs))
+        _token_plans[signs, priced] = plan
     return plan
 
 
@@ -118,7 +125,8 @@ def _increment(
     a, b, c, d, e = counts
     signs = ((a > 0) - (a < 0), (b > 0) - (b < 0), (c > 0) - (c < 0), (d > 0) - (d < 0),
              (e > 0) - (e < 0))  # fmt: skip
-    plan = _token_plans.get(signs) or _token_plan(signs)
+    priced = (*costs, *texts) != _UNPRICED
+    plan = _token_plans.get((signs, priced)) or _token_plan(signs, priced)
     values = plan.pick(
         (
             session_id, a, b, c, d, e, *costs, *texts,
@@ -152,10 +160,39 @@ def _bump_plan() -> tuple[str, Callable[[tuple[str, int, int]], tuple[Any, ...]]
     return sql, operator.itemgetter(*(slots.index(name) for name in names))
 
 
+#: The columns every message fills (``content`` may be None); the others are empty in the
+#: usual append (a turn's text: no tool call, no reasoning, no token count).
+_ALWAYS_FILLED = ("session_id", "role", "content", "timestamp")
+_OFTEN_EMPTY = tuple(name for name in INSERT_COLUMNS if name not in _ALWAYS_FILLED)
+
+
+class _InsertPlan:
+    """The message INSERT compiled for SQLite twice: every column bound, and the usual
+    append's, with NULL in the SQL for the columns it leaves empty. sqlite3 binds a None
+    through its adapter protocol (a failed ``__conform__`` look-up, ~3k instructions each):
+    eight of them were a tenth of a lone append's CPU."""
+
+    __slots__ = ("empty", "pick", "pick_often_empty", "pick_plain", "plain_sql", "sql")
+
+    def __init__(self) -> None:
+        self.sql, self.pick = driver_sql("insert")[0], _picker("insert")
+        plain = M.insert().values({name: sa.null() for name in _OFTEN_EMPTY})
+        self.plain_sql, names = _compiled(plain, list(_ALWAYS_FILLED))
+        self.pick_plain = operator.itemgetter(*names)
+        self.pick_often_empty = operator.itemgetter(*_OFTEN_EMPTY)
+        self.empty = (None,) * len(_OFTEN_EMPTY)
+
+    def bound(self, values: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        """The INSERT of a message's columns (``values``) and its positional values."""
+        if self.pick_often_empty(values) == self.empty:
+            return self.plain_sql, self.pick_plain(values)
+        return self.sql, self.pick(values)
+
+
 @functools.cache
-def _insert_plan() -> tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]:
-    """The message INSERT's SQL and its picker (see :func:`_picker`)."""
-    return driver_sql("insert")[0], _picker("insert")
+def _insert_plan() -> _InsertPlan:
+    """The message INSERT's plan, compiled once per process."""
+    return _InsertPlan()
 
 
 def _bound(name: str, params: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
@@ -194,7 +231,7 @@ class SqliteStatements(Statements):
         key: WriteKey | None = None,
     ) -> None:
         if absolute:
-            plan = _token_plan(None)
+            plan = _token_plan(None, (*costs, *texts) != _UNPRICED)
             values = plan.pick((session_id, *counts, *costs, *texts, *(None,) * len(counts)))
         else:
             plan, values = _increment(session_id, counts, costs, texts)
@@ -243,8 +280,7 @@ class SqliteStatements(Statements):
         session_id = values["session_id"]
         bump_sql, pick_bump = _bump_plan()
         bump = pick_bump((session_id, 1, tool_calls))
-        insert_sql, pick_row = _insert_plan()
-        row = pick_row(values)
+        insert_sql, row = _insert_plan().bound(values)
         if key is None:
 
             def unit(driver: Any) -> int:

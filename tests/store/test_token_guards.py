@@ -178,11 +178,13 @@ def test_the_hot_increment_binds_what_the_general_guards_bind() -> None:
     from hermes_store.repo.statements import token_guards
 
     magnitudes = {1: (1, 7, TOP), -1: (-1, -7, BOTTOM), 0: (0,)}
-    costs, texts = (1.5, None), (None, "ok", None, None, None, None, "model")
-    for signs in itertools.product((1, -1, 0), repeat=5):
-        for pick in range(3):
-            counts = tuple(magnitudes[s][pick % len(magnitudes[s])] for s in signs)
-            expected_signs, bounds = token_guards(counts)
-            plan = repo._token_plan(expected_signs)
-            expected = plan.pick(("s", *counts, *costs, *texts, *bounds))
-            assert repo._increment("s", counts, costs, texts) == (plan, expected), counts
+    priced = ((1.5, None), (None, "ok", None, None, None, None, "model"))
+    unpriced = ((None, None), (None,) * 7)  # tokens only: the plan with NULL in the SQL
+    for (costs, texts), given in ((priced, True), (unpriced, False)):
+        for signs in itertools.product((1, -1, 0), repeat=5):
+            for pick in range(3):
+                counts = tuple(magnitudes[s][pick % len(magnitudes[s])] for s in signs)
+                expected_signs, bounds = token_guards(counts)
+                plan = repo._token_plan(expected_signs, given)
+                expected = plan.pick(("s", *counts, *costs, *texts, *bounds))
+                assert repo._increment("s", counts, costs, texts) == (plan, expected), counts
