@@ -169,36 +169,6 @@ class _BatchOutcome:
     new_links: dict[str, str]
 
 
-@dataclass
-class _Ordered:
-    """A batch's messages in id order and as the value tuples of an INSERT of every column
-    (table order), made while the batch is read (SQLite: by the reader thread, while the
-    batch before is indexed)."""
-
-    rows: list[RowDict]
-    values: list[tuple[Any, ...]]
-
-
-class _Batch(list[_Prepared]):
-    """The prepared records of one write unit; ``ordered`` when computed ahead (every
-    message has an id)."""
-
-    ordered: _Ordered | None = None
-
-
-_MESSAGE_COLUMNS = tuple(M.c.keys())
-_message_values = itemgetter(*_MESSAGE_COLUMNS)
-
-
-def _ordered(batch: list[_Prepared]) -> _Ordered | None:
-    """The batch's messages sorted by id with their INSERT values; None when one has no id."""
-    messages = [m for p in batch for m in p.messages]
-    if any(m["id"] is None for m in messages):
-        return None
-    rows = sorted(messages, key=_by_id)
-    return _Ordered(rows, list(map(_message_values, rows)))
-
-
 _REQUIRED_SESSION = ("id", "source", "started_at")
 _REQUIRED_MESSAGE = ("role", "timestamp")
 _CHUNK = 500
@@ -393,9 +363,7 @@ def _write_batch(
             used_ids.add(message["id"])
             keep.append(message)
     if conn.dialect.name == "sqlite":
-        whole = len(fresh) == len(batch) and not renumber
-        ordered = getattr(batch, "ordered", None) if whole else None
-        _sqlite_insert_messages(conn, keep, renumber, ordered)
+        _sqlite_insert_messages(conn, keep, renumber)
     else:
         if keep:
             _insert(conn, M, keep)
@@ -451,15 +419,12 @@ _TOP_MESSAGE_ID = sa.text(
 )
 
 
-def _sqlite_insert_messages(
-    conn: Connection, keep: list[RowDict], renumber: list[RowDict], ordered: _Ordered | None = None
-) -> None:
+def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: list[RowDict]) -> None:
     """Insert the messages with the full-text index's insert triggers suspended, then index
     them in bulk (see :meth:`SqliteFullText.bulk_load`) and check both indexes hold exactly
     them; all in the batch's transaction. A taken id gets the next free one, as SQLite's
     AUTOINCREMENT would after the kept ones, so every row's id is known without reading it
-    back. ``ordered``: the same rows (every message of the batch kept) sorted and made into
-    INSERT values ahead."""
+    back."""
     if not keep and not renumber:
         return
     if renumber:
@@ -469,12 +434,9 @@ def _sqlite_insert_messages(
     # memory as a new segment whenever a rowid comes lower than the last one (a segment per
     # session, then merged over and over); in order, a batch makes a few large segments, and
     # the table's B-tree is appended to rather than split in the middle.
-    rows = ordered.rows if ordered is not None else sorted(keep + renumber, key=_by_id)
+    rows = sorted(keep + renumber, key=_by_id)
     with fulltext.SQLITE.bulk_load(conn) as index:
-        if ordered is not None:
-            _insert_ordered(conn, ordered)
-        else:
-            _insert(conn, M, rows)
+        _insert(conn, M, rows)
         index.add((m["id"], m["content"]) for m in rows)
         _WHILE_INDEXING.get()()  # the index statements run as the block ends
     problems = fulltext.SQLITE.unindexed(conn, index.rows)
@@ -482,16 +444,6 @@ def _sqlite_insert_messages(
         raise ImportCheckError(
             f"the full-text index disagrees with the batch: {'; '.join(problems)}"
         )
-
-
-def _insert_ordered(conn: Connection, ordered: _Ordered) -> None:
-    """Insert the rows of ``ordered`` with the values made ahead (in table column order)."""
-    insert = M.insert().compile(dialect=conn.dialect, column_keys=list(_MESSAGE_COLUMNS))
-    names = tuple(insert.positiontup or ())
-    values = ordered.values
-    if names != _MESSAGE_COLUMNS:  # another binding order: the values made again to match
-        values = list(map(itemgetter(*names), ordered.rows))
-    conn.exec_driver_sql(str(insert), values)
 
 
 def _by_id(row: RowDict) -> int:
@@ -548,7 +500,6 @@ def import_sessions(
         max_batch_messages,
         nul_ok=db.is_sqlite,
         allow_redacted=allow_redacted,
-        ordered=db.is_sqlite,
     )
     if not db.is_sqlite:
         _write_batches(db, batches, total)
@@ -676,26 +627,20 @@ def _batches(
     *,
     nul_ok: bool,
     allow_redacted: bool,
-    ordered: bool = False,
 ) -> Iterator[list[_Prepared]]:
     """The records validated, in batches of ``batch_size`` sessions or ``max_batch_messages``
     messages (whichever comes first); an invalid record raises once the batches before it
-    have been taken. ``ordered``: each batch's messages also sorted and made into INSERT
-    values (SQLite's bulk path), by whoever reads the batch."""
-    batch = _Batch()
+    have been taken."""
+    batch: list[_Prepared] = []
     batch_messages = 0
     for line, record in records:
         prepared = _prepare(record, line, nul_ok=nul_ok, allow_redacted=allow_redacted)
         batch.append(prepared)
         batch_messages += len(prepared.messages)
         if len(batch) >= batch_size or batch_messages >= max_batch_messages:
-            if ordered:
-                batch.ordered = _ordered(batch)
             yield batch
-            batch, batch_messages = _Batch(), 0
+            batch, batch_messages = [], 0
     if batch:
-        if ordered:
-            batch.ordered = _ordered(batch)
         yield batch
 
 

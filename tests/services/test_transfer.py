@@ -299,36 +299,6 @@ def test_a_process_killed_mid_batch_leaves_the_last_committed_batch(tmp_path: Pa
     assert index_problems(path) == []
 
 
-def test_rows_made_ahead_are_used_only_for_a_batch_kept_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch's INSERT values are made as it is read; they go in only when every session and
-    message of the batch is kept: a batch with a known session (skipped) or a taken id inserts
-    what it keeps, as before."""
-    used: list[int] = []
-    real = transfer._insert_ordered
-
-    def spy(conn: Any, ordered: Any) -> None:
-        used.append(len(ordered.rows))
-        real(conn, ordered)
-
-    monkeypatch.setattr(transfer, "_insert_ordered", spy)
-    records = workers.export_records(sessions=5, per_session=7)
-    path = tmp_path / "state.db"
-    with SessionDB(path) as store:
-        import_records(store, records[:2], batch_size=1)
-        assert used == [7, 7]
-        report = import_records(store, records)
-        assert (report.sessions, report.sessions_skipped, report.messages_skipped) == (3, 2, 14)
-        assert used == [7, 7]
-        assert store.message_count() == 35
-        exported = list(store.iter_export())
-    assert [m["id"] for r in exported for m in r["messages"]] == [
-        m["id"] for r in records for m in r["messages"]
-    ]
-    assert index_problems(path) == []
-
-
 @pytest.mark.parametrize("batch_size", [1, 100])
 def test_every_batch_size_gives_the_same_file(tmp_path: Path, batch_size: int) -> None:
     records = workers.export_records(sessions=5, per_session=7)
