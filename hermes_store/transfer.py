@@ -297,6 +297,26 @@ def _existing(conn: Connection, statement: sa.Select[Any], values: Iterable[Any]
     return set(_chunks(conn, statement, values))
 
 
+#: One message of the ids from ``:low`` to ``:high``, if any (a probe of the primary key).
+_MESSAGE_IN_SPAN = (
+    select(M.c.id).where(M.c.id.between(bindparam("low"), bindparam("high"))).limit(1)
+)
+
+
+def _taken_message_ids(conn: Connection, messages: list[RowDict]) -> set[Any]:
+    """Which of the messages' ids the table already holds. An export's batch holds a run of
+    ids no other batch shares (a session's messages are numbered together): when not one
+    row lies between its lowest and highest id, none is taken, found by one probe instead of
+    a lookup per id (read in the batch's own write transaction, so no other writer can add
+    one before it commits)."""
+    ids = [m["id"] for m in messages]
+    if ids and None not in ids:
+        found = conn.execute(_MESSAGE_IN_SPAN, {"low": min(ids), "high": max(ids)}).first()
+        if found is None:
+            return set()
+    return _existing(conn, _MESSAGE_IDS, ids)
+
+
 def _write_batch(
     conn: Connection, batch: list[_Prepared], pending: dict[str, str]
 ) -> _BatchOutcome:
@@ -334,7 +354,7 @@ def _write_batch(
     report.sessions = len(rows)
 
     messages = [m for p in fresh for m in p.messages]
-    used_ids = _existing(conn, _MESSAGE_IDS, (m["id"] for m in messages))
+    used_ids = _taken_message_ids(conn, messages)
     keep, renumber = [], []
     for message in messages:
         if message["id"] is None or message["id"] in used_ids:

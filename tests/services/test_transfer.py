@@ -136,6 +136,45 @@ def test_taken_ids_get_the_ids_autoincrement_would_give(tmp_path: Path) -> None:
     assert index_problems(path) == []
 
 
+@pytest.mark.parametrize(
+    ("held", "renumbered"), [((10, 19), set()), ((11, 18), {11, 18}), ((14,), {14})]
+)
+def test_an_id_taken_anywhere_in_a_batchs_span_is_found(
+    tmp_path: Path, held: tuple[int, ...], renumbered: set[int]
+) -> None:
+    """A batch's ids are looked up one by one only when its span (lowest to highest id) holds
+    a row: ids held just outside the span leave every id kept; held at either end of it, or
+    inside, exactly those are renumbered (after the highest id), as a lookup per id finds."""
+    path = tmp_path / "state.db"
+    records = workers.export_records(sessions=2, per_session=4)
+    for record in records:
+        for message in record["messages"]:
+            message["id"] += 10  # the file's ids: 11..18
+    with SessionDB(path) as store:
+        store.create_session("local", "cli")
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        for number in held:
+            conn.execute(
+                "INSERT INTO messages (id, session_id, role, content, timestamp) "
+                "VALUES (?, 'local', 'user', ?, 1.0)",
+                (number, f"local {number}"),
+            )
+    with SessionDB(path) as store:
+        report = import_records(store, records)
+        assert report.messages_renumbered == len(renumbered)
+        stored = {
+            m["content"]: m["id"]
+            for r in records
+            for m in (store.export_session(r["id"]) or {"messages": []})["messages"]
+        }
+    file_ids = {m["content"]: m["id"] for r in records for m in r["messages"]}
+    assert len(stored) == 8
+    moved = {file_ids[c] for c in stored if stored[c] != file_ids[c]}
+    assert moved == renumbered
+    assert all(stored[c] > max(18, *held) for c in stored if file_ids[c] in renumbered)
+    assert index_problems(path) == []
+
+
 def test_a_batch_whose_ids_are_all_taken_is_renumbered_whole(tmp_path: Path) -> None:
     """Every message id of the file is taken (the same export imported again under other
     session ids, as a second machine's history would be): nothing is kept, every message gets
@@ -187,7 +226,13 @@ def test_a_trigger_of_another_shape_keeps_firing_row_by_row(tmp_path: Path) -> N
         assert conn.execute("SELECT count(*) FROM audit").fetchone()[0] == 20
 
 
-def test_the_batch_check_sees_an_index_that_disagrees(tmp_path: Path) -> None:
+@pytest.mark.parametrize("json_each", [True, False])
+def test_the_batch_check_sees_an_index_that_disagrees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, json_each: bool
+) -> None:
+    """Counted over the ids as one JSON array, or in chunks of ids (no ``json_each``)."""
+    if not json_each:
+        monkeypatch.setattr(fulltext, "_has_json_each", lambda conn: False)
     path = tmp_path / "state.db"
     with SessionDB(path) as store:
         store.create_session("s", "cli")
