@@ -12,39 +12,21 @@ from pathlib import Path
 from typing import Any
 
 from hermes_store import SessionDB
+from hermes_store.repo.sqlite import INSERT_COLUMNS
+from hermes_store.repo.statements import COUNTERS, TOKEN_TEXTS
 from tests.support.seed_store import SeedSessionDB
 
+#: Every column the two writes touch: the counters, costs and texts of a session, and what
+#: an INSERT of a message fills but its id and timestamp (the clock's).
 _SESSION_COLUMNS = (
     "message_count",
     "tool_call_count",
-    "input_tokens",
-    "output_tokens",
-    "cache_read_tokens",
-    "cache_write_tokens",
-    "reasoning_tokens",
+    *COUNTERS,
     "estimated_cost_usd",
     "actual_cost_usd",
-    "cost_status",
-    "cost_source",
-    "pricing_version",
-    "billing_provider",
-    "billing_base_url",
-    "billing_mode",
-    "model",
+    *TOKEN_TEXTS,
 )
-_MESSAGE_COLUMNS = (
-    "session_id",
-    "role",
-    "content",
-    "tool_call_id",
-    "tool_calls",
-    "tool_name",
-    "token_count",
-    "finish_reason",
-    "reasoning",
-    "reasoning_details",
-    "codex_reasoning_items",
-)
+_MESSAGE_COLUMNS = tuple(name for name in INSERT_COLUMNS if name not in ("id", "timestamp"))
 
 #: Token updates: tokens only (the NULL statement) between priced ones, absolute ones too.
 _TOKEN_CALLS: list[dict[str, Any]] = [
