@@ -17,8 +17,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -318,9 +317,13 @@ def _taken_message_ids(conn: Connection, messages: list[RowDict]) -> set[Any]:
 
 
 def _write_batch(
-    conn: Connection, batch: list[_Prepared], pending: dict[str, str]
+    conn: Connection,
+    batch: list[_Prepared],
+    pending: dict[str, str],
+    while_indexing: Callable[[], object] = lambda: None,
 ) -> _BatchOutcome:
     """One write unit: insert the new sessions and their messages, link parents, check counts.
+    ``while_indexing`` is started once the rows are in, as SQLite indexes them (SQLite only).
 
     Pure with respect to the caller's state (the Unit of Work may run it twice on a lock).
     """
@@ -363,7 +366,7 @@ def _write_batch(
             used_ids.add(message["id"])
             keep.append(message)
     if conn.dialect.name == "sqlite":
-        _sqlite_insert_messages(conn, keep, renumber)
+        _sqlite_insert_messages(conn, keep, renumber, while_indexing)
     else:
         if keep:
             _insert(conn, M, keep)
@@ -419,7 +422,12 @@ _TOP_MESSAGE_ID = sa.text(
 )
 
 
-def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: list[RowDict]) -> None:
+def _sqlite_insert_messages(
+    conn: Connection,
+    keep: list[RowDict],
+    renumber: list[RowDict],
+    while_indexing: Callable[[], object],
+) -> None:
     """Insert the messages with the full-text index's insert triggers suspended, then index
     them in bulk (see :meth:`SqliteFullText.bulk_load`) and check both indexes hold exactly
     them; all in the batch's transaction. A taken id gets the next free one, as SQLite's
@@ -438,7 +446,7 @@ def _sqlite_insert_messages(conn: Connection, keep: list[RowDict], renumber: lis
     with fulltext.SQLITE.bulk_load(conn) as index:
         _insert(conn, M, rows)
         index.add((m["id"], m["content"]) for m in rows)
-        _WHILE_INDEXING.get()()  # the index statements run as the block ends
+        while_indexing()  # the index statements run as the block ends
     problems = fulltext.SQLITE.unindexed(conn, index.rows)
     if problems:
         raise ImportCheckError(
@@ -525,21 +533,19 @@ def _write_batches(db: SessionDB, batches: Iterator[list[_Prepared]], total: Imp
     SQLite the next batch is read while this one is indexed (see :class:`_ReadAhead`)."""
     pending: dict[str, str] = {}
     reader = _ReadAhead(batches) if db.is_sqlite else None
-    with _reading_ahead(reader):
+    read_next = reader.read_next if reader is not None else lambda: None
+    with closing(reader) if reader is not None else nullcontext():
         for batch in reader if reader is not None else batches:
             links = dict(pending)
-            outcome = db.uow.run(lambda conn: _write_batch(conn, batch, links))  # noqa: B023
+            outcome = db.uow.run(
+                lambda conn: _write_batch(conn, batch, links, read_next)  # noqa: B023
+            )
             for child in outcome.linked:
                 pending.pop(child, None)
             pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})
             for name, value in asdict(outcome.report).items():
                 setattr(total, name, getattr(total, name) + value)
     total.parents_missing = len(pending)
-
-
-#: What to start once a batch's rows are in and SQLite is about to index them (see
-#: :class:`_ReadAhead`); nothing outside an import.
-_WHILE_INDEXING: ContextVar[Callable[[], None]] = ContextVar("while_indexing", default=lambda: None)
 
 
 class _ReadAhead:
@@ -605,19 +611,6 @@ class _ReadAhead:
         self._closed = True
         self._asked.release()
         self._thread.join()
-
-
-@contextmanager
-def _reading_ahead(reader: _ReadAhead | None) -> Iterator[None]:
-    if reader is None:
-        yield
-        return
-    token = _WHILE_INDEXING.set(reader.read_next)
-    try:
-        yield
-    finally:
-        _WHILE_INDEXING.reset(token)
-        reader.close()
 
 
 def _batches(

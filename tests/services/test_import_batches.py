@@ -64,9 +64,9 @@ def test_a_batch_that_fails_to_write_stops_the_reading(
     real = transfer._write_batch
     writes = [0]
 
-    def failing(conn: Any, batch: Any, pending: Any) -> Any:
+    def failing(conn: Any, batch: Any, pending: Any, *rest: Any) -> Any:
         writes[0] += 1
-        outcome = real(conn, batch, pending)
+        outcome = real(conn, batch, pending, *rest)
         if writes[0] == 2:
             raise transfer.ImportCheckError("the second batch disagrees")
         return outcome
@@ -126,8 +126,8 @@ def test_sqlite_reads_the_next_batch_while_this_one_is_indexed(
     real = transfer._write_batch
     waited: list[bool] = []
 
-    def spy(conn: Any, batch: list[Any], pending: Any) -> Any:
-        outcome = real(conn, batch, pending)
+    def spy(conn: Any, batch: list[Any], pending: Any, *rest: Any) -> Any:
+        outcome = real(conn, batch, pending, *rest)
         following = batch[-1].line + 1
         if following in firsts:
             waited.append(firsts[following].wait(timeout=30))
@@ -193,11 +193,11 @@ def test_sqlite_batches_go_in_without_automerge_then_one_merge_and_the_settings_
     during: list[dict[str, dict[str, int]]] = []
     real = transfer._write_batch
 
-    def spy(conn: Any, batch: Any, pending: Any) -> Any:
+    def spy(conn: Any, batch: Any, pending: Any, *rest: Any) -> Any:
         during.append(fts5_settings(conn))
         if fail and len(during) == 20:
             raise transfer.ImportCheckError("the twentieth batch disagrees")
-        return real(conn, batch, pending)
+        return real(conn, batch, pending, *rest)
 
     monkeypatch.setattr(transfer, "_write_batch", spy)
     path = tmp_path / "state.db"
