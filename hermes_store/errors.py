@@ -330,11 +330,18 @@ def wrap_driver_error(
     return wrapped
 
 
-def map_driver_error(sql: str, values: Any, orig: Exception, dialect: Any) -> Exception:
+def map_driver_error(
+    sql: str | None,
+    values: Any,
+    orig: Exception,
+    dialect: Any,
+    dbapi_error: type[Exception] | None = None,
+) -> Exception:
     """A driver error wrapped as SQLAlchemy wraps it, then named as the package names it (the
-    wrapped error as its cause); the wrapped error itself when it has no better name."""
+    wrapped error as its cause); the wrapped error itself when it has no better name.
+    ``dbapi_error``: the driver's base error, for a connection with no dialect (``None``)."""
     wrapped = sa_exc.DBAPIError.instance(
-        sql, values, orig, dialect.loaded_dbapi.Error, dialect=dialect
+        sql, values, orig, dbapi_error or dialect.loaded_dbapi.Error, dialect=dialect
     )
     assert isinstance(wrapped, sa_exc.DBAPIError)
     mapped = translate(wrapped)
@@ -409,6 +416,19 @@ def mapped_errors(*, write: bool = False) -> Iterator[None]:
             "no database connection came free in time (every one of the pool's connections "
             f"stayed busy); nothing was sent, so nothing was written: {error}"
         ) from error
+
+
+@contextmanager
+def driver_errors(dbapi_error: type[Exception], dialect: Any = None) -> Iterator[None]:
+    """:func:`mapped_errors` around a DB-API connection used directly (a raw psycopg cursor,
+    a plain ``sqlite3`` connection): what it raises is wrapped as SQLAlchemy would wrap it,
+    then named as the package names it (a full disk :class:`StorageFullError`, a damaged
+    file :class:`NotADatabaseError`), not left a bare driver error."""
+    try:
+        with mapped_errors():
+            yield
+    except dbapi_error as error:
+        raise map_driver_error(None, None, error, dialect, dbapi_error) from error
 
 
 class UnsafePathError(HermesStoreError):

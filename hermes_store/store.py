@@ -24,7 +24,7 @@ from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine, Row
 
 from hermes_store import search, titles, validate
-from hermes_store.engine import placement
+from hermes_store.engine import files, placement
 from hermes_store.engine.factory import (
     READER_BUSY_TIMEOUT_S,
     WRITER_BUSY_TIMEOUT_S,
@@ -199,7 +199,7 @@ class SessionDB:
         self.db_path = None if given is not None else target
         self.placement.check_dialect(url.get_backend_name())
         path = sqlite_file(url)
-        self._file: shared.FileKey | None = None
+        self._file: files.FileKey | None = None
         with placement.using(self.placement):
             if path is not None:
                 # A second name first: reading a live file through a name whose WAL is not
@@ -208,7 +208,7 @@ class SessionDB:
                 # Brought to head first (without the write lock when already there); then the
                 # file's one writer in this process is shared.
                 _bring_to_head(url, migrate, options.retry)
-                self._file = shared.file_key(path)
+                self._file = files.file_key(path)
                 self.uow = shared.acquire(
                     self._file, options, lambda: self._make_uow(target, options), str(path)
                 )

@@ -91,6 +91,16 @@ def sidecars(path: Path) -> list[Path]:
     return [p for p in found if p.exists()]
 
 
+#: A file's identity, whatever path names it: (device, inode).
+FileKey = tuple[int, int]
+
+
+def file_key(path: Path) -> FileKey:
+    """The identity of an existing file: (device, inode), whatever path names it."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` names a live process here (another user's counts as alive): whether a
     temporary file named after its creator's pid may still be in use."""

@@ -45,8 +45,7 @@ from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
     UnsafePathError,
-    mapped_errors,
-    translate,
+    driver_errors,
 )
 from hermes_store.ops import backup, pacing
 from hermes_store.schema import ddl, fulltext
@@ -570,22 +569,6 @@ def _damage(connection: sqlite3.Connection) -> list[str]:
     return ([] if problems == ["ok"] else problems[:3]) + fulltext.index_damage(connection)
 
 
-@contextmanager
-def _driver_errors() -> Iterator[None]:
-    """:func:`mapped_errors` for the plain ``sqlite3`` connections of the vacuums, whose
-    errors SQLAlchemy never wraps: a full disk is :class:`StorageFullError`, a damaged file
-    :class:`NotADatabaseError`, not a bare driver error."""
-    try:
-        with mapped_errors():
-            yield
-    except sqlite3.Error as error:
-        wrapped = sa.exc.DBAPIError.instance(None, None, error, sqlite3.Error)
-        mapped = translate(wrapped) if isinstance(wrapped, sa.exc.DBAPIError) else None
-        if mapped is None:
-            raise
-        raise mapped from error
-
-
 def vacuum_offline(path: Path) -> tuple[int, int]:
     """A full ``VACUUM`` of a SQLite file nobody else has open; turns on incremental vacuum.
 
@@ -605,7 +588,7 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     before = size()
     connection = files.connect_sqlite(path, timeout=0)
     try:
-        with _driver_errors():
+        with driver_errors(sqlite3.Error):
             _take_alone(connection, path)
             connection.execute("COMMIT")
             damage = _damage(connection)
@@ -674,7 +657,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
     before = _size(real)
     probe = files.connect_sqlite(real, timeout=0)
     try:  # the cheap refusal first: a copy of a file in use would be made for nothing
-        with _driver_errors():
+        with driver_errors(sqlite3.Error):
             _take_alone(probe, path)
             probe.execute("ROLLBACK")
     finally:
@@ -685,10 +668,10 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
     try:
         _take_mode_and_owner(partial, old, path)
-        copied = _file_key(real)  # the file the connection opens, unless swapped meanwhile
+        copied = files.file_key(real)  # the file the connection opens, unless swapped meanwhile
         connection = files.connect_sqlite(real)  # the copy only reads: it waits as a reader
         try:
-            with _driver_errors():
+            with driver_errors(sqlite3.Error):
                 version = connection.execute("PRAGMA data_version").fetchone()[0]
                 if connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 0:
                     # Read by VACUUM INTO for its copy; on a file without auto-vacuum the
@@ -699,7 +682,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
                 _ready_copy(partial, path)
                 connection.execute("PRAGMA busy_timeout=0")
                 _take_alone(connection, path)
-                moved = _file_key(real) != copied
+                moved = files.file_key(real) != copied
                 if moved or connection.execute("PRAGMA data_version").fetchone()[0] != version:
                     connection.execute("ROLLBACK")
                     raise DatabaseLockedError(
@@ -751,11 +734,6 @@ def _remove_dead_copies(real: Path) -> None:
             os.unlink(name)
         except FileNotFoundError:  # removed meanwhile
             continue
-
-
-def _file_key(path: Path) -> tuple[int, int]:
-    found = path.stat()
-    return found.st_dev, found.st_ino
 
 
 def _take_mode_and_owner(partial: Path, old: os.stat_result, path: Path) -> None:

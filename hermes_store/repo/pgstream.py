@@ -12,14 +12,13 @@ of ``SessionDB.iter_export``, key for key and value for value.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.engine import Connection, Engine
 
-from hermes_store.errors import map_driver_error, mapped_errors
+from hermes_store.errors import driver_errors, mapped_errors
 from hermes_store.repo.messages import decode_tool_calls
 from hermes_store.rows import ExportRecord
 from hermes_store.tables import messages_table as M
@@ -36,15 +35,6 @@ def supported(conn_or_dialect: Connection | sa.Dialect) -> bool:
         conn_or_dialect.dialect if isinstance(conn_or_dialect, Connection) else conn_or_dialect
     )
     return dialect.name == "postgresql" and dialect.driver == "psycopg" and not dialect.is_async
-
-
-@contextmanager
-def _driver_errors(dialect: sa.Dialect) -> Iterator[None]:
-    """Errors raised on the raw psycopg connection, wrapped and named as SQLAlchemy's would be."""
-    try:
-        yield
-    except dialect.loaded_dbapi.Error as error:
-        raise map_driver_error("", None, error, dialect) from error
 
 
 def _export_statements(dialect: sa.Dialect, by_source: bool) -> tuple[str, str]:
@@ -75,7 +65,7 @@ def iter_export(engine: Engine, source: str | None = None) -> Iterator[ExportRec
         conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         raw: Any = conn.connection.driver_connection
         session_sql, message_sql = _export_statements(conn.dialect, source is not None)
-        with _driver_errors(conn.dialect), conn.begin():
+        with driver_errors(conn.dialect.loaded_dbapi.Error, conn.dialect), conn.begin():
             sessions = raw.cursor(name="hermes_export_sessions", binary=True)
             messages = raw.cursor(name="hermes_export_messages", binary=True)
             sessions.itersize = messages.itersize = FETCH_ROWS
@@ -107,7 +97,7 @@ def copy_rows(conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any
     target = f"{quote(table.name)} ({', '.join(quote(name) for name in columns)})"
     raw: Any = conn.connection.driver_connection
     with (
-        _driver_errors(conn.dialect),
+        driver_errors(conn.dialect.loaded_dbapi.Error, conn.dialect),
         raw.cursor() as cursor,
         cursor.copy(f"COPY {target} FROM STDIN") as copy,
     ):

@@ -14,8 +14,8 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 
+from hermes_store.engine.files import FileKey
 from hermes_store.errors import SharedStoreMismatchError
 from hermes_store.uow.unit import RetryPolicy, UnitOfWork
 
@@ -41,16 +41,8 @@ class _Entry:
     refs: int = 1
 
 
-FileKey = tuple[int, int]
-
 _lock = threading.Lock()
 _entries: dict[tuple[int, int, int], _Entry] = {}
-
-
-def file_key(path: Path) -> FileKey:
-    """The identity of an existing file: (device, inode), whatever path names it."""
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino)
 
 
 def acquire(

@@ -41,11 +41,10 @@ ASKS_THE_DIALECT = {
     ("repo/sqlite.py", "_compiled"): "compiles the hot writes for SQLite (a constant dialect)",
     ("repo/postgresql.py", "PostgresqlStatements.__init__"): "whether exports stream: once",
     ("repo/pgstream.py", "supported"): "asked once per store, and by the import's batches",
-    ("repo/pgstream.py", "_driver_errors"): "the driver's error class, to wrap its errors",
     ("repo/pgstream.py", "_export_statements"): "compiles its statements for the connection",
     ("repo/pgstream.py", "iter_export"): "the driver's error class, to wrap its errors",
     ("search/pipeline.py", "for_dialect"): "the lookup itself",
-    ("repo/pgstream.py", "copy_rows"): "quotes identifiers the dialect's way",
+    ("repo/pgstream.py", "copy_rows"): "quotes identifiers the dialect's way; the driver's errors",
 }
 
 
