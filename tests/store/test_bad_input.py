@@ -157,10 +157,12 @@ def test_session_text_round_trips_or_is_refused(
     row = store.get_session(session_id)
     assert row is not None
     assert (row["id"], row["source"], row["model"], row["system_prompt"], row["user_id"]) == texts
-    # JSON escapes NUL and surrogates, so any config text is storable and comes back.
+    # JSON escapes NUL and surrogates, so any config text is storable and comes back as JSON
+    # reads it (an escaped surrogate pair is the character it encodes, as JSON defines it).
     import json
 
-    assert json.loads(row["model_config"]) == {"k": config, config: [1]}
+    given = {"k": config, config: [1]}
+    assert json.loads(row["model_config"]) == json.loads(json.dumps(given))
     # Prefix resolution escapes LIKE metacharacters: only this session starts with this prefix.
     assert store.resolve_session_id(session_id) == session_id
     assert store.resolve_session_id(session_id[: len(session_id) - len(sid) // 2]) == session_id
