@@ -419,16 +419,20 @@ def mapped_errors(*, write: bool = False) -> Iterator[None]:
 
 
 @contextmanager
-def driver_errors(dbapi_error: type[Exception], dialect: Any = None) -> Iterator[None]:
-    """:func:`mapped_errors` around a DB-API connection used directly (a raw psycopg cursor,
-    a plain ``sqlite3`` connection): what it raises is wrapped as SQLAlchemy would wrap it,
+def mapped_driver_errors(
+    dialect: Any = None, *, dbapi_error: type[Exception] | None = None
+) -> Iterator[None]:
+    """:func:`mapped_errors` around a DB-API connection used directly (a raw psycopg cursor
+    of ``dialect``'s driver, or a plain ``sqlite3`` connection with no dialect:
+    ``dbapi_error=sqlite3.Error``): what it raises is wrapped as SQLAlchemy would wrap it,
     then named as the package names it (a full disk :class:`StorageFullError`, a damaged
     file :class:`NotADatabaseError`), not left a bare driver error."""
+    base: type[Exception] = dbapi_error or dialect.loaded_dbapi.Error
     try:
         with mapped_errors():
             yield
-    except dbapi_error as error:
-        raise map_driver_error(None, None, error, dialect, dbapi_error) from error
+    except base as error:
+        raise map_driver_error(None, None, error, dialect, base) from error
 
 
 class UnsafePathError(HermesStoreError):

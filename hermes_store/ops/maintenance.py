@@ -45,7 +45,7 @@ from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
     UnsafePathError,
-    driver_errors,
+    mapped_driver_errors,
 )
 from hermes_store.ops import backup, pacing
 from hermes_store.schema import ddl, fulltext
@@ -588,7 +588,7 @@ def vacuum_offline(path: Path) -> tuple[int, int]:
     before = size()
     connection = files.connect_sqlite(path, timeout=0)
     try:
-        with driver_errors(sqlite3.Error):
+        with mapped_driver_errors(dbapi_error=sqlite3.Error):
             _take_alone(connection, path)
             connection.execute("COMMIT")
             damage = _damage(connection)
@@ -657,7 +657,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
     before = _size(real)
     probe = files.connect_sqlite(real, timeout=0)
     try:  # the cheap refusal first: a copy of a file in use would be made for nothing
-        with driver_errors(sqlite3.Error):
+        with mapped_driver_errors(dbapi_error=sqlite3.Error):
             _take_alone(probe, path)
             probe.execute("ROLLBACK")
     finally:
@@ -671,7 +671,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
         copied = files.file_key(real)  # the file the connection opens, unless swapped meanwhile
         connection = files.connect_sqlite(real)  # the copy only reads: it waits as a reader
         try:
-            with driver_errors(sqlite3.Error):
+            with mapped_driver_errors(dbapi_error=sqlite3.Error):
                 version = connection.execute("PRAGMA data_version").fetchone()[0]
                 if connection.execute("PRAGMA auto_vacuum").fetchone()[0] == 0:
                     # Read by VACUUM INTO for its copy; on a file without auto-vacuum the

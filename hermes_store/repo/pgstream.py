@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.engine import Connection, Engine
 
-from hermes_store.errors import driver_errors, mapped_errors
+from hermes_store.errors import mapped_driver_errors, mapped_errors
 from hermes_store.repo.messages import decode_tool_calls
 from hermes_store.rows import ExportRecord
 from hermes_store.tables import messages_table as M
@@ -65,7 +65,7 @@ def iter_export(engine: Engine, source: str | None = None) -> Iterator[ExportRec
         conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         raw: Any = conn.connection.driver_connection
         session_sql, message_sql = _export_statements(conn.dialect, source is not None)
-        with driver_errors(conn.dialect.loaded_dbapi.Error, conn.dialect), conn.begin():
+        with mapped_driver_errors(conn.dialect), conn.begin():
             sessions = raw.cursor(name="hermes_export_sessions", binary=True)
             messages = raw.cursor(name="hermes_export_messages", binary=True)
             sessions.itersize = messages.itersize = FETCH_ROWS
@@ -97,7 +97,7 @@ def copy_rows(conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any
     target = f"{quote(table.name)} ({', '.join(quote(name) for name in columns)})"
     raw: Any = conn.connection.driver_connection
     with (
-        driver_errors(conn.dialect.loaded_dbapi.Error, conn.dialect),
+        mapped_driver_errors(conn.dialect),
         raw.cursor() as cursor,
         cursor.copy(f"COPY {target} FROM STDIN") as copy,
     ):

@@ -372,16 +372,15 @@ class SqliteFullText:
         there that it keeps out. Counted from FTS5's one row per indexed document
         (``<table>_docsize``); empty when every message is where it belongs."""
         problems: list[str] = []
-        whole = _has_json_each(conn)
         if _has_table(conn, ddl.FTS_DOCSIZE):
-            held = _count(conn, _IN_MAIN, [row[0] for row in rows], _IN_MAIN_ALL if whole else None)
+            held = _count(conn, _IN_MAIN, _IN_MAIN_ALL, [row[0] for row in rows])
             if held != len(rows):
                 problems.append(f"{ddl.FTS_TABLE} holds {held} of {len(rows)} messages")
         if _has_table(conn, ddl.CJK_DOCSIZE):
             plain = [row[0] for row in rows if not row[1] or row[1].isascii()]
             others = [row[0] for row in rows if row[1] and not row[1].isascii()]
-            wrong = _count(conn, _IN_CJK, plain, _IN_CJK_ALL if whole else None) + _count(
-                conn, _CJK_WRONG, others, _CJK_WRONG_ALL if whole else None
+            wrong = _count(conn, _IN_CJK, _IN_CJK_ALL, plain) + _count(
+                conn, _CJK_WRONG, _CJK_WRONG_ALL, others
             )
             if wrong:
                 problems.append(f"{ddl.CJK_TABLE} is wrong about {wrong} of {len(rows)} messages")
@@ -703,15 +702,14 @@ def long_text_expected(conn: Connection) -> bool:
     return revision is not None and LONG_TEXT_REVISION in revisions.up_to(str(revision))
 
 
-def _count(
-    conn: Connection, query: sa.TextClause, ids: Sequence[int], whole: str | None = None
-) -> int:
-    """The count ``query`` gives for ``ids`` (its ``:ids``), summed over chunks of them; or,
-    given ``whole`` (the same count over the JSON array ``?1``), in one statement."""
+def _count(conn: Connection, query: sa.TextClause, over_array: str, ids: Sequence[int]) -> int:
+    """The count ``query`` gives for ``ids`` (its ``:ids``): in one statement where SQLite has
+    ``json_each`` (``over_array``, the same count over the JSON array ``?1``), else summed
+    over chunks of them."""
     if not ids:
         return 0
-    if whole is not None:
-        return int(conn.exec_driver_sql(whole, (json.dumps(list(ids)),)).scalar() or 0)
+    if _has_json_each(conn):
+        return int(conn.exec_driver_sql(over_array, (json.dumps(list(ids)),)).scalar() or 0)
     total = 0
     for start in range(0, len(ids), _ID_CHUNK):
         params = {"ids": list(ids[start : start + _ID_CHUNK])}
