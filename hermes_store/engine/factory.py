@@ -928,11 +928,12 @@ def begin_on_driver(
     """Begin a unit on a pooled SQLite connection: the one begin of the package (the engine's
     begin hook calls it for every unit, the hot path included).
 
-    A transaction still open here was left by a unit interrupted (Ctrl-C) between its BEGIN
-    and the ``try`` that would have rolled it back: CPython can raise a signal's exception as
-    a C call returns, where no Python code can close the gap. Its writes were never
+    An interrupt (Ctrl-C) raised as the BEGIN returns rolls it back here: CPython raises a
+    signal's exception as a C call returns, so the caller's ``try`` would never see that
+    transaction, and it would keep the file's write lock from every other process. One still
+    open at a begin was left by a unit interrupted in another such gap; its writes were never
     acknowledged, so it is rolled back before this unit begins (it would otherwise fail with
-    "cannot start a transaction within a transaction" and keep the file's write lock)."""
+    "cannot start a transaction within a transaction")."""
     if dbapi_connection.in_transaction:
         log.warning("a unit interrupted after its BEGIN left a transaction open: rolled back")
         dbapi_connection.rollback()
@@ -947,4 +948,9 @@ def begin_on_driver(
         )
     # IMMEDIATE takes the write lock now, so contention shows here and not mid-unit;
     # readers take a deferred BEGIN and never queue behind a writer.
-    dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+    try:
+        dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+    except BaseException:
+        if dbapi_connection.in_transaction:  # an interrupt as the BEGIN returned
+            dbapi_connection.rollback()
+        raise

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +35,7 @@ from hermes_store.uow import fork, pggroup, retry, writequeue
 from hermes_store.uow.autocommit import Autocommit
 from hermes_store.uow.counters import Counters
 from hermes_store.uow.groupcommit import GroupCommit
+from hermes_store.uow.interrupts import NOTHING_HELD, Holding, NothingHeld
 from hermes_store.uow.readers import HeldReaders
 from hermes_store.uow.uncontended import Missed, Uncontended
 from hermes_store.uow.writer import SqliteWriter, again
@@ -73,7 +74,6 @@ def on_driver(fn: Callable[[Any], T]) -> Callable[[Connection], T]:
 
 
 #: The turn of a backend whose writers need none (the server orders them).
-_NO_TURN: nullcontext[None] = nullcontext()
 
 
 class SqliteBackend:
@@ -125,7 +125,7 @@ class SqliteBackend:
 
     # -- a unit's turn, begin and end --------------------------------------------------------
 
-    def turn(self) -> AbstractContextManager[writequeue.Turn | None]:
+    def turn(self) -> Holding[writequeue.Turn | None]:
         return self.writer.turn()
 
     def begin(
@@ -148,6 +148,9 @@ class SqliteBackend:
                     raise
                 retry.pause(self.policy, waits, error, self.counters)
                 continue
+            except BaseException:  # an interrupt: given back now, not left to the collector
+                conn.close()
+                raise
             return conn
 
     def abort(self, conn: Connection) -> None:
@@ -232,9 +235,9 @@ class SqliteBackend:
         return units.run(fn)
 
     def read(self, units: Units, fn: Callable[[Connection], T]) -> T:
-        """A read of one statement: a read unit."""
-        with units.unit(write=False) as unit:
-            return fn(unit.conn)
+        """A read of one statement: a read unit (``run``'s, which an interrupt never leaves
+        open)."""
+        return units.run(fn, write=False)
 
     def rows(
         self,
@@ -377,8 +380,8 @@ class PostgresBackend:
 
     # -- a unit's turn, begin and end --------------------------------------------------------
 
-    def turn(self) -> AbstractContextManager[None]:
-        return _NO_TURN
+    def turn(self) -> NothingHeld:
+        return NOTHING_HELD
 
     def begin(self, write: bool, waits: Iterator[float], turn: object) -> Connection:
         """A unit's begun pooled connection; a server not reachable is waited for."""
@@ -402,6 +405,9 @@ class PostgresBackend:
                     raise
                 retry.pause(self.policy, waits, error, self.counters)
                 continue
+            except BaseException:  # an interrupt: given back now, not left to the collector
+                conn.close()
+                raise
             return conn
 
     def abort(self, conn: Connection) -> None:

@@ -57,6 +57,7 @@ from typing import Any, Generic, TypeVar
 
 from hermes_store.errors import WalDeletedError
 from hermes_store.uow.counters import Counters
+from hermes_store.uow.interrupts import uninterrupted
 from hermes_store.uow.leaders import (
     DONE,
     FAILED,
@@ -65,7 +66,6 @@ from hermes_store.uow.leaders import (
     RERUN,
     LeaderQueue,
     Queued,
-    uninterrupted,
 )
 from hermes_store.uow.writer import SqliteWriter
 
@@ -121,8 +121,9 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
         waits = writer.waits()
         while True:
             self._stage = _OPEN
+            taking = writer.turn()
             try:
-                with writer.turn() as turn:
+                with taking as turn:
                     try:
                         committed = self._run_group(writer, turn)
                     except BaseException as error:
@@ -131,6 +132,7 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
                 self._settle_group(committed)
                 return
             except BaseException as error:
+                taking.release()  # an interrupt as the turn was given or its with ended
                 if self._group or self._stage == _COMMITTED:
                     committed = self._stage == _COMMITTED
                     uninterrupted(partial(self._settle_group, committed, interrupted=True))

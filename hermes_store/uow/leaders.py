@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
 from functools import partial
 from itertools import islice
 from typing import Any, Generic, TypeVar, cast
 
 from hermes_store.errors import mapped_errors
+from hermes_store.uow.interrupts import uninterrupted
 
 #: Most units in one transaction: bounds the turn a leader holds (and a lost group's re-runs).
 MAX_GROUP = 32
@@ -153,16 +153,3 @@ class LeaderQueue(Generic[U]):
                 return self._cond.wait_for(lambda: len(self._queue) >= count, timeout)
             finally:
                 self._watchers -= 1
-
-
-def uninterrupted(step: Callable[[], None]) -> None:
-    """Run ``step`` (idempotent bookkeeping) to its end, again if an interrupt (Ctrl-C)
-    cut it short: the interrupt being raised already is the one its caller gets."""
-    while True:
-        try:
-            step()
-            return
-        except Exception:
-            raise
-        except BaseException:
-            continue

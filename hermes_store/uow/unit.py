@@ -27,7 +27,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -65,6 +65,7 @@ from hermes_store.uow import fork, groupcommit, pggroup, retry, uncontended, wri
 from hermes_store.uow.backends import PostgresBackend, SqliteBackend, on_driver
 from hermes_store.uow.counters import Counters, StoreStats
 from hermes_store.uow.fork import FORK_WAIT_S
+from hermes_store.uow.interrupts import NOTHING_HELD, holding
 from hermes_store.uow.readers import MAX_HELD_READERS
 from hermes_store.uow.retry import DEFAULT_UNAVAILABLE_TIMEOUT_S, RetryPolicy
 from hermes_store.uow.writer import QUEUE_HEAD_BUSY_TIMEOUT_S, WAL_CHECK_EVERY_S
@@ -320,23 +321,28 @@ class UnitOfWork:
             return
         if self._blocks or self._asyncio:
             self._refuse_foreign_block(write)
-        with self._own_unit(write, self.retry.waits()) as unit:
-            if not write:
-                yield unit
-                return
-            self._open_block(unit)
-            try:
-                yield unit
-            except BaseException as error:
-                self._refuse_foreign_exit(unit, error)
-                raise
-            else:
-                self._refuse_foreign_exit(unit, None)
-            finally:
-                with self._blocks_lock:
-                    self._blocks.discard(unit)
-                unit.closed = True
-                unit.frames = ()
+        taking = self._own_unit(write, self.retry.waits())
+        try:
+            with taking as unit:
+                if not write:
+                    yield unit
+                    return
+                self._open_block(unit)
+                try:
+                    yield unit
+                except BaseException as error:
+                    self._refuse_foreign_exit(unit, error)
+                    raise
+                else:
+                    self._refuse_foreign_exit(unit, None)
+                finally:
+                    with self._blocks_lock:
+                        self._blocks.discard(unit)
+                    unit.closed = True
+                    unit.frames = ()
+        except BaseException:
+            taking.release()  # an interrupt as the unit was given or its with ended
+            raise
 
     # -- who may use an open block -----------------------------------------------------------
 
@@ -360,6 +366,9 @@ class UnitOfWork:
         if self._asyncio:
             _refuse_outside_greenlet()
         with self._blocks_lock:
+            # A block whose unit ended is gone: one an interrupt (Ctrl-C) cut short before
+            # its body's ``try`` stays registered, its unit closed.
+            self._blocks.difference_update([block for block in self._blocks if block.closed])
             blocks = list(self._blocks)
         if not blocks:
             return
@@ -409,55 +418,89 @@ class UnitOfWork:
             return
         if self._blocks or self._asyncio:
             self._refuse_foreign_block(False)
-        with self._own_unit(False, self.retry.waits(), publish=False) as unit:
-            yield unit.conn
+        taking = self._own_unit(False, self.retry.waits(), publish=False)
+        try:
+            with taking as unit:
+                yield unit.conn
+        except BaseException:
+            taking.release()  # an interrupt as the unit was given or its with ended
+            raise
 
-    @contextmanager
+    @holding
     def _own_unit(
         self, write: bool, waits: Iterator[float], *, publish: bool = True
     ) -> Iterator[Unit]:
         backend = self.backend
         stage = _Stage()
-        with (
-            backend.turn() if write else _NO_TURN as turn,
-            mapped_errors(write=write),
-            _write_outcome(stage) if write and not backend.serialises_writers else _NO_TURN,
-        ):
+        taking = backend.turn() if write else NOTHING_HELD
+        try:
+            with (
+                taking as turn,
+                mapped_errors(write=write),
+                _write_outcome(stage) if write and not backend.serialises_writers else NOTHING_HELD,
+            ):
+                yield from self._begun(backend, write, waits, turn, stage, publish)
+        except BaseException:
+            taking.release()  # an interrupt as the turn was given or its with ended
+            raise
+        self.counters.count(write)
+
+    def _begun(
+        self,
+        backend: SqliteBackend | PostgresBackend,
+        write: bool,
+        waits: Iterator[float],
+        turn: writequeue.Turn | None,
+        stage: _Stage,
+        publish: bool,
+    ) -> Iterator[Unit]:
+        """:meth:`_own_unit`'s unit in its turn: begun, yielded, then committed, or rolled back
+        on anything raised once the BEGIN returned (an interrupt too)."""
+        current = self._current  # a forked child gets a new variable: reset this one
+        forks = fork.generation
+        inherited = False
+        conn: Connection | None = None
+        unit: Unit | None = None
+        try:
             conn = backend.begin(write, waits, turn)
             unit = Unit(conn, write)
-            current = self._current  # a forked child gets a new variable: reset this one
-            token = current.set(unit) if publish else None
-            forks = fork.generation
-            inherited = False
-            try:
-                yield unit
-                if forks != fork.generation:
-                    inherited = True
-                    raise fork.left_in_child(write)
-                stage.committing = True
-                conn.commit()
-            except BaseException as error:
-                if inherited or forks != fork.generation:
-                    # The parent's transaction: never committed, rolled back or closed here.
-                    inherited = True
-                    fork.keep_forever(conn)
-                    if isinstance(error, ForkedProcessError) or not isinstance(error, Exception):
-                        raise
-                    raise fork.left_in_child(write) from error
-                backend.abort(conn)
-                if not write and _is_readonly_refusal(error):
-                    raise ReadOnlyUnitError(
-                        f"a write inside a read-only unit (uow.connect(write=False)): {error}"
-                    ) from error
-                raise
-            finally:
-                if token is not None and current.get() is unit:
-                    current.reset(token)  # not from another context: refused there
-                if not inherited:
-                    backend.put_back(conn)
-            if write:
-                backend.acknowledge(conn)
-        self.counters.count(write)
+            if publish:
+                current.set(unit)
+            yield unit
+            if forks != fork.generation:
+                inherited = True
+                raise fork.left_in_child(write)
+            stage.committing = True
+            conn.commit()
+        except BaseException as error:
+            if conn is None:
+                raise  # the begin failed: it left nothing begun
+            if inherited or forks != fork.generation:
+                # The parent's transaction: never committed, rolled back or closed here.
+                inherited = True
+                fork.keep_forever(conn)
+                if isinstance(error, ForkedProcessError) or not isinstance(error, Exception):
+                    raise
+                raise fork.left_in_child(write) from error
+            backend.abort(conn)
+            if not write and _is_readonly_refusal(error):
+                raise ReadOnlyUnitError(
+                    f"a write inside a read-only unit (uow.connect(write=False)): {error}"
+                ) from error
+            raise
+        finally:
+            if unit is not None:
+                # First, and without a call (an interrupt lands only at one): a unit left
+                # current by an interrupt in what follows is closed, so never joined.
+                unit.closed = True
+                # Set back by value, not with set()'s token: an interrupt can land between
+                # set() and storing its token. Never from another context: refused there.
+                if current.get() is unit:
+                    current.set(None)
+            if conn is not None and not inherited:
+                backend.put_back(conn)
+        if write:
+            backend.acknowledge(conn)
 
     def run(
         self, fn: Callable[[Connection], T], *, write: bool = True, driver_only: bool = False
@@ -479,13 +522,17 @@ class UnitOfWork:
             return self.backend.hot_write(self, fn)
         waits = self.retry.waits()
         while True:
+            taking = self._own_unit(write, waits)
             try:
-                with self._own_unit(write, waits) as unit:
+                with taking as unit:
                     return fn(unit.conn)
             except sa_exc.DBAPIError as error:
                 if not is_retryable(error):
                     raise
                 retry.pause(self.retry, waits, error, self.counters)
+            except BaseException:
+                taking.release()  # an interrupt as the unit was given or its with ended
+                raise
 
     def run_on_driver(self, fn: Callable[[Any], T]) -> T:
         """:meth:`run` with ``driver_only``, ``fn`` given the unit's DB-API connection itself
@@ -697,7 +744,6 @@ class UnitOfWork:
 
 
 #: The turn of a read unit (none).
-_NO_TURN: AbstractContextManager[None] = nullcontext()
 
 
 class _Stage:

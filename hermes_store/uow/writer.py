@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from hermes_store.errors import (
 )
 from hermes_store.uow import fork, retry, writequeue
 from hermes_store.uow.counters import Counters
+from hermes_store.uow.interrupts import acquire_now, holding
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +144,13 @@ class SqliteWriter:
             return None
         return writequeue.for_database(self.queue_path)
 
-    @contextmanager
+    @holding
     def turn(self, *, queued: bool = True) -> Iterator[writequeue.Turn | None]:
         """Wait for this unit's turn as the file's writer; held from before BEGIN IMMEDIATE
         until after COMMIT/ROLLBACK: first a place in the fair writer queue across processes
-        and threads (``queued=False`` skips it), then the in-process lock."""
+        and threads (``queued=False`` skips it), then the in-process lock. A caller that
+        catches an interrupt (Ctrl-C) lets the turn go with ``release()``: one raised as the
+        turn is given, or as its ``with`` ends, leaves it held otherwise."""
         lock = self.lock
         queue = self.write_queue if queued else None
         entered = False
@@ -245,6 +248,9 @@ class SqliteWriter:
                 else:
                     self.pause(waits, error)
                 continue
+            except BaseException:  # an interrupt midway: SQLAlchemy's state is unknown
+                self.drop(invalidate=False)  # closed: rolled back, a fresh one next time
+                raise
             return conn
 
     def begin(self, turn: writequeue.Turn | None) -> Connection:
@@ -295,25 +301,45 @@ class SqliteWriter:
         cadence as every unit. ``fn`` gets the writer Connection, which stays idle in
         SQLAlchemy's eyes: it only ever uses its DB-API cursor."""
         dbapi_error = self.dbapi_error
-        with self.turn() as turn, mapped_errors():
-            conn = self.begin(turn)
-            driver: Any = conn.connection.driver_connection
-            try:
-                result = fn(conn)
-                driver.commit()
-            except BaseException as error:
-                self.counters.record_rollback()
-                try:
-                    driver.rollback()
-                except dbapi_error as orig:
-                    self.drop(invalidate=True)  # state unknown: never reuse it
-                    raise wrap_driver_error(orig, self._dialect) from orig
-                self.drop(invalidate=False)  # a retry starts on a fresh connection
-                if isinstance(error, dbapi_error):
-                    raise wrap_driver_error(error, self._dialect) from error
-                raise
-            self.acknowledge()
+        taking = self.turn()
+        try:
+            with taking as turn, mapped_errors():
+                result = self._run_once(fn, turn, dbapi_error)
+        except BaseException:
+            taking.release()
+            raise
         self.counters.count(True)
+        return result
+
+    def _run_once(
+        self, fn: Callable[[Connection], T], turn: writequeue.Turn | None, dbapi_error: Any
+    ) -> T:
+        """:meth:`run_alone`'s unit in its turn: begin, ``fn``, commit; rolled back whole on
+        anything raised before the commit returned, an interrupt (Ctrl-C) too."""
+        conn = self.begin(turn)
+        committing = False
+        try:
+            driver: Any = conn.connection.driver_connection
+            result = fn(conn)
+            committing = True
+            driver.commit()
+        except BaseException as error:
+            driver = self.driver
+            if driver is None:
+                raise  # nothing left to roll back
+            if committing and not isinstance(error, dbapi_error) and not driver.in_transaction:
+                raise  # an interrupt as the COMMIT returned: the unit landed
+            self.counters.record_rollback()
+            try:
+                driver.rollback()
+            except dbapi_error as orig:
+                self.drop(invalidate=True)  # state unknown: never reuse it
+                raise wrap_driver_error(orig, self._dialect) from orig
+            self.drop(invalidate=False)  # a retry starts on a fresh connection
+            if isinstance(error, dbapi_error):
+                raise wrap_driver_error(error, self._dialect) from error
+            raise
+        self.acknowledge()
         return result
 
     # -- ending ------------------------------------------------------------------------------
@@ -432,14 +458,15 @@ class SqliteWriter:
         if self._wal_replaced():
             log.error("WAL checkpoint skipped: %s", self._lose_wal())
             return False
-        lock = self.lock
-        if lock.acquire(blocking=False):  # the writer connection is idle: on it, as the
-            try:  # original store does (a pool checkout and return cost ~100 µs of CPU)
-                driver = self.driver
-                if driver is not None and not driver.in_transaction:
+        held: list[threading.Lock] = []
+        try:
+            if acquire_now(self.lock, held):  # the writer connection is idle: on it, as the
+                driver = self.driver  # original store does (a pool checkout and return
+                if driver is not None and not driver.in_transaction:  # cost ~100 µs of CPU)
                     return self.checkpoint_on(driver)
-            finally:
-                lock.release()
+        finally:
+            if held:
+                held[0].release()
         try:
             # On a pooled connection's driver, outside any transaction: a PASSIVE checkpoint
             # never waits, and a SQLAlchemy Connection around it cost ten times the PRAGMA.
