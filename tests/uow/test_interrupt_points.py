@@ -15,6 +15,7 @@ unit that had ended (acknowledged, never committed).
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import sys
 import threading
@@ -91,9 +92,12 @@ class Walk:
         content = f"m{self.serial}"
         self.acked[self.db.append_message("s", "user", content)] = content
 
-    def every_point(self, call: Callable[[], object]) -> int:
+    def every_point(self, call: Callable[[], object], *, collect: bool = False) -> int:
         """Interrupt ``call`` at each of its points in turn; check the store after each.
-        Returns how many points there were."""
+        Returns how many points there were. ``collect``: the call is the caller's own ``with``
+        block, whose ``__exit__`` an interrupt can cut short before its first line: its unit
+        is then let go when the interrupt's traceback is freed (a garbage collection, when a
+        cycle holds it), which the checks wait for."""
         db = self.db
         writer = db.uow.backend.writer  # type: ignore[union-attr]
         n = 0
@@ -111,6 +115,8 @@ class Walk:
             # Met and not raised: it landed in a finalizer (a generator closed by the garbage
             # collector), where CPython prints an interrupt and drops it, as with a real one.
             where = points.where
+            if collect:
+                gc.collect()
             assert _sqlite_lock_is_free(self.path), f"SQLite's lock held after {where}"
             assert not writer.lock.locked(), f"the writer's lock held after {where}"
             assert writer.in_line == 0, f"a turn still counted after {where}"
@@ -167,7 +173,7 @@ def test_a_transaction_block_interrupted_anywhere(walk: Walk) -> None:
             db.append_message("s", "assistant", f"block {next(serial)}")
             db.update_token_counts("s", input_tokens=1)
 
-    assert walk.every_point(block) > 20
+    assert walk.every_point(block, collect=True) > 20
 
 
 def test_a_search_interrupted_anywhere(walk: Walk) -> None:
