@@ -24,7 +24,7 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager, nullcontext
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +65,7 @@ from hermes_store.errors import (
 from hermes_store.schema import ddl, fulltext, revisions
 from hermes_store.tables import write_keys_table
 from hermes_store.uow import writequeue
+from hermes_store.uow.interrupts import NOTHING_HELD
 from hermes_store.uow.unit import QUEUE_HEAD_BUSY_TIMEOUT_S, RetryPolicy
 
 if TYPE_CHECKING:
@@ -368,8 +369,9 @@ def migration_connection(
     created = path is not None and state is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
     queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
+    place = queue.turn() if queue else NOTHING_HELD
     try:
-        with _lock_errors(url), mapped_errors(), queue.turn() if queue else nullcontext() as turn:
+        with _lock_errors(url), mapped_errors(), place as turn:
             line = queue.progress if queue is not None and queue.enabled else None
             conn, transaction = _begin_migration(engine, retry or RetryPolicy(), turn, line)
             locked_at = time.monotonic()
@@ -390,6 +392,7 @@ def migration_connection(
                 time.monotonic() - locked_at,
             )
     except BaseException:
+        place.release()  # an interrupt (Ctrl-C) as the place was given or its with ended
         if created and path is not None and path.stat().st_size == 0:
             path.unlink()  # leave no empty file behind: it would be refused next time
         raise

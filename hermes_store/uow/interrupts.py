@@ -14,7 +14,7 @@ covered): the cleanup a handler runs for the interrupt it caught always complete
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import wraps
 from itertools import compress
 from operator import methodcaller
@@ -57,7 +57,7 @@ def uninterrupted(step: Callable[[], None]) -> None:
             continue
 
 
-class Holding(Generic[T]):
+class Holding(AbstractContextManager[T], Generic[T]):
     """The context manager of a one-``yield`` generator (as ``contextlib.contextmanager``
     makes), which its caller can also let go of from outside the ``with``: :meth:`release`
     closes the generator, running its ``finally`` blocks, once. For generators that hold a

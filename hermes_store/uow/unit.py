@@ -65,7 +65,7 @@ from hermes_store.uow import fork, groupcommit, pggroup, retry, uncontended, wri
 from hermes_store.uow.backends import PostgresBackend, SqliteBackend, on_driver
 from hermes_store.uow.counters import Counters, StoreStats
 from hermes_store.uow.fork import FORK_WAIT_S
-from hermes_store.uow.interrupts import NOTHING_HELD, holding
+from hermes_store.uow.interrupts import NOTHING_HELD, Holding, holding
 from hermes_store.uow.readers import MAX_HELD_READERS
 from hermes_store.uow.retry import DEFAULT_UNAVAILABLE_TIMEOUT_S, RetryPolicy
 from hermes_store.uow.writer import QUEUE_HEAD_BUSY_TIMEOUT_S, WAL_CHECK_EVERY_S
@@ -307,7 +307,7 @@ class UnitOfWork:
             return None
         return unit
 
-    @contextmanager
+    @holding
     def unit(self, *, write: bool = True) -> Iterator[Unit]:
         """A unit: joins the open one, else begins one (waiting for the lock is retried)."""
         open_unit = self._joinable()
@@ -584,9 +584,13 @@ class UnitOfWork:
         return self._connection_of(self.unit(write=write))
 
     @contextmanager
-    def _connection_of(self, units: AbstractContextManager[Unit]) -> Iterator[Connection]:
-        with units as unit:
-            yield unit.conn
+    def _connection_of(self, units: Holding[Unit]) -> Iterator[Connection]:
+        try:
+            with units as unit:
+                yield unit.conn
+        except BaseException:
+            units.release()  # an interrupt as the unit was given or its with ended
+            raise
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -600,8 +604,9 @@ class UnitOfWork:
         commit commits the rest.
         """
         joined = self._current.get() is not None
+        taking = self.unit(write=True)
         try:
-            with self.unit(write=True) as unit:
+            with taking as unit:
                 if joined:
                     with _savepoint(unit.conn):
                         yield unit.conn
@@ -614,6 +619,9 @@ class UnitOfWork:
                 f"the database was locked inside a transaction() block, which was rolled back "
                 f"(it runs once; run it again to retry): {error.orig}"
             ) from error
+        except BaseException:
+            taking.release()  # an interrupt as the unit was given or its with ended
+            raise
         if not joined:
             self.counters.record_transaction()
 

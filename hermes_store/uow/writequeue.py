@@ -93,11 +93,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hermes_store.engine import files
+from hermes_store.uow.interrupts import acquire_now, acquire_within, holding
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,12 @@ _ANY_SLOT = _flock(fcntl.F_WRLCK, SLOTS_AT, SLOTS)
 _STARVING = _flock(fcntl.F_WRLCK, STARVING_AT, 1)
 #: The question "is anyone in line, holding a turn or starving?": the mark and every slot.
 _QUIET = _flock(fcntl.F_WRLCK, STARVING_AT, SLOTS_AT + SLOTS - STARVING_AT)
+#: A turn's whole hold on the line let go in one ``fcntl`` (the starving mark, its ticket's
+#: byte, a predecessor's byte a helper got): a cleanup of one C call, which no interrupt
+#: (Ctrl-C) can cut in two. OFD locks: it lets go of this description's locks only.
+_LET_GO_OF_THE_LINE = _flock(fcntl.F_UNLCK, STARVING_AT, SLOTS_AT + SLOTS - STARVING_AT)
+#: The ticket mutex let go in one ``fcntl`` (see above).
+_LET_GO_OF_THE_MUTEX = _flock(fcntl.F_UNLCK, 0, 8)
 #: The answer "none": ``l_type`` F_UNLCK in the returned struct.
 _NONE_LOCKED = struct.pack("h", fcntl.F_UNLCK)
 
@@ -298,30 +305,42 @@ class _Descriptor:
         if _lock(self.fd, start, length, wait=False):
             return True
         self.blocked = True
-        with self._state:
-            self._request = (start, length)
-            self._abandoned = False
-            self._error = None
         if self._helper is None:
             self._helper = threading.Thread(
                 target=self._serve, name=f"hermes-writequeue-{self.fd}", daemon=True
             )
             self._helper.start()
-        self._go.release()
-        seen = progress() if progress is not None else None
-        since = time.monotonic()
-        while True:
-            left = since + timeout - time.monotonic()
-            if left <= 0:
+        granted: list[threading.Lock] = []  # the helper's grant, once taken (never lost)
+        try:
+            with self._state:  # no call before the last: the request is made whole or not
+                self._request = (start, length)
+                self._abandoned = False
+                self._error = None
+                self._go.release()
+            seen = progress() if progress is not None else None
+            since = time.monotonic()
+            while True:
+                left = since + timeout - time.monotonic()
+                if left <= 0:
+                    with self._state:
+                        if not acquire_now(self._done, granted):
+                            self._abandoned = True  # the helper drops the lock when it gets it
+                            return False
+                    return self._granted()
+                wait = min(left, PROGRESS_TICK_S) if progress else left
+                if acquire_within(self._done, wait, granted):
+                    return self._granted()
+                if progress is not None and (now := progress()) != seen:
+                    seen, since = now, time.monotonic()
+        except BaseException:
+            # An interrupt (Ctrl-C): a grant that came is taken (the caller's cleanup lets
+            # go of the range); a request still waited for is dropped by the helper when
+            # it gets the range.
+            if not granted:
                 with self._state:
-                    if not self._done.acquire(blocking=False):
-                        self._abandoned = True  # the helper drops the lock when it gets it
-                        return False
-                return self._granted()
-            if self._done.acquire(timeout=min(left, PROGRESS_TICK_S) if progress else left):
-                return self._granted()
-            if progress is not None and (now := progress()) != seen:
-                seen, since = now, time.monotonic()
+                    if not acquire_now(self._done, granted) and self._request is not None:
+                        self._abandoned = True
+            raise
 
     def _granted(self) -> bool:
         error, self._error = self._error, None
@@ -511,9 +530,10 @@ class WriteQueue:
 
     # -- the turn ----------------------------------------------------------------------------
 
-    @contextmanager
+    @holding
     def turn(self) -> Iterator[Turn]:
-        """This writer's turn: FIFO across processes and threads, bounded wait, then fallback."""
+        """This writer's turn: FIFO across processes and threads, bounded wait, then fallback.
+        A caller that catches an interrupt (Ctrl-C) lets it go with ``release()``."""
         if os.getpid() != self._pid:  # a fork the hook did not see (should not happen)
             self._after_fork()
         if not self._enabled:
@@ -547,14 +567,15 @@ class WriteQueue:
             granted = time.monotonic()
             yield turn
         finally:
+            # First, in one C call (an interrupt lands only as a call returns): whatever
+            # else this cleanup misses, the line is never left blocked.
+            fcntl.fcntl(descriptor.fd, F_OFD_SETLK, _LET_GO_OF_THE_LINE)
             starved = turn is not None and turn.starving
             if starved:
                 assert turn is not None
                 turn.starving = False
-                _unlock(descriptor.fd, STARVING_AT, 1)
             for byte in own:
                 os.pwrite(descriptor.fd, struct.pack("<Q", byte), 16)  # the line moved
-                _unlock(descriptor.fd, byte, 1)
             self._give_back(descriptor)
         if turn is not None and turn.queued:
             held = time.monotonic() - granted
@@ -565,24 +586,31 @@ class WriteQueue:
     def _enter(self, descriptor: _Descriptor, began: float, own: list[int]) -> Turn:
         fd = descriptor.fd
         descriptor.blocked = False
-        if not descriptor.lock_within(0, 8, self.wait_timeout - (time.monotonic() - began)):
-            return Turn(queued=False, reason="ticket mutex wait timed out")
+        # Every range is let go in a finally that also runs when it was never taken (an
+        # unlock of a range this description does not hold does nothing), by one C call: an
+        # interrupt (Ctrl-C) as a lock call returns, or as a cleanup calls a function, never
+        # leaves one held.
         try:
+            if not descriptor.lock_within(0, 8, self.wait_timeout - (time.monotonic() - began)):
+                return Turn(queued=False, reason="ticket mutex wait timed out")
             issued, served = self._read_header(fd)
             if not _in_range(issued, served):
                 issued, served = self._repair(fd, issued, served)
             ticket = issued
-            while not _lock(fd, self._slot(ticket), 1, wait=False):
+            own.append(self._slot(ticket))  # before the lock: see above
+            while not _lock(fd, own[-1], 1, wait=False):
+                own.pop()
                 ticket += 1  # a writer stuck since SLOTS tickets ago still holds it: skip
+                own.append(self._slot(ticket))
                 if ticket - issued >= SKIP_LIMIT:
+                    own.pop()
                     self._say_once("slots", "%s: %d ticket slots in a row are locked by "
                                    "another process; writers fall back", self.lock_path,
                                    SKIP_LIMIT)  # fmt: skip
                     return Turn(queued=False, reason="ticket slots locked")
-            own.append(self._slot(ticket))
             os.pwrite(fd, struct.pack("<Q", ticket + 1), 0)
         finally:
-            _unlock(fd, 0, 8)
+            fcntl.fcntl(fd, F_OFD_SETLK, _LET_GO_OF_THE_MUTEX)
         turn = Turn(queued=True, depth=max(0, issued - served - 1) if issued else 0)
         if issued:
             predecessor = self._slot(issued - 1)
@@ -590,10 +618,13 @@ class WriteQueue:
             def moved() -> bytes:  # the last head's ticket, last byte released, heartbeat
                 return os.pread(fd, 24, 8)
 
-            if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
-                turn.queued, turn.reason = False, "wait timed out"
-                return turn  # still holding my byte: the writers behind me stay in order
-            _unlock(fd, predecessor, 1)
+            let_go = _flock(fcntl.F_UNLCK, predecessor, 1)
+            try:  # the predecessor's byte, once had, only says it has gone: let go at once
+                if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
+                    turn.queued, turn.reason = False, "wait timed out"
+                    return turn  # still holding my byte: the writers behind me stay in order
+            finally:
+                fcntl.fcntl(fd, F_OFD_SETLK, let_go)
         os.pwrite(fd, struct.pack("<Q", ticket), 8)
         return turn
 

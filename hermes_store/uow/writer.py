@@ -22,7 +22,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,7 +39,7 @@ from hermes_store.errors import (
 )
 from hermes_store.uow import fork, retry, writequeue
 from hermes_store.uow.counters import Counters
-from hermes_store.uow.interrupts import acquire_now, holding
+from hermes_store.uow.interrupts import NOTHING_HELD, acquire_now, holding
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +152,13 @@ class SqliteWriter:
         turn is given, or as its ``with`` ends, leaves it held otherwise."""
         lock = self.lock
         queue = self.write_queue if queued else None
+        place = queue.turn() if queue is not None else NOTHING_HELD
         entered = False
         try:
             with self._turn_lock:
                 self.in_line += 1  # no eval-breaker check between these two lines
                 entered = True
-            with queue.turn() if queue is not None else nullcontext() as turn:
+            with place as turn:
                 if turn is not None and turn.queued:
                     with self._turn_lock:
                         self.counters.stats.queue_turns += 1
@@ -178,6 +178,9 @@ class SqliteWriter:
                 finally:
                     if waiting:  # interrupted while it waited
                         self._waited(started)
+        except BaseException:
+            place.release()  # an interrupt as the place was given or its with ended
+            raise
         finally:
             if entered:
                 with self._turn_lock:

@@ -6,7 +6,9 @@ as a C function returns (a lock's ``acquire``, a driver's ``execute``, ``next()`
 loop's backward jump. A real SIGINT lands on one of these at random; :class:`InterruptAt`
 raises at the ``n``-th of them in the watched code, so a test can walk ``n`` over every point
 of an operation and check, after each, that nothing stayed held (a lock, a transaction, a
-place in a line).
+place in a line). The windows of the caller's own ``with`` statement (a context manager's
+``__enter__`` or ``__exit__`` called from the test's code) are left out: only the caller can
+close them.
 
 How: a trace function (``sys.settrace``, opcode events) and a profile function
 (``sys.setprofile``, ``c_return`` events). An exception raised from a trace function at an
@@ -31,6 +33,10 @@ from typing import Any
 WATCHED = ("/hermes_store/", "/contextlib.py", "/threading.py")
 
 _JUMP_BACK = frozenset({"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT"})
+#: A context manager's methods: called by code outside the watched files, they belong to the
+#: caller's own ``with`` (an interrupt as ``__enter__`` returns or ``__exit__`` starts is
+#: between the caller's statements, which the package cannot see: not counted).
+_WITH_METHODS = frozenset({"__enter__", "__exit__"})
 
 _handlers: dict[CodeType, Callable[[int], int | None]] = {}
 _jumps: dict[CodeType, frozenset[int]] = {}
@@ -61,17 +67,14 @@ def _backward_jumps(code: CodeType) -> frozenset[int]:
     return found
 
 
-def _watched(code: CodeType) -> bool:
-    return any(part in code.co_filename for part in WATCHED)
-
-
 class InterruptAt:
     """Raise ``KeyboardInterrupt`` at the ``n``-th interrupt point (1-based) met in watched
     code while installed (``with InterruptAt(n) as points:``); :attr:`count` says how many
     points were met, :attr:`where` where it raised (None: the operation had fewer)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, watched: tuple[str, ...] = WATCHED) -> None:
         self.n = n
+        self._watched = watched
         self.count = 0
         self.where: str | None = None
         self._last: dict[FrameType, int] = {}  # a frame's last instruction seen
@@ -86,6 +89,9 @@ class InterruptAt:
         sys.settrace(None)
         sys.setprofile(None)
 
+    def _is_watched(self, code: CodeType) -> bool:
+        return any(part in code.co_filename for part in self._watched)
+
     def _point(self, frame: FrameType) -> None:
         self.count += 1
         if self.count == self.n:
@@ -98,8 +104,13 @@ class InterruptAt:
             self._returned.add(frame)
 
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event != "call" or not _watched(frame.f_code):
+        if event != "call" or not self._is_watched(frame.f_code):
             return None
+        caller = frame.f_back
+        if frame.f_code.co_name in _WITH_METHODS and (
+            caller is None or not self._is_watched(caller.f_code)
+        ):
+            return None  # the caller's own ``with`` statement: its windows are the caller's
         frame.f_trace_opcodes = True
         frame.f_trace_lines = False
         self._last[frame] = -1
