@@ -43,21 +43,10 @@ from hermes_store.uow.writer import SqliteWriter, again
 T = TypeVar("T")
 
 
-class Opened(Protocol):
-    """An open unit, as a backend sees it: its connection."""
-
-    @property
-    def conn(self) -> Connection: ...
-
-
 class Units(Protocol):
     """The general paths of the Unit of Work, for a backend whose hot path is one of them."""
 
-    def run(
-        self, fn: Callable[[Connection], T], *, write: bool = True, driver_only: bool = False
-    ) -> T: ...
-
-    def unit(self, *, write: bool = True) -> AbstractContextManager[Opened]: ...
+    def run_own(self, fn: Callable[[Connection], T], *, write: bool) -> T: ...
 
     def reading(self) -> AbstractContextManager[Connection]: ...
 
@@ -232,12 +221,12 @@ class SqliteBackend:
         grouped: pggroup.Grouped[T] | None,
     ) -> T:
         """One write statement: on SQLite a unit like any other."""
-        return units.run(fn)
+        return units.run_own(fn, write=True)
 
     def read(self, units: Units, fn: Callable[[Connection], T]) -> T:
-        """A read of one statement: a read unit (``run``'s, which an interrupt never leaves
-        open)."""
-        return units.run(fn, write=False)
+        """A read of one statement: a read unit (``run_own``'s, which an interrupt never
+        leaves open; the Unit of Work checked that none is open to join)."""
+        return units.run_own(fn, write=False)
 
     def rows(
         self,
@@ -429,11 +418,11 @@ class PostgresBackend:
 
     def hot_write(self, units: Units, fn: Callable[[Connection], T]) -> T:
         """A single-call write: a unit like any other (its statements need a transaction)."""
-        return units.run(fn)
+        return units.run_own(fn, write=True)
 
     def hot_driver_write(self, units: Units, fn: Callable[[Any], T]) -> T:
         """:meth:`hot_write` of a unit given the DB-API connection itself."""
-        return units.run(on_driver(fn))
+        return units.run_own(on_driver(fn), write=True)
 
     def statement(
         self,

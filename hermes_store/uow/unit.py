@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from types import FrameType
@@ -418,13 +418,7 @@ class UnitOfWork:
             return
         if self._blocks or self._asyncio:
             self._refuse_foreign_block(False)
-        taking = self._own_unit(False, self.retry.waits(), publish=False)
-        try:
-            with taking as unit:
-                yield unit.conn
-        except BaseException:
-            taking.release()  # an interrupt as the unit was given or its with ended
-            raise
+        yield from self._connection_of(self._own_unit(False, self.retry.waits(), publish=False))
 
     @holding
     def _own_unit(
@@ -520,6 +514,12 @@ class UnitOfWork:
             self._refuse_foreign_block(write)
         if driver_only and write:
             return self.backend.hot_write(self, fn)
+        return self.run_own(fn, write=write)
+
+    def run_own(self, fn: Callable[[Connection], T], *, write: bool) -> T:
+        """:meth:`run` past its checks (no unit open in this thread, no block refusing the
+        call): ``fn`` in a unit of its own, run again on a fresh connection after a lock
+        error. For a caller that made the checks itself (a backend's read)."""
         waits = self.retry.waits()
         while True:
             taking = self._own_unit(write, waits)
@@ -581,10 +581,11 @@ class UnitOfWork:
         re-run a whole unit that may meet a lock midway, as on PostgreSQL). Inside an open
         unit it joins that unit.
         """
-        return self._connection_of(self.unit(write=write))
+        return Holding(self._connection_of(self.unit(write=write)))
 
-    @contextmanager
-    def _connection_of(self, units: Holding[Unit]) -> Iterator[Connection]:
+    def _connection_of(self, units: Holding[Unit]) -> Generator[Connection, None, None]:
+        """The connection of the unit ``units`` gives, let go of if an interrupt lands as it
+        is given or as its ``with`` ends (a generator: callers wrap it or ``yield from``)."""
         try:
             with units as unit:
                 yield unit.conn
