@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import sqlite3
 import stat
 from pathlib import Path
@@ -113,6 +114,48 @@ def pid_alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file (or a folder: its entries) to disk. Only for a file no SQLite connection
+    of this process has open (closing the descriptor would drop its locks: see above)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    descriptor = os.open(path, flags | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def partial_path(real: Path, kind: str) -> Path:
+    """A private name beside ``real`` for a file this process builds before it takes the
+    real name (``.NAME.PID.HEX.KIND``): the pid says whose it is (:func:`remove_dead_partials`)."""
+    return real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}"
+
+
+def remove_dead_partials(real: Path, kind: str) -> None:
+    """Remove what killed builds of ``kind`` left beside ``real``: ``.NAME.PID.HEX.KIND`` (and
+    its side files) whose process is gone; a live process's file is never touched."""
+    pattern = re.compile(
+        rf"\.{re.escape(real.name)}\.(?P<pid>\d{{1,10}})\.[0-9a-f]{{12}}\.{re.escape(kind)}"
+        rf"(?:{'|'.join(map(re.escape, (*SIDECAR_SUFFIXES, WRITER_LOCK_SUFFIX)))})?"
+    )
+    try:
+        with os.scandir(real.parent) as entries:
+            dead = [
+                entry.path
+                for entry in entries
+                if (found := pattern.fullmatch(entry.name)) is not None
+                and entry.is_file(follow_symlinks=False)
+                and not pid_alive(int(found.group("pid")))
+            ]
+    except FileNotFoundError:  # no folder yet: nothing left in it
+        return
+    for name in dead:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:  # removed meanwhile
+            continue
 
 
 def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:

@@ -23,8 +23,6 @@ a compacted copy instead and renames it over the file.
 from __future__ import annotations
 
 import os
-import re
-import secrets
 import sqlite3
 import stat
 import threading
@@ -662,8 +660,8 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
             probe.execute("ROLLBACK")
     finally:
         probe.close()
-    _remove_dead_copies(real)
-    partial = real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(6)}.compact"
+    files.remove_dead_partials(real, "compact")
+    partial = files.partial_path(real, "compact")
     if not create_private_file(partial):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
     try:
@@ -698,11 +696,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
                 for sidecar in files.sidecars(real):  # the -shm (and the emptied -journal)
                     sidecar.unlink()
                 os.replace(partial, real)
-                folder = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(folder)
-                finally:
-                    os.close(folder)
+                files.fsync_path(real.parent)
         finally:
             # The old inode, in rollback-journal mode: its close touches no side file by name.
             connection.close()
@@ -711,29 +705,6 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
         for sidecar in files.sidecars(partial):
             sidecar.unlink(missing_ok=True)
     return before, _size(real)
-
-
-def _remove_dead_copies(real: Path) -> None:
-    """Remove what swaps killed during their copy left beside the file: ``.NAME.PID.HEX.compact``
-    (and its side files) whose process is gone. Called once the file was found unused, so no
-    swap is copying it then; a live process's copy is never touched."""
-    pattern = re.compile(
-        rf"\.{re.escape(real.name)}\.(?P<pid>\d{{1,10}})\.[0-9a-f]{{12}}\.compact"
-        r"(?:-wal|-shm|-journal)?"
-    )
-    with os.scandir(real.parent) as entries:
-        dead = [
-            entry.path
-            for entry in entries
-            if (found := pattern.fullmatch(entry.name)) is not None
-            and entry.is_file(follow_symlinks=False)
-            and not files.pid_alive(int(found.group("pid")))
-        ]
-    for name in dead:
-        try:
-            os.unlink(name)
-        except FileNotFoundError:  # removed meanwhile
-            continue
 
 
 def _take_mode_and_owner(partial: Path, old: os.stat_result, path: Path) -> None:
@@ -780,8 +751,4 @@ def _ready_copy(partial: Path, path: Path) -> None:
         raise NotADatabaseError(f"{path} was not swapped: its copy has auto_vacuum={mode}")
     for sidecar in files.sidecars(partial):  # left by the connections, if any
         sidecar.unlink()
-    descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        os.fsync(descriptor)  # our own copy, every connection on it closed: no lock to lose
-    finally:
-        os.close(descriptor)
+    files.fsync_path(partial)  # our own copy, every connection on it closed: no lock to lose
