@@ -13,6 +13,7 @@ import io
 import json
 import os
 import queue
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -29,8 +30,13 @@ from sqlalchemy.engine import URL, Connection
 
 from hermes_store import redact
 from hermes_store.engine import fastpath, files
-from hermes_store.engine.factory import sqlite_file
-from hermes_store.errors import HermesStoreError, InvalidInputError
+from hermes_store.engine.factory import create_engine, make_private_dirs, sqlite_file
+from hermes_store.errors import (
+    HermesStoreError,
+    InvalidInputError,
+    StoreConfigError,
+    mapped_driver_errors,
+)
 from hermes_store.ops import maintenance
 from hermes_store.repo import pgstream
 from hermes_store.rows import ExportRecord
@@ -38,6 +44,7 @@ from hermes_store.schema import fulltext
 from hermes_store.store import SessionDB
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
+from hermes_store.uow import UnitOfWork
 
 RowDict = dict[str, Any]
 
@@ -499,27 +506,132 @@ def import_sessions(
     Each batch is validated first, then written as one unit of work and checked before it
     commits. Sessions whose id exists are skipped (with their messages); a message whose id
     is taken gets a new one. Returns the counts; ``report``, when given, is the one filled in
-    as each batch commits (what landed when an import is interrupted).
+    as each batch commits (what landed when an import is interrupted). Into a SQLite file
+    that does not exist yet, :func:`import_new_file` does the same faster.
     """
     total = ImportReport() if report is None else report
+    _import(db.uow, records, batch_size, max_batch_messages, allow_redacted, total)
+    return total
+
+
+def import_new_file(
+    path: str | os.PathLike[str],
+    records: Iterable[tuple[int, Any]],
+    *,
+    batch_size: int = 100,
+    max_batch_messages: int = 5000,
+    allow_redacted: bool = False,
+    report: ImportReport | None = None,
+) -> ImportReport:
+    """Restore exported sessions into a new SQLite file at ``path`` (a restore of a whole
+    export), as :func:`import_sessions` would into an empty database, about a fifth faster.
+
+    The file is built under a private name beside ``path`` (``.NAME.PID.HEX.import``) with
+    its journal in memory and no fsync per batch: nobody else can open it, so neither a WAL
+    nor a durable commit per batch buys anything. Once the batches are in (or one failed, or
+    the import was interrupted: the batches before it are kept, as by :func:`import_sessions`),
+    it is put in WAL mode, flushed to disk and linked under ``path``; only then does ``report``
+    hold what landed. A crash before leaves no file at ``path``, only the private one, which
+    the next such import removes. :class:`DatabaseTargetError` when ``path`` exists already,
+    or was created while the file was built (then left as it was, the built file kept and
+    named).
+    """
+    real = Path(path)
+    if os.path.lexists(real):
+        raise DatabaseTargetError(
+            f"{real} exists already: import into it with import_sessions (known ids are skipped)"
+        )
+    total = ImportReport() if report is None else report
+    make_private_dirs(real.parent)
+    files.remove_dead_partials(real, _BUILD_KIND)
+    build = files.partial_path(real, _BUILD_KIND)
+    try:
+        SessionDB(build).close()  # created owner-only and brought to head as any new file
+        engine = create_engine(build, private_build=True)
+        try:
+            uow = UnitOfWork(engine, write_queue=False, group_commit=False)
+            try:
+                _import(uow, records, batch_size, max_batch_messages, allow_redacted, total)
+            finally:
+                uow.release()
+        finally:
+            engine.dispose()
+    except BaseException:
+        # What committed is whole (a failed batch was rolled back in memory): it lands as an
+        # import into an existing file would have left it.
+        if total.sessions or total.messages:
+            _publish_build(build, real)
+        else:
+            _remove_build(build)
+        raise
+    _publish_build(build, real)
+    return total
+
+
+#: The private file an import into a new file builds: ``.NAME.PID.HEX.import``.
+_BUILD_KIND = "import"
+
+
+def _publish_build(build: Path, real: Path) -> None:
+    """Put the built file in WAL mode (as the store keeps every file), flush it to disk and
+    link it under ``real``: whole or not at all. The link fails if ``real`` appeared meanwhile
+    (another process created the database): then nothing is changed and the built file is
+    kept, named in the error."""
+    connection = files.connect_sqlite(build)
+    try:
+        with mapped_driver_errors(dbapi_error=sqlite3.Error):
+            mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    finally:
+        connection.close()  # the last connection: its WAL is checkpointed and removed
+    if str(mode).lower() != "wal":
+        raise StoreConfigError(f"{build} refused WAL mode (journal_mode={mode})")
+    for sidecar in (*files.sidecars(build), Path(f"{build}{files.WRITER_LOCK_SUFFIX}")):
+        sidecar.unlink(missing_ok=True)
+    files.fsync_path(build)
+    try:
+        os.link(build, real)
+    except FileExistsError:
+        raise DatabaseTargetError(
+            f"{real} was created by another process while the import built it: it was left "
+            f"as it was; the imported sessions are in {build} (import the export into {real} "
+            "again, known ids are skipped, then remove that file)"
+        ) from None
+    build.unlink()
+    files.fsync_path(real.parent)
+
+
+def _remove_build(build: Path) -> None:
+    for leftover in (build, *files.sidecars(build), Path(f"{build}{files.WRITER_LOCK_SUFFIX}")):
+        leftover.unlink(missing_ok=True)
+
+
+def _import(
+    uow: UnitOfWork,
+    records: Iterable[tuple[int, Any]],
+    batch_size: int,
+    max_batch_messages: int,
+    allow_redacted: bool,
+    total: ImportReport,
+) -> None:
+    """The batches validated and written into ``uow``'s database, ``total`` counting what
+    committed."""
     batches = _batches(
         records,
         batch_size,
         max_batch_messages,
-        nul_ok=db.is_sqlite,
+        nul_ok=uow.is_sqlite,
         allow_redacted=allow_redacted,
     )
-    if not db.is_sqlite:
-        _write_batches(db, batches, total)
-        return total
+    if not uow.is_sqlite:
+        _write_batches(uow, batches, total)
+        return
     # FTS5's automerge off while the batches go in, then one merge of what they added: every
     # 64 leaf pages written, automerge re-merges a few segments (the same text over and over,
     # a fifth of a large import's CPU time); the settings go back after, as after a paced job.
-    with maintenance.paced_index_merging(db.uow) as tables:
-        _write_batches(db, batches, total)
+    with maintenance.paced_index_merging(uow) as tables:
+        _write_batches(uow, batches, total)
         if tables and total.messages:
-            maintenance.merge_index(db.uow, full=False, step_seconds=_MERGE_STEP_SECONDS, pause=0)
-    return total
+            maintenance.merge_index(uow, full=False, step_seconds=_MERGE_STEP_SECONDS, pause=0)
 
 
 #: The longest write unit of the merge after an import: about what one of its batches holds
@@ -528,16 +640,18 @@ def import_sessions(
 _MERGE_STEP_SECONDS = 1.0
 
 
-def _write_batches(db: SessionDB, batches: Iterator[list[_Prepared]], total: ImportReport) -> None:
+def _write_batches(
+    uow: UnitOfWork, batches: Iterator[list[_Prepared]], total: ImportReport
+) -> None:
     """Write each batch as one unit; ``total`` counts what committed, batch by batch. On
     SQLite the next batch is read while this one is indexed (see :class:`_ReadAhead`)."""
     pending: dict[str, str] = {}
-    reader = _ReadAhead(batches) if db.is_sqlite else None
+    reader = _ReadAhead(batches) if uow.is_sqlite else None
     read_next = reader.read_next if reader is not None else lambda: None
     with closing(reader) if reader is not None else nullcontext():
         for batch in reader if reader is not None else batches:
             links = dict(pending)
-            outcome = db.uow.run(
+            outcome = uow.run(
                 lambda conn: _write_batch(conn, batch, links, read_next)  # noqa: B023
             )
             for child in outcome.linked:

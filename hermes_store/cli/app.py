@@ -182,6 +182,16 @@ class App:
         path = sqlite_file(self.url)
         return str(path) if path is not None else display_url(self.url)
 
+    def new_file(self) -> Path | None:
+        """The SQLite file ``--db`` names when nothing is there yet (not even a link), for
+        commands that build a new database whole; None otherwise."""
+        from hermes_store.engine.factory import sqlite_file
+
+        path = sqlite_file(self.url)
+        if path is None or self.url.query or os.path.lexists(path):
+            return None
+        return path
+
     def store(self, *, create: bool = False, read_only: bool = False) -> SessionDB:
         """The store (opening brings the schema to head); a missing file is an error unless
         ``create``, so a typo in ``--db`` never leaves an empty database behind. Commands that

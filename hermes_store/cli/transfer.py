@@ -126,7 +126,7 @@ def import_(
     """
     from hermes_store import transfer
 
-    store = app.store(create=True)
+    new_file = app.new_file()
     report = transfer.ImportReport()
     app.landed = lambda: (
         f"{report.sessions} session(s) and {report.messages} message(s) were imported (whole "
@@ -136,13 +136,19 @@ def import_(
         transfer.import_reader(file, app.url) as (handle, size),
         progress(size, "importing", bytes_=True) as bar,
     ):
-        transfer.import_sessions(
-            store,
-            transfer.read_records(handle, bar.advance),
-            batch_size=batch_size,
-            allow_redacted=force,
-            report=report,
-        )
+        records = transfer.read_records(handle, bar.advance)
+        if new_file is not None:  # built whole beside it, then linked in place
+            transfer.import_new_file(
+                new_file, records, batch_size=batch_size, allow_redacted=force, report=report
+            )
+        else:
+            transfer.import_sessions(
+                app.store(create=True),
+                records,
+                batch_size=batch_size,
+                allow_redacted=force,
+                report=report,
+            )
 
     def human() -> None:
         echo(

@@ -300,11 +300,13 @@ def create_engine(
     synchronous: str = "full",
     wal_size_limit: int | None = None,
     placement: Placement | None = None,
+    private_build: bool = False,
     **engine_kwargs: Any,
 ) -> Engine:
     """An Engine for ``target`` with this package's hooks (an Engine given is hooked in place:
     see :func:`install_sqlite_hooks`). ``placement`` (default: the current one, see
     :mod:`hermes_store.engine.placement`) puts the tables in a schema and names the version table.
+    ``private_build``: see :func:`install_sqlite_hooks`.
 
     Connecting does not create a missing file owner-only: open databases through
     :class:`~hermes_store.SessionDB` or :mod:`hermes_store.schema.migrate`, which do.
@@ -319,6 +321,7 @@ def create_engine(
                 foreign_keys=foreign_keys,
                 synchronous=synchronous,
                 wal_size_limit=wal_size_limit,
+                private_build=private_build,
             )
         elif _is_psycopg(target):
             install_utf8(target)
@@ -350,6 +353,7 @@ def create_engine(
             foreign_keys=foreign_keys,
             synchronous=synchronous,
             wal_size_limit=wal_size_limit,
+            private_build=private_build,
         )
         return engine
     url, engine_kwargs = psycopg_options(url, engine_kwargs)
@@ -741,11 +745,16 @@ class SqliteSettings:
     synchronous: str
     read_only: bool
     wal_limit: int = DEFAULT_JOURNAL_SIZE_LIMIT
+    #: A file one process builds before anyone can open it (see ``private_build``).
+    private_build: bool = False
 
 
 _PRAGMA_FOREIGN_KEYS = {True: "PRAGMA foreign_keys=ON", False: "PRAGMA foreign_keys=OFF"}
 _PRAGMA_QUERY_ONLY = {True: "PRAGMA query_only=ON", False: "PRAGMA query_only=OFF"}
 _PRAGMA_SYNCHRONOUS = {"FULL": "PRAGMA synchronous=FULL", "NORMAL": "PRAGMA synchronous=NORMAL"}
+#: By ``private_build``: WAL for every file others may open, the journal in memory for one
+#: this process builds alone.
+_PRAGMA_JOURNAL = {False: "PRAGMA journal_mode=WAL", True: "PRAGMA journal_mode=MEMORY"}
 
 #: Engines carrying this package's hooks, with the settings they were hooked with.
 _HOOKED: weakref.WeakKeyDictionary[Engine, SqliteSettings] = weakref.WeakKeyDictionary()
@@ -774,8 +783,15 @@ def install_sqlite_hooks(
     foreign_keys: bool = True,
     synchronous: str = "full",
     wal_size_limit: int | None = None,
+    private_build: bool = False,
 ) -> SqliteSettings:
     """Attach the connect and begin hooks that the store's concurrency model relies on.
+
+    ``private_build``: the file is one this process builds under a name nobody else opens,
+    and makes durable and puts in WAL mode before it links it under its real name (an import
+    into a new file): its journal is kept in memory (a failed unit still rolls back) and
+    nothing is fsynced, so neither a WAL nor a commit's fsync costs anything while it fills.
+    A crash leaves only that private file, which the next build removes.
 
     Idempotent: an engine already hooked with the same settings is left as it is, one hooked
     with other settings is refused (two sets of hooks would fight over every connection).
@@ -801,6 +817,7 @@ def install_sqlite_hooks(
         synchronous=check_synchronous(synchronous),
         read_only=read_only,
         wal_limit=int(journal_size_limit() if wal_size_limit is None else wal_size_limit),
+        private_build=private_build,
     )
     with _HOOK_LOCK:
         existing = _HOOKED.get(engine)
@@ -863,9 +880,12 @@ def setup_connection(
         dbapi_connection.autocommit = sqlite3.LEGACY_TRANSACTION_CONTROL  # type: ignore[attr-defined]
     cursor = dbapi_connection.cursor()
     try:
-        # WAL: readers never block the writer and the writer never blocks readers.
+        # WAL: readers never block the writer and the writer never blocks readers (a private
+        # build has no other reader: its journal stays in memory).
         mode = (
-            "wal" if settings.read_only else cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            "wal"
+            if settings.read_only
+            else cursor.execute(_PRAGMA_JOURNAL[settings.private_build]).fetchone()[0]
         )
         if mode not in ("wal", "memory"):
             log.warning(
@@ -881,7 +901,11 @@ def setup_connection(
         # enforced.
         cursor.execute(_PRAGMA_FOREIGN_KEYS[settings.foreign_keys])
         # FULL: a commit survives power loss (WAL's durable mode); NORMAL is the opt-in.
-        cursor.execute(_PRAGMA_SYNCHRONOUS[settings.synchronous])
+        cursor.execute(
+            "PRAGMA synchronous=OFF"
+            if settings.private_build
+            else _PRAGMA_SYNCHRONOUS[settings.synchronous]
+        )
         # Start as a reader; the begin hook switches when a writer takes this connection.
         reader_ms = int(settings.reader_ms)
         cursor.execute(f"PRAGMA busy_timeout={reader_ms}")

@@ -9,7 +9,6 @@ the last committed batch left it; and the original store reads and writes the re
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -18,35 +17,10 @@ from typing import Any
 import pytest
 
 from hermes_store import SessionDB, transfer
-from hermes_store.schema import ddl, fulltext
+from hermes_store.schema import fulltext
 from tests.support import import_workers as workers
+from tests.support.import_workers import index_problems, triggers
 from tests.support.seed_store import SeedSessionDB
-
-
-def triggers(path: Path) -> dict[str, str]:
-    with closing(sqlite3.connect(path)) as conn:
-        return dict(
-            conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
-        )
-
-
-def index_problems(path: Path) -> list[str]:
-    """FTS5's integrity check of both indexes, and the CJK index against its condition."""
-    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
-        found = fulltext.index_damage(conn)
-        misplaced = conn.execute(
-            f"SELECT count(*) FROM messages m WHERE ({ddl.cjk_matches('m.content')}) IS NOT "
-            f"EXISTS (SELECT 1 FROM {ddl.CJK_DOCSIZE} d WHERE d.id = m.id)"
-        ).fetchone()[0]
-        unindexed = conn.execute(
-            "SELECT (SELECT count(*) FROM messages) - "
-            f"(SELECT count(*) FROM {ddl.FTS_TABLE}_docsize)"
-        ).fetchone()[0]
-    if misplaced:
-        found.append(f"{misplaced} messages misplaced in the CJK index")
-    if unindexed:
-        found.append(f"{unindexed} messages missing from the main index")
-    return found
 
 
 def import_records(store: SessionDB, records: list[dict[str, Any]], **options: Any) -> Any:
@@ -83,11 +57,15 @@ def test_bulk_import_is_exact_and_leaves_both_indexes_as_the_triggers_would(
     assert index_problems(path) == []
 
 
-def test_the_original_store_reads_and_writes_an_imported_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("into", ["a store", "a new file"])
+def test_the_original_store_reads_and_writes_an_imported_file(tmp_path: Path, into: str) -> None:
     records = workers.export_records(sessions=8, per_session=9)
     path = tmp_path / "state.db"
-    with SessionDB(path) as store:
-        import_records(store, records, batch_size=3)
+    if into == "a new file":  # built privately, then linked in place (import_new_file)
+        transfer.import_new_file(path, enumerate(records, 1), batch_size=3)
+    else:
+        with SessionDB(path) as store:
+            import_records(store, records, batch_size=3)
     original = SeedSessionDB(path)
     try:
         session = records[0]["id"]
@@ -267,19 +245,7 @@ def test_a_process_killed_mid_batch_leaves_the_last_committed_batch(tmp_path: Pa
     records = workers.export_records(sessions=6, per_session=10)
     export = tmp_path / "export.jsonl"
     workers.write_export(export, records)
-    context = mp.get_context("spawn")
-    parent, child = context.Pipe()
-    importer = context.Process(
-        target=workers.import_and_stall, args=(str(path), str(export), 3, child)
-    )
-    importer.start()
-    try:
-        assert parent.poll(120), "the importer never reached its second batch"
-        assert parent.recv() == "indexing the second batch"
-        importer.kill()
-    finally:
-        importer.join(30)
-    assert importer.exitcode == -9
+    workers.kill_in_second_batch(workers.import_and_stall, path, export, 3)
     assert triggers(path) == before
     assert index_problems(path) == []
     first = {r["id"] for r in records[:3]}

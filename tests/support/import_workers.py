@@ -8,14 +8,19 @@ their children, costs with every digit.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import random
+import sqlite3
 import threading
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 from hermes_store import SessionDB, transfer
+from hermes_store.schema import ddl, fulltext
 
 CJK = ("数据库连接失败", "请帮我看看这个错误", "服务器重启之后", "部署到生产环境")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
@@ -77,6 +82,32 @@ def export_records(sessions: int, per_session: int, seed: int = 5) -> list[dict[
     return list(reversed(records))
 
 
+def triggers(path: Path) -> dict[str, str]:
+    with closing(sqlite3.connect(path)) as conn:
+        return dict(
+            conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
+        )
+
+
+def index_problems(path: Path) -> list[str]:
+    """FTS5's integrity check of both indexes, and the CJK index against its condition."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        found = fulltext.index_damage(conn)
+        misplaced = conn.execute(
+            f"SELECT count(*) FROM messages m WHERE ({ddl.cjk_matches('m.content')}) IS NOT "
+            f"EXISTS (SELECT 1 FROM {ddl.CJK_DOCSIZE} d WHERE d.id = m.id)"
+        ).fetchone()[0]
+        unindexed = conn.execute(
+            "SELECT (SELECT count(*) FROM messages) - "
+            f"(SELECT count(*) FROM {ddl.FTS_TABLE}_docsize)"
+        ).fetchone()[0]
+    if misplaced:
+        found.append(f"{misplaced} messages misplaced in the CJK index")
+    if unindexed:
+        found.append(f"{unindexed} messages missing from the main index")
+    return found
+
+
 def write_export(path: Path, records: list[dict[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
@@ -88,6 +119,28 @@ def import_and_stall(db_path: str, export_path: str, batch_size: int, pipe: Any)
     the index's triggers suspended (the moment it starts indexing them in bulk), say so down
     ``pipe`` and wait there for good: the test kills the process."""
     store = SessionDB(db_path)
+    event.listen(store.engine, "before_cursor_execute", _stall_in_second_batch(pipe))
+    with open(export_path, "rb") as handle:
+        transfer.import_sessions(
+            store, transfer.read_records(handle, lambda _: None), batch_size=batch_size
+        )
+    pipe.send("finished without stalling")
+
+
+def import_new_file_and_stall(db_path: str, export_path: str, batch_size: int, pipe: Any) -> None:
+    """:func:`import_and_stall` through ``import_new_file`` (the file built under a private
+    name, by an engine of its own: every engine of the process is listened to)."""
+    event.listen(Engine, "before_cursor_execute", _stall_in_second_batch(pipe))
+    with open(export_path, "rb") as handle:
+        transfer.import_new_file(
+            db_path, transfer.read_records(handle, lambda _: None), batch_size=batch_size
+        )
+    pipe.send("finished without stalling")
+
+
+def _stall_in_second_batch(pipe: Any) -> Any:
+    """A ``before_cursor_execute`` listener that says so down ``pipe`` and waits for good as
+    the second batch's messages are indexed."""
     indexing = 0
 
     def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -98,9 +151,20 @@ def import_and_stall(db_path: str, export_path: str, batch_size: int, pipe: Any)
                 pipe.send("indexing the second batch")
                 threading.Event().wait()
 
-    event.listen(store.engine, "before_cursor_execute", before)
-    with open(export_path, "rb") as handle:
-        transfer.import_sessions(
-            store, transfer.read_records(handle, lambda _: None), batch_size=batch_size
-        )
-    pipe.send("finished without stalling")
+    return before
+
+
+def kill_in_second_batch(worker: Any, path: Path, export: Path, batch_size: int) -> None:
+    """Run ``worker`` (one of the two above) in a process of its own and kill it (SIGKILL) as
+    it indexes its second batch."""
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    importer = context.Process(target=worker, args=(str(path), str(export), batch_size, child))
+    importer.start()
+    try:
+        assert parent.poll(120), "the importer never reached its second batch"
+        assert parent.recv() == "indexing the second batch"
+        importer.kill()
+    finally:
+        importer.join(30)
+    assert importer.exitcode == -9

@@ -1,0 +1,191 @@
+"""Import into a SQLite file that does not exist yet (``transfer.import_new_file``): built under a
+private name with its journal in memory and no fsync per batch, then put in WAL mode, flushed
+and linked in place.
+
+What must hold: the file is what ``import_sessions`` makes of the same export in a new store
+(every value, both indexes, the triggers), in WAL mode and owner-only, with nothing left beside
+it (the original store reads and writes it: tests/services/test_transfer.py); what committed
+before a failure or an interrupt lands and nothing else; a crash leaves no file under the
+name, and the next such import removes what it left; a database that exists, or appears while
+the file is built, is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hermes_store import SessionDB, transfer
+from hermes_store.errors import InvalidInputError
+from tests.support import import_workers as workers
+from tests.support.import_workers import index_problems, triggers
+
+
+def journal_mode(path: Path) -> str:
+    with closing(sqlite3.connect(path)) as conn:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0])
+
+
+def beside(path: Path) -> list[str]:
+    return sorted(os.listdir(path.parent))
+
+
+def exported(path: Path) -> list[Any]:
+    with SessionDB(path) as store:
+        return list(store.iter_export())
+
+
+def test_a_new_file_is_what_import_sessions_makes_in_wal_mode_with_nothing_beside_it(
+    tmp_path: Path,
+) -> None:
+    records = workers.export_records(sessions=20, per_session=12)
+    built, reference = tmp_path / "built" / "state.db", tmp_path / "reference.db"
+    report = transfer.import_new_file(built, enumerate(records, 1), batch_size=6)
+    with SessionDB(reference) as store:
+        expected = transfer.import_sessions(store, enumerate(records, 1), batch_size=6)
+    assert report == expected
+    assert (report.sessions, report.messages) == (20, 240)
+    assert beside(built) == ["state.db"]
+    assert journal_mode(built) == "wal"
+    assert stat.S_IMODE(built.stat().st_mode) == 0o600
+    assert stat.S_IMODE(built.parent.stat().st_mode) == 0o700
+    assert triggers(built) == triggers(reference)
+    assert index_problems(built) == []
+    assert exported(built) == exported(reference)
+    got = [m for r in exported(built) for m in r["messages"]]
+    assert got == [m for r in records for m in r["messages"]]
+    with SessionDB(built) as store:
+        cjk = sum("数据库" in (m["content"] or "") for r in records for m in r["messages"])
+        assert cjk > 0 and len(store.search_messages("数据库", limit=1000)) == cjk
+        assert [h["session_id"] for h in store.search_messages("marker7x4")] == ["imported-0007"]
+
+
+def test_an_invalid_record_lands_exactly_the_batches_before_its_own(tmp_path: Path) -> None:
+    records = workers.export_records(sessions=12, per_session=4)
+    records[7]["messages"][1]["timestamp"] = "yesterday"
+    path = tmp_path / "state.db"
+    report = transfer.ImportReport()
+    with pytest.raises(InvalidInputError, match="line 8"):
+        transfer.import_new_file(path, enumerate(records, 1), batch_size=3, report=report)
+    assert (report.sessions, report.messages) == (6, 24)
+    assert beside(path) == ["state.db"]
+    assert journal_mode(path) == "wal"
+    assert [r["id"] for r in exported(path)] == [r["id"] for r in records[:6]]
+    assert index_problems(path) == []
+
+
+def test_an_interrupt_lands_what_committed_and_goes_on_to_the_caller(tmp_path: Path) -> None:
+    records = workers.export_records(sessions=12, per_session=4)
+
+    def interrupted() -> Iterator[tuple[int, Any]]:
+        for line, record in enumerate(records, 1):
+            if line == 8:
+                raise KeyboardInterrupt
+            yield line, record
+
+    path = tmp_path / "state.db"
+    report = transfer.ImportReport()
+    with pytest.raises(KeyboardInterrupt):
+        transfer.import_new_file(path, interrupted(), batch_size=3, report=report)
+    assert (report.sessions, report.messages) == (6, 24)
+    assert [r["id"] for r in exported(path)] == [r["id"] for r in records[:6]]
+    assert beside(path) == ["state.db"]
+
+
+def test_a_failure_before_anything_committed_leaves_nothing(tmp_path: Path) -> None:
+    records = workers.export_records(sessions=4, per_session=2)
+    records[0]["started_at"] = "soon"
+    path = tmp_path / "state.db"
+    with pytest.raises(InvalidInputError, match="line 1"):
+        transfer.import_new_file(path, enumerate(records, 1))
+    assert beside(path) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_an_existing_path_is_refused_and_left_as_it_was(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "state.db"
+    if kind == "file":
+        with SessionDB(path) as store:
+            store.create_session("mine", "cli")
+    else:
+        path.symlink_to(tmp_path / "elsewhere.db")
+    before = beside(path)
+    with pytest.raises(transfer.DatabaseTargetError, match="exists already"):
+        transfer.import_new_file(path, enumerate(workers.export_records(2, 2), 1))
+    assert beside(path) == before
+    if kind == "file":
+        assert [r["id"] for r in exported(path)] == ["mine"]
+
+
+def test_a_database_created_meanwhile_is_left_alone_and_the_built_file_named(
+    tmp_path: Path,
+) -> None:
+    """Another process creates the database while the import builds its file: the link is
+    refused, the other database keeps exactly what it holds, the built file is kept whole."""
+    records = workers.export_records(sessions=6, per_session=3)
+    path = tmp_path / "state.db"
+
+    def meanwhile() -> Iterator[tuple[int, Any]]:
+        for line, record in enumerate(records, 1):
+            if line == 4:
+                with SessionDB(path) as other:
+                    other.create_session("theirs", "cli")
+            yield line, record
+
+    with pytest.raises(transfer.DatabaseTargetError, match="created by another process") as caught:
+        transfer.import_new_file(path, meanwhile(), batch_size=2)
+    assert [r["id"] for r in exported(path)] == ["theirs"]
+    built = [name for name in beside(path) if name.endswith(".import")]
+    assert len(built) == 1 and built[0] in str(caught.value)
+    assert [r["id"] for r in exported(tmp_path / built[0])] == [r["id"] for r in records]
+    assert index_problems(tmp_path / built[0]) == []
+
+
+@pytest.mark.slow
+def test_a_killed_import_leaves_no_file_and_the_next_one_removes_its_leftovers(
+    tmp_path: Path,
+) -> None:
+    """The importer is killed (SIGKILL) while it indexes its second batch: nothing appears
+    under the name (the first batch was never made durable there); the next import into the
+    same name removes the dead build's file and lands the whole export."""
+    path = tmp_path / "state.db"
+    records = workers.export_records(sessions=6, per_session=10)
+    export = tmp_path / "export.jsonl"
+    workers.write_export(export, records)
+    workers.kill_in_second_batch(workers.import_new_file_and_stall, path, export, 3)
+    assert not os.path.lexists(path)
+    assert any(name.endswith(".import") for name in beside(path))
+    with open(export, "rb") as handle:
+        report = transfer.import_new_file(
+            path, transfer.read_records(handle, lambda _: None), batch_size=3
+        )
+    assert (report.sessions, report.messages) == (6, 60)
+    assert beside(path) == ["export.jsonl", "state.db"]
+    assert [r["id"] for r in exported(path)] == [r["id"] for r in records]
+    assert index_problems(path) == []
+
+
+def test_the_cli_builds_a_new_file_and_imports_into_an_existing_one(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hermes_store.cli import cli
+
+    records = workers.export_records(sessions=5, per_session=4)
+    export = tmp_path / "export.jsonl"
+    workers.write_export(export, records)
+    runner = CliRunner(env={"HERMES_STORE_URL": None})
+    path = tmp_path / "db" / "state.db"
+    first = runner.invoke(cli, ["--db", str(path), "import", str(export), "--json"])
+    assert first.exit_code == 0, first.output
+    assert beside(path) == ["state.db"]  # built beside it and linked: no writer lock file
+    again = runner.invoke(cli, ["--db", str(path), "import", str(export), "--json"])
+    assert again.exit_code == 0, again.output
+    assert '"sessions_skipped": 5' in again.stdout
+    assert [r["id"] for r in exported(path)] == [r["id"] for r in records]
