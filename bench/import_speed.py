@@ -7,12 +7,14 @@ the temp folder): sessions with a system prompt of a few KB, chat turns (user 20
 characters, assistant 50-1,500, some with reasoning), assistant turns that call a tool followed
 by the tool's output of 5-50 KB (log lines, paths, numbers), 5% of all messages carrying
 Chinese text, titles, parents, counters and costs with every digit. Each run imports it into a
-new database (a new SQLite file, or an emptied PostgreSQL database) through
-``hermes_store.transfer.import_sessions``, in a fresh process, and is checked: the database
-then exports the same bytes, and the full-text index passes FTS5's integrity check. Printed:
-per run the wall time, the CPU time of the process, messages/s on the wall clock and on CPU;
-then the median [min..max] of the runs (``--before DIR`` runs another checkout in the same,
-interleaved rounds).
+new database (a new SQLite file, or an emptied PostgreSQL database) with ``hermes-store
+import`` (into a new SQLite file: ``transfer.import_new_file``, built privately and linked in
+place), in a fresh process, and is checked: the database then exports the same bytes, and the
+full-text index passes FTS5's integrity check. Printed: per run the wall time, the CPU time of
+the process, messages/s on the wall clock and on CPU; then the median [min..max] of the runs
+(``--before DIR`` runs another checkout in the same, interleaved rounds; ``--existing`` the
+import into an existing empty file, through the store; ``--mix scale`` uses
+``bench/scale.py``'s 2 GB mix instead: 1,020,000 messages make its 2 GB file).
 
 ``--ceiling`` adds, in the same rounds, what bare ``sqlite3`` does with the same messages (read
 from the file before the clock starts, inserted in id order in one transaction, FTS5 with its
@@ -228,14 +230,39 @@ def build_export(path: Path, messages: int, seed: int, tool_calls_per_turn: floa
     partial.replace(path)
 
 
-def cached_export(messages: int, seed: int, tool_calls_per_turn: float) -> Path:
+def build_scale_export(path: Path, messages: int) -> None:
+    """The export of ``bench/scale.py``'s realistic file at ``messages`` (2 GB per 1,020,000:
+    sessions of ~51 messages over 12 months, 5-50 KB tool outputs, 5% CJK)."""
+    from bench import scale
+
+    size_mb = max(1, round(messages * SCALE_MB_PER_MESSAGE))
+    sessions = max(1, messages // 51)
+    records = list(
+        scale.export_lines(sessions, messages, scale.tool_share(size_mb, messages), time.time())
+    )
+    partial = path.with_suffix(".partial")
+    with open(partial, "w", encoding="utf-8") as handle:
+        for record in reversed(records):
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    partial.replace(path)
+
+
+#: ``bench/scale.py``'s file: 2,048 MB for 1,020,000 messages.
+SCALE_MB_PER_MESSAGE = 2048 / 1_020_000
+
+
+def cached_export(messages: int, seed: int, tool_calls_per_turn: float, mix: str = "agent") -> Path:
     """The export file for these parameters, built once under the temp folder."""
     folder = Path(tempfile.gettempdir()) / "hermes-import-bench"
     folder.mkdir(exist_ok=True)
-    path = folder / f"export-{messages}-{seed}-{tool_calls_per_turn:g}.jsonl"
+    name = f"{mix}-{messages}" if mix == "scale" else f"{messages}-{seed}-{tool_calls_per_turn:g}"
+    path = folder / f"export-{name}.jsonl"
     if not path.exists():
         started = time.perf_counter()
-        build_export(path, messages, seed, tool_calls_per_turn)
+        if mix == "scale":
+            build_scale_export(path, messages)
+        else:
+            build_export(path, messages, seed, tool_calls_per_turn)
         print(f"(built {path.name}: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     return path
 
@@ -295,6 +322,19 @@ def check_exact(target: str, export: Path) -> None:
 
 
 RAW_SIDES = ("raw rows", "raw fts", "raw rows+fts")
+#: The side importing into a database that exists (empty, at head): the import through the
+#: store, where a new file is built privately and linked in place.
+EXISTING = "hermes_store, into an existing file"
+
+
+def _create_empty(target: str, pythonpath: Path) -> None:
+    """An empty database at head at ``target``, made by a process of that checkout."""
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    env.pop("HERMES_STORE_URL", None)
+    argv = [sys.executable, "-P", "-m", "hermes_store", "--db", target, "db", "upgrade"]
+    subprocess.run(argv, env=env, check=True, capture_output=True)
+
+
 _RAW_SCHEMA = (
     "CREATE TABLE messages (id INTEGER PRIMARY KEY, content TEXT)",
     "CREATE VIRTUAL TABLE messages_fts USING fts5(content, content=messages, content_rowid=id)",
@@ -349,13 +389,26 @@ def main() -> None:
     parser.add_argument(
         "--ceiling", action="store_true", help="bare sqlite3 on the same messages, same rounds"
     )
+    parser.add_argument(
+        "--mix",
+        choices=("agent", "scale"),
+        default="agent",
+        help="agent: this module's export (heavy tool outputs); scale: bench/scale.py's 2 GB mix",
+    )
+    parser.add_argument(
+        "--existing",
+        action="store_true",
+        help="also into an existing empty database (the import through the store, WAL+FULL)",
+    )
     parser.add_argument("--raw", nargs=3, metavar=("WHAT", "EXPORT", "DB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw:
         raw_insert(Path(args.raw[1]), Path(args.raw[2]), args.raw[0])
         return
-    export = cached_export(args.messages, args.seed, args.tool_calls)
-    sides = {"hermes_store": ROOT}
+    export = cached_export(args.messages, args.seed, args.tool_calls, args.mix)
+    sides = {"hermes_store, into a new file": ROOT}
+    if args.existing and args.backend == "sqlite":
+        sides[EXISTING] = ROOT
     if args.before is not None:
         sides["before"] = args.before.resolve()
     if args.ceiling and args.backend == "sqlite":
@@ -371,6 +424,8 @@ def main() -> None:
                 if side in RAW_SIDES:
                     wall, cpu = raw_once(target, export, side.split()[1])
                 else:
+                    if side == EXISTING:
+                        _create_empty(target, sides[side])
                     wall, cpu = import_once(target, export, sides[side])
                     check_exact(target, export)
                 samples[side].append((wall, cpu))
@@ -383,10 +438,17 @@ def main() -> None:
                 if args.backend == "sqlite":
                     for suffix in ("", "-wal", "-shm", "-writer.lock"):
                         Path(f"{target}{suffix}").unlink(missing_ok=True)
+    mix = (
+        "`bench/scale.py`'s 2 GB mix"
+        if args.mix == "scale"
+        else f"an assistant turn calls a tool {args.tool_calls:.0%} of the time"
+    )
     print(
-        f"Import of {args.messages:,} messages ({megabytes:,.0f} MB of JSON Lines; an assistant "
-        f"turn calls a tool {args.tool_calls:.0%} of the time) into a new {args.backend} "
-        f"database with `hermes-store import`, fresh process per run, {max(3, args.runs)} "
+        f"Import of {args.messages:,} messages ({megabytes:,.0f} MB of JSON Lines; {mix}) into "
+        f"a new {args.backend} database with `hermes-store import` (`{EXISTING}`: into an "
+        f"empty database made first with `db upgrade`), each checked exact (the database "
+        f"exports the file's values, the full-text indexes pass FTS5's integrity check), "
+        f"fresh process per run, {max(3, args.runs)} "
         f"interleaved rounds, median [min..max]; load average {load_before:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end:\n"
     )

@@ -587,6 +587,7 @@ COMPANIONS = (
     "pg_scale",
     "async_lag",
     "ops",
+    "import_speed",
     "scale",
     "doctor_scale",
     "adoption",
@@ -719,6 +720,22 @@ def companion(
             f"{mb} MB database, against a baseline phase of the same writers and no backup; "
             "phases interleaved, the order rotating. `--scale`: 1 GB and every backup method.",
             argv=("--size-mb", mb, "--rounds", "1" if quick else "3") + (() if scale else shipped),
+        )
+    if key == "import_speed":
+        messages = ("5000", "204000", "1020000")[size]
+        return Companion(
+            key,
+            "Import: an export restored, in messages per second",
+            f"`bench/import_speed.py --mix scale`: an export of {int(messages):,} messages of "
+            "`bench/scale.py`'s mix (1,020,000 make its 2 GB file) restored with `hermes-store "
+            "import` into a new file (built privately, linked in place), against the same "
+            "import into an existing empty file (through the store: WAL, FULL)"
+            + ("" if size == 2 else " and bare `sqlite3`'s ceilings")
+            + "; fresh process per run, each checked exact. `--scale`: 1,020,000 messages.",
+            argv=("--mix", "scale", "--messages", messages, "--existing")
+            + ("--runs", "1" if quick else "3")
+            + (() if size == 2 else ("--ceiling",)),
+            text=False,
         )
     if key == "scale":
         mb, sessions, runs = (("32", "300", "1"), ("256", "2500", "1"), ("2048", "20000", "3"))[
@@ -916,7 +933,7 @@ FLOOR_NOTE = (
 #: The full run at default settings, and how long it takes on the 2-core machine when nothing
 #: else runs (the sections' sizes were chosen for it; a busy machine stretches every section).
 FULL_RUN = "python -m bench.run --pg postgresql://postgres@127.0.0.1/test"
-FULL_RUN_MINUTES = "about 15 minutes, about 8 without `--pg`,"
+FULL_RUN_MINUTES = "about 17 minutes, about 10 without `--pg`,"
 
 
 def render(
@@ -939,7 +956,8 @@ def render(
         "",
         f"Full run: `{FULL_RUN}` ({FULL_RUN_MINUTES} on the 2-core machine below when nothing "
         "else runs; `--scale` adds the large sizes: a 1 GB backup, 300k-session adoption, 1M "
-        "messages on PostgreSQL, a 2 GB file pruned and optimized 3 times, and takes much "
+        "messages on PostgreSQL, a 1,020,000-message import, a 2 GB file pruned and "
+        "optimized 3 times, and takes much "
         "longer; `--scale scale` only the 2 GB file). Smoke run: `python -m bench.run "
         "--quick` (under 2 minutes without `--pg` on a quiet machine, 1 round: it proves the "
         "command works, its figures prove nothing). A/B of two "
