@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import queue
 import sqlite3
@@ -47,6 +48,8 @@ from hermes_store.tables import sessions_table as S
 from hermes_store.uow import UnitOfWork
 
 RowDict = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 class ImportCheckError(HermesStoreError):
@@ -556,13 +559,20 @@ def import_new_file(
                 uow.release()
         finally:
             engine.dispose()
-    except BaseException:
+    except BaseException as failure:
         # What committed is whole (a failed batch was rolled back in memory): it lands as an
         # import into an existing file would have left it.
-        if total.sessions or total.messages:
-            _publish_build(build, real)
-        else:
+        if not (total.sessions or total.messages):
             _remove_build(build)
+            raise
+        try:
+            _publish_build(build, real)
+        except Exception as error:  # the first failure stays the one raised
+            log.error("the import's built file %s was not linked as %s: %s", build, real, error)
+            failure.add_note(
+                f"what committed before it is in {build}, which could not be linked as "
+                f"{real}: {error}"
+            )
         raise
     _publish_build(build, real)
     return total

@@ -189,3 +189,29 @@ def test_the_cli_builds_a_new_file_and_imports_into_an_existing_one(tmp_path: Pa
     assert again.exit_code == 0, again.output
     assert '"sessions_skipped": 5' in again.stdout
     assert [r["id"] for r in exported(path)] == [r["id"] for r in records]
+
+
+def test_a_failed_import_whose_file_cannot_be_linked_raises_its_own_error_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    """The import fails (an invalid record) after a batch committed, and the database was
+    created meanwhile: the invalid record is what is raised, with a note naming the built
+    file that holds the committed batch; the other database is untouched."""
+    records = workers.export_records(sessions=6, per_session=3)
+    records[4]["ended_at"] = "later"
+    path = tmp_path / "state.db"
+
+    def meanwhile() -> Iterator[tuple[int, Any]]:
+        for line, record in enumerate(records, 1):
+            if line == 4:
+                with SessionDB(path) as other:
+                    other.create_session("theirs", "cli")
+            yield line, record
+
+    with pytest.raises(InvalidInputError, match="line 5") as caught:
+        transfer.import_new_file(path, meanwhile(), batch_size=2)
+    built = [name for name in beside(path) if name.endswith(".import")]
+    assert len(built) == 1
+    assert any(built[0] in note for note in caught.value.__notes__)
+    assert [r["id"] for r in exported(path)] == ["theirs"]
+    assert [r["id"] for r in exported(tmp_path / built[0])] == [r["id"] for r in records[:4]]
