@@ -582,6 +582,7 @@ class Companion:
 COMPANIONS = (
     "small_reads",
     "cli_startup",
+    "cold_start",
     "search_scale",
     "pg_writes",
     "pg_scale",
@@ -633,6 +634,17 @@ def companion(
             "`bench/cli_startup.py`: the CPU time of fresh processes (the command's own, "
             "from the operating system's accounting, so other load does not count).",
             argv=("--runs", "5"),
+        )
+    if key == "cold_start":
+        return Companion(
+            key,
+            "Cold start: a new process to its first answer",
+            "`bench/cold_start.py`: fresh processes that open a `state.db` at head and ask "
+            "`get_session` once (and `sessions list` on the CLI), hermes_store against the "
+            "original store and the least a SQLAlchemy store can pay (its import, an engine, "
+            "one SELECT), measured from outside with `wait4`; the target: at most 0.15 s of "
+            "CPU over that floor, no Alembic module loaded.",
+            argv=("--rounds", "3" if quick else "7"),
         )
     if key == "search_scale":
         if search_db is None:

@@ -57,7 +57,8 @@ class ImportCheckError(HermesStoreError):
 
 
 class DatabaseTargetError(InvalidInputError):
-    """An export target or import source is the database itself or one of its sidecars."""
+    """An export target or import source is the database itself or one of its sidecars, or
+    the path of a database to build whole is taken."""
 
 
 class OutputFileError(InvalidInputError):
@@ -539,6 +540,8 @@ def import_new_file(
     or was created while the file was built (then left as it was, the built file kept and
     named).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidInputError(f"path must be a file path, not {path!r}")
     real = Path(path)
     if os.path.lexists(real):
         raise DatabaseTargetError(

@@ -124,6 +124,16 @@ def test_an_existing_path_is_refused_and_left_as_it_was(tmp_path: Path, kind: st
         assert [r["id"] for r in exported(path)] == ["mine"]
 
 
+@pytest.mark.parametrize("path", [None, 3, b"state.db"])
+def test_a_path_that_is_not_one_is_refused_before_anything_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInputError, match="must be a file path"):
+        transfer.import_new_file(path, enumerate(workers.export_records(2, 2), 1))
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_database_created_meanwhile_is_left_alone_and_the_built_file_named(
     tmp_path: Path,
 ) -> None:
