@@ -288,14 +288,18 @@ FILE_ACCESS_ALLOWED = {
     ("files.py", "read_text"): "/proc/locks, the kernel's list of locks: whom a writer waits for",
     ("maintenance.py", "os.open"): "vacuum_swap: a read-only descriptor on its own compacted "
     "copy (0600, not yet the database) to give it the database's mode and owner before any "
-    "connection opens it and to fsync it after the last one closed, and the folder "
-    "(O_DIRECTORY) to fsync the rename; never the database",
+    "connection opens it; never the database",
     ("maintenance.py", "os.replace"): "vacuum_swap: renames its own checked copy onto the "
     "database while holding the database's exclusive lock (nobody else has it open) after the "
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
-    ("maintenance.py", "os.unlink"): "vacuum_swap: removes the compacted copies "
-    "(.NAME.PID.HEX.compact) that killed swaps left, once their process is gone; never the "
-    "database",
+    ("files.py", "os.unlink"): "remove_dead_partials: removes the files builds beside the "
+    "database left (.NAME.PID.HEX.compact of a vacuum swap, .NAME.PID.HEX.import of an import "
+    "into a new file) once their process is gone; never the database",
+    ("files.py", "os.open"): "fsync_path: a read-only descriptor (O_NOFOLLOW) on a file this "
+    "process built and no connection of it has open (a compacted copy, an import's built "
+    "file), or on a folder (O_DIRECTORY) to flush a rename or link; never the database",
+    ("transfer.py", "os.link"): "import_new_file: links its own finished file (.NAME.PID.HEX."
+    "import) under the new database's name; never replaces a path that exists",
     ("retention.py", "os.open"): "<db>-retention, the retention policy's marker (0600, "
     "O_NOFOLLOW, refused unless a regular file); never the database",
     ("health.py", "shutil.rmtree"): "doctor --full: removes its own mkdtemp folder holding the "
