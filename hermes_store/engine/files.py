@@ -156,6 +156,8 @@ def remove_dead_partials(real: Path, kind: str) -> None:
             os.unlink(name)
         except FileNotFoundError:  # removed meanwhile
             continue
+        except OSError as error:  # another user's, in a shared folder: theirs to remove
+            log.warning("left %s, which a dead build left: %s", name, error)
 
 
 def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:

@@ -225,3 +225,37 @@ def test_a_failed_import_whose_file_cannot_be_linked_raises_its_own_error_naming
     assert any(built[0] in note for note in caught.value.__notes__)
     assert [r["id"] for r in exported(path)] == ["theirs"]
     assert [r["id"] for r in exported(tmp_path / built[0])] == [r["id"] for r in records[:4]]
+
+
+def test_a_dead_build_that_cannot_be_removed_is_left_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user's dead build in a shared folder (the refusal stands in for that user's
+    file): it is left, said in the log, and the import goes on."""
+    import subprocess
+    import sys
+
+    from hermes_store.engine import files
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    path = tmp_path / "state.db"
+    theirs = tmp_path / f".state.db.{int(gone.stdout)}.{'ab' * 6}.import"
+    theirs.write_bytes(b"")
+    unlink = os.unlink
+
+    def refused(name: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(name) == theirs:
+            raise PermissionError(1, "Operation not permitted", str(name))
+        unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(files.os, "unlink", refused)
+    with caplog.at_level("WARNING", logger="hermes_store.engine.files"):
+        report = transfer.import_new_file(path, enumerate(workers.export_records(3, 2), 1))
+    assert report.sessions == 3
+    assert theirs.exists() and str(theirs) in caplog.text
+    assert beside(path) == sorted([theirs.name, "state.db"])
