@@ -259,3 +259,25 @@ def test_a_dead_build_that_cannot_be_removed_is_left_with_a_warning(
     assert report.sessions == 3
     assert theirs.exists() and str(theirs) in caplog.text
     assert beside(path) == sorted([theirs.name, "state.db"])
+
+
+def test_a_disk_that_fills_up_lands_whole_batches_or_nothing(tiny_disk: Path) -> None:
+    """A real 4 MB file system fills during the build: the error says the disk is full, and
+    what is under the name afterwards is whole batches of the export, sound, in WAL mode;
+    nothing else is left beside it but the built file a note names."""
+    from hermes_store.errors import StorageFullError
+
+    records = workers.export_records(sessions=200, per_session=30)  # ~10 MB of text
+    path = tiny_disk / "state.db"
+    report = transfer.ImportReport()
+    with pytest.raises(StorageFullError) as caught:
+        transfer.import_new_file(path, enumerate(records, 1), batch_size=5, report=report)
+    left = [name for name in beside(path) if name != "state.db"]
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert all(name in notes for name in left), (left, notes)
+    if path.exists():
+        assert journal_mode(path) == "wal"
+        assert index_problems(path) == []
+        landed = [r["id"] for r in exported(path)]
+        assert landed == [r["id"] for r in records[: len(landed)]]
+        assert len(landed) == report.sessions and len(landed) % 5 == 0
