@@ -42,6 +42,16 @@ def exported(path: Path) -> list[Any]:
         return list(store.iter_export())
 
 
+def created_meanwhile(records: list[dict[str, Any]], path: Path) -> Iterator[tuple[int, Any]]:
+    """The records, and as the 4th is read, another store creates the database at ``path``
+    (with a session of its own, ``theirs``)."""
+    for line, record in enumerate(records, 1):
+        if line == 4:
+            with SessionDB(path) as other:
+                other.create_session("theirs", "cli")
+        yield line, record
+
+
 def test_a_new_file_is_what_import_sessions_makes_in_wal_mode_with_nothing_beside_it(
     tmp_path: Path,
 ) -> None:
@@ -142,15 +152,8 @@ def test_a_database_created_meanwhile_is_left_alone_and_the_built_file_named(
     records = workers.export_records(sessions=6, per_session=3)
     path = tmp_path / "state.db"
 
-    def meanwhile() -> Iterator[tuple[int, Any]]:
-        for line, record in enumerate(records, 1):
-            if line == 4:
-                with SessionDB(path) as other:
-                    other.create_session("theirs", "cli")
-            yield line, record
-
     with pytest.raises(transfer.DatabaseTargetError, match="created by another process") as caught:
-        transfer.import_new_file(path, meanwhile(), batch_size=2)
+        transfer.import_new_file(path, created_meanwhile(records, path), batch_size=2)
     assert [r["id"] for r in exported(path)] == ["theirs"]
     built = [name for name in beside(path) if name.endswith(".import")]
     assert len(built) == 1 and built[0] in str(caught.value)
@@ -211,15 +214,8 @@ def test_a_failed_import_whose_file_cannot_be_linked_raises_its_own_error_naming
     records[4]["ended_at"] = "later"
     path = tmp_path / "state.db"
 
-    def meanwhile() -> Iterator[tuple[int, Any]]:
-        for line, record in enumerate(records, 1):
-            if line == 4:
-                with SessionDB(path) as other:
-                    other.create_session("theirs", "cli")
-            yield line, record
-
     with pytest.raises(InvalidInputError, match="line 5") as caught:
-        transfer.import_new_file(path, meanwhile(), batch_size=2)
+        transfer.import_new_file(path, created_meanwhile(records, path), batch_size=2)
     built = [name for name in beside(path) if name.endswith(".import")]
     assert len(built) == 1
     assert any(built[0] in note for note in caught.value.__notes__)
