@@ -534,11 +534,11 @@ def import_new_file(
     its journal in memory and no fsync per batch: nobody else can open it, so neither a WAL
     nor a durable commit per batch buys anything. Once the batches are in (or one failed, or
     the import was interrupted: the batches before it are kept, as by :func:`import_sessions`),
-    it is put in WAL mode, flushed to disk and linked under ``path``; only then does ``report``
-    hold what landed. A crash before leaves no file at ``path``, only the private one, which
-    the next such import removes. :class:`DatabaseTargetError` when ``path`` exists already,
-    or was created while the file was built (then left as it was, the built file kept and
-    named).
+    it is put in WAL mode, flushed to disk and linked under ``path``; ``report`` counts what
+    landed there (nothing, when an interrupt came before the link). A crash before the link
+    leaves no file at ``path``, only the private one, which the next such import removes.
+    :class:`DatabaseTargetError` when ``path`` exists already, or was created while the file
+    was built (then left as it was, the built file kept and named).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidInputError(f"path must be a file path, not {path!r}")
@@ -569,7 +569,7 @@ def import_new_file(
             _remove_build(build)
             raise
         try:
-            _publish_build(build, real)
+            _publish(build, real, total)
         except Exception as error:  # the first failure stays the one raised
             log.error("the import's built file %s was not linked as %s: %s", build, real, error)
             failure.add_note(
@@ -577,8 +577,28 @@ def import_new_file(
                 f"{real}: {error}"
             )
         raise
-    _publish_build(build, real)
+    _publish(build, real, total)
     return total
+
+
+def _publish(build: Path, real: Path, total: ImportReport) -> None:
+    """:func:`_publish_build`; ``total`` is emptied when it raises before the file took its
+    name (an interrupt while it is flushed, say): nothing landed under it then."""
+    try:
+        _publish_build(build, real)
+    except BaseException:
+        if not _linked(build, real):
+            for name in asdict(total):
+                setattr(total, name, 0)
+        raise
+
+
+def _linked(build: Path, real: Path) -> bool:
+    """Whether the built file took its name (it is gone from its private one once it has)."""
+    try:
+        return os.path.samefile(build, real) if os.path.lexists(build) else real.exists()
+    except OSError:
+        return False
 
 
 #: The private file an import into a new file builds: ``.NAME.PID.HEX.import``.

@@ -277,3 +277,36 @@ def test_a_disk_that_fills_up_lands_whole_batches_or_nothing(tiny_disk: Path) ->
         landed = [r["id"] for r in exported(path)]
         assert landed == [r["id"] for r in records[: len(landed)]]
         assert len(landed) == report.sessions and len(landed) % 5 == 0
+
+
+@pytest.mark.parametrize("flush", [1, 2])
+def test_an_interrupt_while_the_file_is_linked_says_truly_what_landed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flush: int
+) -> None:
+    """Ctrl-C as the built file is flushed (the 1st flush, before the link: nothing is under
+    the name, and the report says nothing landed) or as the folder is (the 2nd, after the
+    link: the file is there whole, and the report counts it)."""
+    from hermes_store.engine import files
+
+    real_fsync = files.fsync_path
+    flushes = 0
+
+    def interrupted(path: Path) -> None:
+        nonlocal flushes
+        flushes += 1
+        if flushes == flush:
+            raise KeyboardInterrupt
+        real_fsync(path)
+
+    monkeypatch.setattr(files, "fsync_path", interrupted)
+    records = workers.export_records(sessions=6, per_session=3)
+    path = tmp_path / "state.db"
+    report = transfer.ImportReport()
+    with pytest.raises(KeyboardInterrupt):
+        transfer.import_new_file(path, enumerate(records, 1), batch_size=2, report=report)
+    if flush == 1:
+        assert not os.path.lexists(path)
+        assert (report.sessions, report.messages) == (0, 0)
+    else:
+        assert [r["id"] for r in exported(path)] == [r["id"] for r in records]
+        assert (report.sessions, report.messages) == (6, 18)
