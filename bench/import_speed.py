@@ -222,7 +222,11 @@ def export_lines(
 
 def build_export(path: Path, messages: int, seed: int, tool_calls_per_turn: float = 0.4) -> None:
     """Write the export file (newest session first, as ``export`` writes it)."""
-    records = list(export_lines(messages, seed, tool_calls_per_turn))
+    _write_newest_first(path, list(export_lines(messages, seed, tool_calls_per_turn)))
+
+
+def _write_newest_first(path: Path, records: list[dict[str, Any]]) -> None:
+    """The records as an export file, newest session first (as ``export`` writes them)."""
     partial = path.with_suffix(".partial")
     with open(partial, "w", encoding="utf-8") as handle:
         for record in reversed(records):
@@ -237,14 +241,8 @@ def build_scale_export(path: Path, messages: int) -> None:
 
     size_mb = max(1, round(messages * SCALE_MB_PER_MESSAGE))
     sessions = max(1, messages // 51)
-    records = list(
-        scale.export_lines(sessions, messages, scale.tool_share(size_mb, messages), time.time())
-    )
-    partial = path.with_suffix(".partial")
-    with open(partial, "w", encoding="utf-8") as handle:
-        for record in reversed(records):
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    partial.replace(path)
+    share = scale.tool_share(size_mb, messages)
+    _write_newest_first(path, list(scale.export_lines(sessions, messages, share, time.time())))
 
 
 #: ``bench/scale.py``'s file: 2,048 MB for 1,020,000 messages.
@@ -327,7 +325,7 @@ NEW_FILE = "hermes_store, into a new file"
 #: What an import into a new SQLite file should reach on the 2-core machine (messages/s).
 TARGET_RATE = 20_000
 #: The side importing into a database that exists (empty, at head): the import through the
-#: store, where a new file is built privately and linked in place.
+#: store (WAL, FULL), as every import ran before a new file was built privately.
 EXISTING = "hermes_store, into an existing file"
 
 
