@@ -15,15 +15,20 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from hermes_store import SessionDB, transfer
-from hermes_store.errors import InvalidInputError
+from hermes_store.cli import cli
+from hermes_store.engine import files
+from hermes_store.errors import InvalidInputError, StorageFullError
 from tests.support import import_workers as workers
 from tests.support.import_workers import index_problems, triggers
 
@@ -186,10 +191,6 @@ def test_a_killed_import_leaves_no_file_and_the_next_one_removes_its_leftovers(
 
 
 def test_the_cli_builds_a_new_file_and_imports_into_an_existing_one(tmp_path: Path) -> None:
-    from click.testing import CliRunner
-
-    from hermes_store.cli import cli
-
     records = workers.export_records(sessions=5, per_session=4)
     export = tmp_path / "export.jsonl"
     workers.write_export(export, records)
@@ -228,11 +229,6 @@ def test_a_dead_build_that_cannot_be_removed_is_left_with_a_warning(
 ) -> None:
     """Another user's dead build in a shared folder (the refusal stands in for that user's
     file): it is left, said in the log, and the import goes on."""
-    import subprocess
-    import sys
-
-    from hermes_store.engine import files
-
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
@@ -261,8 +257,6 @@ def test_a_disk_that_fills_up_lands_whole_batches_or_nothing(tiny_disk: Path) ->
     """A real 4 MB file system fills during the build: the error says the disk is full, and
     what is under the name afterwards is whole batches of the export, sound, in WAL mode;
     nothing else is left beside it but the built file a note names."""
-    from hermes_store.errors import StorageFullError
-
     records = workers.export_records(sessions=200, per_session=30)  # ~10 MB of text
     path = tiny_disk / "state.db"
     report = transfer.ImportReport()
@@ -286,8 +280,6 @@ def test_an_interrupt_while_the_file_is_linked_says_truly_what_landed(
     """Ctrl-C as the built file is flushed (the 1st flush, before the link: nothing is under
     the name, and the report says nothing landed) or as the folder is (the 2nd, after the
     link: the file is there whole, and the report counts it)."""
-    from hermes_store.engine import files
-
     real_fsync = files.fsync_path
     flushes = 0
 
