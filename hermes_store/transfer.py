@@ -549,7 +549,7 @@ def import_new_file(
         )
     total = ImportReport() if report is None else report
     make_private_dirs(real.parent)
-    files.remove_dead_partials(real, _BUILD_KIND)
+    files.remove_dead_partials(real, (_BUILD_KIND,))
     build = files.partial_path(real, _BUILD_KIND)
     try:
         SessionDB(build).close()  # created owner-only and brought to head as any new file

@@ -19,6 +19,7 @@ import re
 import secrets
 import sqlite3
 import stat
+import time
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -127,37 +128,75 @@ def fsync_path(path: Path) -> None:
         os.close(descriptor)
 
 
+#: What the package builds beside a database under a private name, ``.NAME.PID.HEX.KIND``,
+#: before the file takes the real name: a new database (``new``) and an import's new file
+#: (``import``) are hard-linked into place, then their private name removed; a vacuum swap's
+#: compacted copy (``compact``) is renamed over the database.
+PARTIAL_KINDS = ("new", "import", "compact")
+#: The kinds hard-linked into place: for a moment (or for good, if the process is killed
+#: then) the database has that second name, which is no alias (see :func:`refuse_aliases`).
+LINKED_KINDS = ("new", "import")
+
+
 def partial_path(real: Path, kind: str) -> Path:
     """A private name beside ``real`` for a file this process builds before it takes the
     real name (``.NAME.PID.HEX.KIND``): the pid says whose it is (:func:`remove_dead_partials`)."""
-    return real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}"
+    return real.parent / f".{real.name}.{os.getpid()}.{secrets.token_hex(8)}.{kind}"
 
 
-def remove_dead_partials(real: Path, kind: str) -> None:
-    """Remove what killed builds of ``kind`` left beside ``real``: ``.NAME.PID.HEX.KIND`` (and
-    its side files) whose process is gone; a live process's file is never touched."""
+def _partial_names(name: str, kinds: tuple[str, ...]) -> str:
+    """The regular expression of :func:`partial_path`'s names for ``name`` and ``kinds`` (the
+    pid is absent from the ``new`` files of older releases; copies of older releases had 12
+    hexadecimal digits)."""
+    return (
+        rf"\.{re.escape(name)}\.(?:(?P<pid>\d{{1,10}})\.)?[0-9a-f]{{12,16}}"
+        rf"\.(?:{'|'.join(map(re.escape, kinds))})"
+    )
+
+
+def remove_dead_partials(
+    real: Path, kinds: tuple[str, ...], *, older_than: float = 0.0
+) -> list[Path]:
+    """Remove what killed builds of ``kinds`` left beside ``real``: ``.NAME.PID.HEX.KIND`` (and
+    its side files) whose process no longer exists on this machine AND that is older than
+    ``older_than`` seconds (the age also covers builders in other pid namespaces or on other
+    hosts sharing the folder); a name without a pid (older releases) goes on its age alone,
+    and only with one given. Anything else is never touched, nor a link or a folder. Returns
+    what was removed."""
     pattern = re.compile(
-        rf"\.{re.escape(real.name)}\.(?P<pid>\d{{1,10}})\.[0-9a-f]{{12}}\.{re.escape(kind)}"
-        rf"(?:{'|'.join(map(re.escape, (*SIDECAR_SUFFIXES, WRITER_LOCK_SUFFIX)))})?"
+        _partial_names(real.name, kinds)
+        + rf"(?:{'|'.join(map(re.escape, (*SIDECAR_SUFFIXES, WRITER_LOCK_SUFFIX)))})?"
     )
     try:
-        with os.scandir(real.parent) as entries:
-            dead = [
-                entry.path
-                for entry in entries
-                if (found := pattern.fullmatch(entry.name)) is not None
-                and entry.is_file(follow_symlinks=False)
-                and not pid_alive(int(found.group("pid")))
-            ]
-    except FileNotFoundError:  # no folder yet: nothing left in it
-        return
-    for name in dead:
+        with os.scandir(real.parent) as listing:
+            entries = list(listing)
+    except OSError as error:  # no folder yet (nothing left in it), or not ours to list
+        log.debug("cannot list %s for what dead builds left: %s", real.parent, error)
+        return []
+    removed: list[Path] = []
+    now = time.time()
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        if found is None:
+            continue
+        pid = found.group("pid")
         try:
-            os.unlink(name)
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if now - entry.stat(follow_symlinks=False).st_mtime <= older_than:
+                continue
+            if (pid is None and older_than <= 0) or (pid is not None and pid_alive(int(pid))):
+                continue
+            os.unlink(entry.path)
         except FileNotFoundError:  # removed meanwhile
             continue
         except OSError as error:  # another user's, in a shared folder: theirs to remove
-            log.warning("left %s, which a dead build left: %s", name, error)
+            log.warning("left %s, which a dead build left: %s", entry.path, error)
+            continue
+        removed.append(Path(entry.path))
+    if removed:
+        log.info("removed %d file(s) dead builds left beside %s", len(removed), real)
+    return removed
 
 
 def deleted_wal_holders(path: Path) -> list[tuple[int, str]]:
@@ -263,8 +302,9 @@ def refuse_aliases(path: Path, given: Path | None = None) -> None:
     # The package's own temporary names, and the writer queue's lock file: a link planted
     # there is refused as a lock file and never opened as a database (see writequeue).
     temporary = re.compile(
-        rf"\.{re.escape(path.name)}\.(?:(?:\d{{1,10}}\.)?[0-9a-f]{{16}}\.new|partial-[0-9a-f]{{12}})"
-        rf"|{re.escape(path.name)}-writer\.lock"
+        _partial_names(path.name, LINKED_KINDS)
+        + rf"|\.{re.escape(path.name)}\.partial-[0-9a-f]{{12}}"
+        + rf"|{re.escape(path.name)}-writer\.lock"
     )
     if (
         others

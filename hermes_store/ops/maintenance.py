@@ -660,7 +660,7 @@ def vacuum_swap(path: Path) -> tuple[int, int]:
             probe.execute("ROLLBACK")
     finally:
         probe.close()
-    files.remove_dead_partials(real, "compact")
+    files.remove_dead_partials(real, ("compact",))
     partial = files.partial_path(real, "compact")
     if not create_private_file(partial):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")

@@ -18,8 +18,6 @@ import io
 import logging
 import os
 import random
-import re
-import secrets
 import sqlite3
 import stat
 import time
@@ -795,7 +793,7 @@ def _create_sqlite_at_head(path: Path) -> None:
 
     make_private_dirs(path.parent)
     remove_stale_temps(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.new")
+    temp = files.partial_path(path, "new")
     if not create_private_file(temp):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{temp} exists already: no database is built through it")
     try:
@@ -842,39 +840,12 @@ STALE_TEMP_AFTER_S = 3600.0
 
 
 def remove_stale_temps(path: Path, *, older_than: float = STALE_TEMP_AFTER_S) -> list[Path]:
-    """Delete what killed creators left beside ``path``: ``.NAME.PID.HEX.new`` (and its
-    ``-wal``/``-shm``/``-journal``) whose process no longer exists on this machine AND that
-    is older than ``older_than`` seconds; the age also covers creators in other pid
-    namespaces or on other hosts sharing the folder. ``.NAME.HEX.new``, the name of older
-    releases, has no pid: only the age applies. Anything else is never touched."""
-    pattern = re.compile(
-        rf"\.{re.escape(path.name)}\.(?:(?P<pid>\d{{1,10}})\.)?[0-9a-f]{{16}}\.new"
-        r"(?:-wal|-shm|-journal)?"
-    )
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(path.parent))
-    except OSError as error:
-        log.debug("cannot list %s for stale temporary files: %s", path.parent, error)
-        return removed
-    now = time.time()
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None:
-            continue
-        pid = match.group("pid")
-        try:
-            stale = entry.is_file(follow_symlinks=False) and (
-                now - entry.stat(follow_symlinks=False).st_mtime > older_than
-            )
-            if stale and (pid is None or not files.pid_alive(int(pid))):
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-        except OSError as error:  # gone meanwhile, or not ours to delete: leave it
-            log.debug("left %s in place: %s", entry.path, error)
-    if removed:
-        log.info("removed %d stale temporary file(s) beside %s", len(removed), path)
-    return removed
+    """Delete what killed creators and importers left beside ``path``: ``.NAME.PID.HEX.new``
+    and ``.NAME.PID.HEX.import`` (with their side files) whose process no longer exists on
+    this machine AND that are older than ``older_than`` seconds (see
+    :func:`files.remove_dead_partials`); ``.NAME.HEX.new``, the name of older releases, has no
+    pid: only the age applies. Anything else is never touched."""
+    return files.remove_dead_partials(path, files.LINKED_KINDS, older_than=older_than)
 
 
 def _close_wal(path: Path) -> None:

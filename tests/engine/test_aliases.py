@@ -129,10 +129,12 @@ def test_every_name_of_a_hard_linked_file_is_refused_before_anything_is_written(
         assert [m["content"] for m in db.get_messages("s")] == ["before"]
 
 
-def test_a_new_database_linked_into_place_is_no_alias(state: Path) -> None:
-    """Creating a database links a complete temporary file to its name, then removes the
-    temporary name: an opener in between sees two links, which must not be refused."""
-    temporary = state.with_name(f".{state.name}.{os.getpid()}.0123456789abcdef.new")
+@pytest.mark.parametrize("kind", ["new", "import"])
+def test_a_new_database_linked_into_place_is_no_alias(state: Path, kind: str) -> None:
+    """Creating a database (``new``) and importing into a new file (``import``) link a
+    complete private file to its name, then remove the private name: an opener in between
+    (or after a kill in between) sees two links, which must not be refused."""
+    temporary = files.partial_path(state, kind)
     os.link(state, temporary)
     with SessionDB(state) as db:
         db.append_message("s", "user", "after")

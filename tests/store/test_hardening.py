@@ -456,7 +456,8 @@ def _litter(folder: Path, name: str, *, age: float) -> Path:
 
 
 def test_stale_temporary_files_of_killed_creators_are_removed(tmp_path: Path) -> None:
-    """Only ``.NAME.PID.HEX.new`` (and sidecars) of a dead pid AND older than the bound go."""
+    """Only ``.NAME.PID.HEX.new`` and ``.import`` (and sidecars) of a dead pid AND older than
+    the bound go (a vacuum swap's copy is the swap's to remove)."""
     dead, alive, hex16 = _dead_pid(), os.getpid(), "0123456789abcdef"
     hour = 3600.0
     stale = [
@@ -464,6 +465,7 @@ def test_stale_temporary_files_of_killed_creators_are_removed(tmp_path: Path) ->
         _litter(tmp_path, f".state.db.{dead}.{hex16}.new-wal", age=2 * hour),
         _litter(tmp_path, f".state.db.{dead}.{hex16}.new-shm", age=2 * hour),
         _litter(tmp_path, f".state.db.{hex16}.new", age=2 * hour),  # older releases: no pid
+        _litter(tmp_path, f".state.db.{dead}.{hex16}.import", age=2 * hour),  # an import's
     ]
     kept = [
         _litter(tmp_path, f".state.db.{dead}.fedcba9876543210.new", age=60),  # too recent
@@ -472,6 +474,7 @@ def test_stale_temporary_files_of_killed_creators_are_removed(tmp_path: Path) ->
         _litter(tmp_path, f".other.db.{dead}.{hex16}.new", age=2 * hour),  # another database
         _litter(tmp_path, f"state.db.{dead}.{hex16}.new", age=2 * hour),  # not hidden
         _litter(tmp_path, f".state.db.{dead}.{hex16}.new.bak", age=2 * hour),
+        _litter(tmp_path, f".state.db.{dead}.{hex16}.compact", age=2 * hour),  # the swap's
         _litter(tmp_path, "notes.txt", age=2 * hour),
     ]
 

@@ -265,8 +265,6 @@ FILE_ACCESS_ALLOWED = {
     "be the database or a sidecar",
     ("factory.py", "os.open"): "create_private_file: O_CREAT|O_EXCL, fails rather than open an "
     "existing file",
-    ("migrate.py", "os.unlink"): "removes stale temporary databases (.NAME.PID.HEX.new) whose "
-    "creator is dead, never the database",
     ("migrate.py", "os.link"): "links a complete new database into place; never replaces a path "
     "that exists (no descriptor either)",
     ("writequeue.py", "os.open"): "<db>-writer.lock, the queue's own lock file (0600), opened "
@@ -293,8 +291,9 @@ FILE_ACCESS_ALLOWED = {
     "database while holding the database's exclusive lock (nobody else has it open) after the "
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
     ("files.py", "os.unlink"): "remove_dead_partials: removes the files builds beside the "
-    "database left (.NAME.PID.HEX.compact of a vacuum swap, .NAME.PID.HEX.import of an import "
-    "into a new file) once their process is gone; never the database",
+    "database left (.NAME.PID.HEX.new of a new database, .NAME.PID.HEX.import of an import "
+    "into a new file, .NAME.PID.HEX.compact of a vacuum swap) once their process is gone; "
+    "never the database, a link or a folder",
     ("files.py", "os.open"): "fsync_path: a read-only descriptor (O_NOFOLLOW) on a file this "
     "process built and no connection of it has open (a compacted copy, an import's built "
     "file), or on a folder (O_DIRECTORY) to flush a rename or link; never the database",
