@@ -31,7 +31,7 @@ from sqlalchemy.engine import URL, Connection
 
 from hermes_store import redact
 from hermes_store.engine import fastpath, files
-from hermes_store.engine.factory import create_engine, make_private_dirs, sqlite_file
+from hermes_store.engine.factory import create_engine, sqlite_file, to_url
 from hermes_store.errors import (
     HermesStoreError,
     InvalidInputError,
@@ -41,7 +41,7 @@ from hermes_store.errors import (
 from hermes_store.ops import maintenance
 from hermes_store.repo import pgstream
 from hermes_store.rows import ExportRecord
-from hermes_store.schema import fulltext
+from hermes_store.schema import fulltext, migrate
 from hermes_store.store import SessionDB
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
@@ -548,11 +548,10 @@ def import_new_file(
             f"{real} exists already: import into it with import_sessions (known ids are skipped)"
         )
     total = ImportReport() if report is None else report
-    make_private_dirs(real.parent)
     files.remove_dead_partials(real, (_BUILD_KIND,))
     build = files.partial_path(real, _BUILD_KIND)
     try:
-        SessionDB(build).close()  # created owner-only and brought to head as any new file
+        migrate.ensure_head(to_url(build))  # created owner-only, at head, as any new file
         engine = create_engine(build, private_build=True)
         try:
             uow = UnitOfWork(engine, write_queue=False, group_commit=False)
@@ -618,8 +617,8 @@ def _publish_build(build: Path, real: Path) -> None:
         connection.close()  # the last connection: its WAL is checkpointed and removed
     if str(mode).lower() != "wal":
         raise StoreConfigError(f"{build} refused WAL mode (journal_mode={mode})")
-    for sidecar in (*files.sidecars(build), Path(f"{build}{files.WRITER_LOCK_SUFFIX}")):
-        sidecar.unlink(missing_ok=True)
+    for sidecar in files.sidecars(build):
+        sidecar.unlink()
     files.fsync_path(build)
     try:
         os.link(build, real)
@@ -634,7 +633,7 @@ def _publish_build(build: Path, real: Path) -> None:
 
 
 def _remove_build(build: Path) -> None:
-    for leftover in (build, *files.sidecars(build), Path(f"{build}{files.WRITER_LOCK_SUFFIX}")):
+    for leftover in (build, *files.sidecars(build)):
         leftover.unlink(missing_ok=True)
 
 

@@ -62,9 +62,6 @@ def on_driver(fn: Callable[[Any], T]) -> Callable[[Connection], T]:
     return unit
 
 
-#: The turn of a backend whose writers need none (the server orders them).
-
-
 class SqliteBackend:
     """A SQLite file: one writer per process, group commit, held readers, fork safety."""
 

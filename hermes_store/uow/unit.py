@@ -752,9 +752,6 @@ class UnitOfWork:
         self._fresh_process_state()
 
 
-#: The turn of a read unit (none).
-
-
 class _Stage:
     """How far a write unit got: whether its COMMIT was handed to the driver."""
 
