@@ -332,13 +332,13 @@ def test_a_new_database_is_never_built_through_a_planted_temporary_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hermes_store import UnsafePathError
-    from hermes_store.schema import migrate
+    from hermes_store.engine import files
 
     elsewhere = tmp_path / "autostart"
     elsewhere.mkdir()
     wanted = elsewhere / "run-me"  # where the link's owner wants a file of ours created
     path = tmp_path / "state.db"
-    monkeypatch.setattr(migrate, "secrets", _FixedToken)
+    monkeypatch.setattr(files, "secrets", _FixedToken)  # the private name's random part
     (tmp_path / f".state.db.{os.getpid()}.{'ab' * 8}.new").symlink_to(wanted)
     with pytest.raises(UnsafePathError, match="exists already"):
         SessionDB(path)
