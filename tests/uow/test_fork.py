@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import select
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from hermes_store import ForkedProcessError, SessionDB, WalDeletedError
 from tests.support import fork_workers
 from tests.support.fork_workers import SESSION
+from tests.support.readable import readable
 
 TIMEOUT = 120  # deadlock guards only
 ROUNDS = 20
@@ -49,8 +49,7 @@ def _check_round(result: dict[str, Any], round_no: int) -> None:
 
 
 def _readable(fd: int) -> None:
-    ready, _, _ = select.select([fd], [], [], TIMEOUT)
-    assert ready, "a child never answered (deadlocked?)"
+    assert readable(fd, TIMEOUT), "a child never answered (deadlocked?)"
 
 
 # -- the children's writes survive the parent's early close ------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
 import signal
 import sqlite3
 import subprocess
@@ -36,6 +35,7 @@ from hermes_store import HermesStoreError, SessionDB
 from hermes_store.repo import postgresql as pg_statements
 from hermes_store.uow.unit import driver_cursor
 from tests.support.pg_row_locks import queued_behind_a_locked_write
+from tests.support.readable import readable
 
 INTERRUPTS = 120
 THREADS = 2
@@ -277,12 +277,11 @@ class Child:
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             ended = self.proc.poll() is not None
-            if left <= 0 or (ended and not select.select([self.proc.stdout], [], [], 0)[0]):
+            if left <= 0 or (ended and not readable(self.proc.stdout, 0)):
                 self.dump_stacks()
                 self.kill()
                 raise AssertionError(f"no answer from the writer process ({what}): {self.err()}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
+            if readable(self.proc.stdout, left):
                 chunk = os.read(self.proc.stdout.fileno(), 65536)
                 if not chunk:
                     continue

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pty
-import select
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from hermes_store import SessionDB
 from hermes_store.engine.files import write_lock_holders
 from tests.support.cli_process import RUN_CLI
+from tests.support.readable import readable
 
 HOLD = """
 import sqlite3, sys
@@ -81,8 +81,7 @@ def test_a_waiting_write_says_whom_it_waits_for_on_a_terminal(path: Path) -> Non
     try:
         while b"Waiting for the write lock" not in said:
             assert time.monotonic() < deadline, said
-            ready, _, _ = select.select([leader], [], [], 1.0)
-            if ready:
+            if readable(leader, 1.0):
                 said += os.read(leader, 4096)
         assert f"process {holder.pid}".encode() in said
     finally:
