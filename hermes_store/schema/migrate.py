@@ -367,6 +367,8 @@ def migration_connection(
     created = path is not None and state is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
     queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
+    if queue is not None:
+        queue.attach()  # detached below: the last user closes its descriptors
     place = queue.turn() if queue else NOTHING_HELD
     try:
         with _lock_errors(url), mapped_errors(), place as turn:
@@ -396,6 +398,8 @@ def migration_connection(
         raise
     finally:
         engine.dispose()
+        if queue is not None:
+            queue.detach()
 
 
 def _queues(path: Path, state: DatabaseState | None) -> bool:

@@ -53,7 +53,6 @@ from sqlalchemy import exc as sa_exc
 
 from hermes_store.engine.factory import begin_on_driver
 from hermes_store.errors import is_retryable, mapped_errors, wrap_driver_error
-from hermes_store.uow import writequeue
 from hermes_store.uow.counters import Counters
 from hermes_store.uow.leaders import LeaderQueue
 from hermes_store.uow.writer import STARVE_AFTER_S, SqliteWriter
@@ -90,9 +89,6 @@ class Uncontended:
     ) -> None:
         self._writer = writer
         self._group = group
-        #: The writer's queue, looked up at the first write (after a fork's hooks all ran:
-        #: the child's queue is a new one), or None when the file has none.
-        self._queue: writequeue.WriteQueue | Missed | None = MISSED
         #: Until then no head can be starving: the line was found empty less than QUIET_S ago.
         self._quiet_until = 0.0
         #: When to ask whether the line is empty again (a line was there: until then, one
@@ -114,9 +110,7 @@ class Uncontended:
         if writer.in_line or (group is not None and not group.idle) or lock.locked():
             return MISSED
         with lock:  # entered in C: an interrupt (Ctrl-C) never leaves it held
-            queue = self._queue
-            if isinstance(queue, Missed):
-                queue = self._queue = writer.write_queue
+            queue = writer.write_queue  # attached by the writer (released with it)
             if queue is not None:
                 now = _monotonic()
                 if now < self._quiet_until:  # the line was empty a moment ago: none starves

@@ -23,6 +23,13 @@ like two processes do, and closing some other descriptor on the file drops nothi
 each waiter borrows a descriptor of its own from a small per-process pool (opened once, reused,
 never closed per unit), so every thread of every process stands in the one kernel FIFO.
 
+Descriptors live as long as a writer uses the file: a :class:`SqliteWriter` attaches to its
+file's queue (:meth:`WriteQueue.attach`) and detaches when it releases its connections (the
+last store on the file closed), and the last to detach closes the idle descriptors and stops
+their helper threads (one still blocked for an abandoned wait closes when that wait ends). A
+process that opens many databases in turn (a notebook over many ``state.db`` files) so keeps
+no descriptor of a file it closed; the queue object itself, its counters, stays registered.
+
 Bounded wait: ``fcntl`` cannot time out, so a waiter that must block hands the blocking call to
 its descriptor's helper thread and waits on a condition. It gives up once the line has not
 moved for ``wait_timeout`` (default 1.0 s, ``HERMES_STORE_WRITE_QUEUE_WAIT``): "moved" means a
@@ -274,8 +281,11 @@ class _Descriptor:
     Plain locks used as binary semaphores hand requests to the helper and grants back (a
     Condition costs twice the CPU per hand-off, and every waited turn makes two of them)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, forget: Callable[[int], None]) -> None:
         self.fd = fd
+        #: Closes ``fd`` for the queue (removing it from the queue's list under its lock).
+        self._forget = forget
+        self._retired = False  # closed, or to be closed by the helper once its wait ends
         self._state = threading.Lock()  # guards the fields below
         self._go = threading.Lock()  # released: the helper has a request
         self._go.acquire()
@@ -348,11 +358,24 @@ class _Descriptor:
             raise error
         return True
 
+    def retire(self) -> bool:
+        """No more turns on this descriptor: stop the helper and close it. False when a helper
+        still waits for an abandoned turn: it closes the descriptor once that wait ends."""
+        with self._state:
+            self._retired = True
+            if self._request is not None:
+                return False
+            if self._helper is not None:
+                self._go.release()  # no request: the helper leaves
+        return True
+
     def _serve(self) -> None:
         while True:
             self._go.acquire()
-            request = self._request
-            assert request is not None
+            with self._state:
+                request = self._request
+            if request is None:  # retired
+                return
             error: BaseException | None = None
             try:
                 _lock(self.fd, *request, wait=True)
@@ -370,6 +393,10 @@ class _Descriptor:
                         _unlock(self.fd, *request)
                     except OSError as exc:  # the writer behind would wait out its bound
                         log.warning("write queue: could not drop an abandoned place: %s", exc)
+                retired = self._retired
+            if retired:
+                self._forget(self.fd)
+                return
 
 
 class WriteQueue:
@@ -410,6 +437,11 @@ class WriteQueue:
         self._parked: list[_Descriptor] = []  # a helper still waits for an abandoned turn
         self._opened: list[int] = []  # every descriptor this process opened on the lock file
         self._probe = -1  # a descriptor that only asks whether anyone is in line (see empty())
+        #: Writers attached (:meth:`attach`): a forked child remakes its writers, which
+        #: attach again.
+        self._users = 0
+        #: The last writer detached: descriptors given back are closed, not kept.
+        self._idle = False
         self._stats_lock = threading.Lock()
         self._stats = QueueStats(enabled=self._wanted)
         self._enabled = self._wanted and sys.platform.startswith("linux")
@@ -437,6 +469,48 @@ class WriteQueue:
     @property
     def enabled(self) -> bool:
         return self._enabled
+
+    def attach(self) -> None:
+        """A writer uses this queue until it calls :meth:`detach`."""
+        with self._pool_lock:
+            self._users += 1
+            self._idle = False
+
+    def detach(self) -> None:
+        """A writer is done with the file; the last one closes every idle descriptor (and stops
+        its helper thread). Reopened as needed if the queue is used again."""
+        with self._pool_lock:
+            self._users = max(0, self._users - 1)
+            if self._users:
+                return
+            self._idle = True
+            idle, self._free = self._free, []
+            parked, self._parked = self._parked, []
+            probe, self._probe = self._probe, -1
+            for descriptor in idle + parked:
+                if descriptor.retire():
+                    self._close_locked(descriptor.fd)
+            if probe >= 0:
+                self._close_locked(probe)
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors this process has open on the lock file (for tests and diagnostics)."""
+        with self._pool_lock:
+            return len(self._opened)
+
+    def _forget(self, fd: int) -> None:
+        with self._pool_lock:
+            self._close_locked(fd)
+
+    def _close_locked(self, fd: int) -> None:
+        """Close ``fd`` if this process's queue still owns it (a parent's, after a fork, is
+        left alone): removed from the list first, so a fork never points a reused number at
+        ``/dev/null``."""
+        if fd in self._opened:
+            self._opened.remove(fd)
+            with suppress(OSError):
+                os.close(fd)
 
     def stats(self) -> QueueStats:
         """A copy of this process's counters for this file."""
@@ -680,13 +754,16 @@ class WriteQueue:
                 self._disable(str(refused))
                 return None
             self._opened.append(fd)
-            return _Descriptor(fd)
+            return _Descriptor(fd, self._forget)
 
     def _give_back(self, descriptor: _Descriptor) -> None:
         with self._pool_lock:
             if descriptor.fd not in self._opened:
                 return  # from before a fork: never reuse a parent's descriptor
-            if descriptor.pending:
+            if self._idle:  # no writer attached any more
+                if descriptor.retire():
+                    self._close_locked(descriptor.fd)
+            elif descriptor.pending:
                 self._parked.append(descriptor)
             else:
                 self._free.append(descriptor)
@@ -724,7 +801,8 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def for_database(db_path: str | os.PathLike[str]) -> WriteQueue:
-    """This process's queue for the SQLite file ``db_path`` (one per file per process)."""
+    """This process's queue for the SQLite file ``db_path`` (one per file per process). A
+    writer that keeps using it calls :meth:`WriteQueue.attach` (and later ``detach``)."""
     key = (os.getpid(), os.fspath(db_path))
     queue = _REGISTRY.get(key)
     if queue is None:

@@ -133,15 +133,22 @@ class SqliteWriter:
         )
         self._wal_id: tuple[int, int] | None = None  # the WAL the writer connection writes into
         self._wal_check_due = 0.0  # when the next commit stats the WAL (see acknowledge)
+        self._queue: writequeue.WriteQueue | None = None  # attached at the first turn
 
     # -- the turn ----------------------------------------------------------------------------
 
     @property
     def write_queue(self) -> writequeue.WriteQueue | None:
-        """This process's fair writer queue for the database file (None: not a file, or off)."""
-        if self.queue_path is None:
-            return None
-        return writequeue.for_database(self.queue_path)
+        """This process's fair writer queue for the database file (None: not a file, or off),
+        attached from the first look until :meth:`release`."""
+        queue = self._queue
+        if queue is None and self.queue_path is not None:
+            with self._turn_lock:
+                queue = self._queue
+                if queue is None:
+                    queue = self._queue = writequeue.for_database(self.queue_path)
+                    queue.attach()
+        return queue
 
     @holding
     def turn(self, *, queued: bool = True) -> Iterator[writequeue.Turn | None]:
@@ -383,9 +390,14 @@ class SqliteWriter:
         held.close()
 
     def release(self) -> None:
-        """Close the writer connection, never while a unit is using it."""
+        """Close the writer connection, never while a unit is using it, and detach from the
+        writer queue (the last writer on the file closes its descriptors)."""
         with self.turn(queued=False):
             self.drop(invalidate=False)
+            with self._turn_lock:
+                queue, self._queue = self._queue, None
+            if queue is not None:
+                queue.detach()
 
     # -- the WAL under the writer ------------------------------------------------------------
 
