@@ -27,202 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import exports
+
 ROOT = Path(__file__).resolve().parents[1]
-
-_VOCABULARY = (
-    "the a to of and in is it that for on with this be as you are we can not was but file "
-    "error code run test build config function value line return data user request output "
-    "change update fix check need should will use model call token session message tool "
-    "result python install version path import module class method list string type null "
-    "deploy service cache query index table database log debug issue branch commit merge "
-    "review script shell command network timeout retry lock thread process memory disk agent "
-    "prompt context reply stream chunk image upload parse json yaml schema field"
-)
-_WORDS = _VOCABULARY.split()
-_CJK = (
-    "我们需要检查一下",
-    "连接超时了",
-    "请帮我看看这个错误",
-    "服务器重启之后",
-    "日志里面显示",
-    "配置文件有问题",
-    "这个函数返回空值",
-    "部署到生产环境",
-    "测试全部通过了",
-    "缓存没有刷新",
-    "数据库连接失败",
-)
-_LEVELS = ("INFO", "DEBUG", "WARN", "ERROR")
-
-
-class _Writer:
-    """Draws the texts of one export, deterministically from ``seed``."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        rng = self.rng
-        self.lines = [
-            f"{rng.choice(_LEVELS)} /srv/app/{rng.choice(_WORDS)}/{rng.choice(_WORDS)}.py:"
-            f"{rng.randint(1, 999)} " + " ".join(rng.choices(_WORDS, k=rng.randint(4, 12)))
-            for _ in range(3000)
-        ]
-        self.prompt = " ".join(rng.choices(_WORDS, k=600))
-
-    def chat(self, low: int, high: int, cjk: bool) -> str:
-        rng = self.rng
-        size = rng.randint(low, high)
-        if cjk:
-            text = "，".join(rng.choice(_CJK) for _ in range(max(1, size // 24))) + "。"
-            return text + " " + " ".join(rng.choices(_WORDS, k=3))
-        words: list[str] = []
-        length = 0
-        while length < size:
-            word = rng.choice(_WORDS)
-            words.append(word)
-            length += len(word) + 1
-        return " ".join(words).capitalize() + "."
-
-    def tool_output(self, cjk: bool) -> str:
-        rng = self.rng
-        size = rng.randint(5_000, 50_000)
-        out: list[str] = []
-        length = 0
-        while length < size:
-            line = f"{rng.choice(self.lines)} id={rng.getrandbits(32):08x} t={rng.random():.6f}"
-            if cjk and rng.random() < 0.2:
-                line += " " + rng.choice(_CJK)
-            out.append(line)
-            length += len(line) + 1
-        return "\n".join(out)
-
-
-def _next_role(previous: dict[str, Any] | None) -> str:
-    """user -> assistant; an assistant's tool call -> the tool's output -> assistant again."""
-    if previous is None:
-        return "user"
-    if previous["role"] == "assistant":
-        return "tool" if previous["tool_calls"] else "user"
-    return "assistant"
-
-
-def export_lines(
-    messages: int, seed: int = 31, tool_calls_per_turn: float = 0.4
-) -> Iterator[dict[str, Any]]:
-    """Export records (as ``SessionDB.export_session`` writes them) holding ``messages``; an
-    assistant turn calls a tool (whose output follows) with ``tool_calls_per_turn``."""
-    w = _Writer(seed)
-    rng = w.rng
-    made = 0
-    index = 0
-    ids: list[str] = []
-    clock = 1_760_000_000.0
-    next_id = 1
-    while made < messages:
-        sid = f"2026{index:07d}_{rng.getrandbits(32):08x}"
-        started = clock + rng.random()
-        clock += rng.uniform(30, 3600)
-        count = min(messages - made, rng.randint(6, 60))
-        rows: list[dict[str, Any]] = []
-        at = started
-        tool_calls = 0
-        while len(rows) < count:
-            at += rng.uniform(0.5, 40)
-            cjk = rng.random() < 0.05
-            role = _next_role(rows[-1] if rows else None)
-            row: dict[str, Any] = {
-                "id": next_id,
-                "session_id": sid,
-                "role": role,
-                "content": None,
-                "tool_call_id": None,
-                "tool_calls": None,
-                "tool_name": None,
-                "timestamp": at,
-                "token_count": None,
-                "finish_reason": None,
-                "reasoning": None,
-                "reasoning_details": None,
-                "codex_reasoning_items": None,
-            }
-            if role == "user":
-                row["content"] = w.chat(20, 400, cjk)
-            elif role == "assistant":
-                row["content"] = w.chat(50, 1500, cjk)
-                row["token_count"] = rng.randint(20, 900)
-                row["finish_reason"] = "stop"
-                if rng.random() < 0.3:
-                    row["reasoning"] = w.chat(100, 800, False)
-                if rng.random() < tool_calls_per_turn and len(rows) + 1 < count:
-                    call = f"call_{rng.getrandbits(48):012x}"
-                    row["tool_calls"] = [
-                        {
-                            "id": call,
-                            "type": "function",
-                            "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
-                        }
-                    ]
-                    row["finish_reason"] = "tool_calls"
-                    tool_calls += 1
-            else:
-                previous = rows[-1]["tool_calls"][0]
-                row["content"] = w.tool_output(cjk)
-                row["tool_call_id"] = previous["id"]
-                row["tool_name"] = "terminal"
-            rows.append(row)
-            next_id += 1
-        made += len(rows)
-        cost = round(rng.uniform(0, 2), 6) + rng.random() * 1e-9
-        record: dict[str, Any] = {
-            "id": sid,
-            "source": rng.choice(("cli", "telegram", "discord")),
-            "user_id": None,
-            "model": rng.choice(("claude-sonnet-4", "gpt-5", "qwen3-coder")),
-            "model_config": json.dumps({"temperature": 0.7, "max_tokens": 4096}),
-            "system_prompt": w.prompt,
-            "parent_session_id": (
-                ids[rng.randrange(len(ids))] if ids and rng.random() < 0.1 else None
-            ),
-            "started_at": started,
-            "ended_at": at + 1.25,
-            "end_reason": rng.choice(("user_exit", "timeout", "compression")),
-            "message_count": len(rows),
-            "tool_call_count": tool_calls,
-            "input_tokens": rng.randint(1_000, 2_000_000),
-            "output_tokens": rng.randint(100, 200_000),
-            "cache_read_tokens": rng.randint(0, 1_000_000),
-            "cache_write_tokens": rng.randint(0, 100_000),
-            "reasoning_tokens": rng.randint(0, 50_000),
-            "billing_provider": "openrouter",
-            "billing_base_url": "https://openrouter.ai/api/v1",
-            "billing_mode": "official_docs_snapshot",
-            "estimated_cost_usd": cost,
-            "actual_cost_usd": cost * 0.97,
-            "cost_status": "estimated",
-            "cost_source": "official_docs_snapshot",
-            "pricing_version": "2026-01",
-            "title": (
-                f"{rng.choice(_WORDS)} {rng.choice(_WORDS)} {index}" if rng.random() < 0.3 else None
-            ),
-            "messages": rows,
-        }
-        ids.append(sid)
-        index += 1
-        yield record
 
 
 def build_export(path: Path, messages: int, seed: int, tool_calls_per_turn: float = 0.4) -> None:
     """Write the export file (newest session first, as ``export`` writes it)."""
-    _write_newest_first(path, list(export_lines(messages, seed, tool_calls_per_turn)))
+    _write_newest_first(path, list(exports.agent_export_lines(messages, seed, tool_calls_per_turn)))
 
 
 def _write_newest_first(path: Path, records: list[dict[str, Any]]) -> None:
@@ -237,12 +57,12 @@ def _write_newest_first(path: Path, records: list[dict[str, Any]]) -> None:
 def build_scale_export(path: Path, messages: int) -> None:
     """The export of ``bench/scale.py``'s realistic file at ``messages`` (2 GB per 1,020,000:
     sessions of ~51 messages over 12 months, 5-50 KB tool outputs, 5% CJK)."""
-    from bench import scale
-
     size_mb = max(1, round(messages * SCALE_MB_PER_MESSAGE))
     sessions = max(1, messages // 51)
-    share = scale.tool_share(size_mb, messages)
-    _write_newest_first(path, list(scale.export_lines(sessions, messages, share, time.time())))
+    share = exports.tool_share(size_mb, messages)
+    _write_newest_first(
+        path, list(exports.year_export_lines(sessions, messages, share, time.time()))
+    )
 
 
 #: ``bench/scale.py``'s file: 2,048 MB for 1,020,000 messages.

@@ -7,7 +7,7 @@ The file is what a long-time user's ``state.db`` holds: ``--sessions`` sessions 
 2 GB) of about 51 messages each over the last 12 months (chat turns of 20-1,500 characters,
 tool outputs of 5-50 KB of log lines, 5% of messages with Chinese text), written with
 ``hermes-store import`` from an export built by the same generator as the import benchmark
-(:mod:`bench.import_speed`), in a fresh process. The share of assistant turns calling a tool
+(:mod:`bench.exports`), in a fresh process. The share of assistant turns calling a tool
 is set so the file reaches about ``--size-mb``. It is built once and cached under ``--cache``
 (default: the temp folder's ``hermes-scale-bench``; 10 GB: ``--size-mb 10240 --sessions
 100000``, a manual run of hours).
@@ -46,14 +46,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from bench import cold_start
-from bench.import_speed import _next_role, _Writer
+from bench import cold_start, exports
 from bench.timing import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,11 +61,6 @@ CACHE = Path(tempfile.gettempdir()) / "hermes-scale-bench"
 BOUND_MS = 250.0
 MAX_GROWTH = 1.10
 MAX_OVER_FRESH = 1.15
-#: Bytes a message of each kind adds to a file (content, row, full-text index), measured on
-#: this generator's output: what sets the tool-call share for a size.
-CHAT_BYTES = 1_170
-TOOL_BYTES = 40_000
-DAY = 86400.0
 #: The two stores of the read steps: this checkout's, and the one it replaces (which opens the
 #: same file: ``tests/support/seed_store.py``).
 OURS, ORIGINAL = "hermes_store", "original store"
@@ -77,113 +71,6 @@ CJK_WORD = "数据库"
 #: Timed calls per search or list process, after one untimed (warming) call.
 READ_REPEATS = 3
 FIRST_PAGE = 20
-
-
-def export_lines(
-    sessions: int, messages: int, tool_calls_per_turn: float, end: float, seed: int = 31
-) -> Iterator[dict[str, Any]]:
-    """``sessions`` sessions holding ``messages`` in all, started evenly over the 365 days
-    before ``end`` (ended, so a prune may select them), as ``export`` writes them."""
-    w = _Writer(seed)
-    rng = w.rng
-    per = messages / sessions
-    ids: list[str] = []
-    next_id = 1
-    made = 0
-    for index in range(sessions):
-        sid = f"2026{index:07d}_{rng.getrandbits(32):08x}"
-        started = end - 365 * DAY + (index + rng.random()) * (365 * DAY / sessions)
-        left = sessions - index
-        count = messages - made if left == 1 else max(2, round(per + rng.uniform(-30, 30)))
-        count = min(count, messages - made - 2 * (left - 1)) if left > 1 else count
-        rows: list[dict[str, Any]] = []
-        at = started
-        tool_calls = 0
-        while len(rows) < count:
-            at += rng.uniform(0.5, 20)
-            cjk = rng.random() < 0.05
-            role = _next_role(rows[-1] if rows else None)
-            row: dict[str, Any] = {
-                "id": next_id,
-                "session_id": sid,
-                "role": role,
-                "content": None,
-                "tool_call_id": None,
-                "tool_calls": None,
-                "tool_name": None,
-                "timestamp": at,
-                "token_count": None,
-                "finish_reason": None,
-                "reasoning": None,
-                "reasoning_details": None,
-                "codex_reasoning_items": None,
-            }
-            if role == "user":
-                row["content"] = w.chat(20, 400, cjk)
-            elif role == "assistant":
-                row["content"] = w.chat(50, 1500, cjk)
-                row["token_count"] = rng.randint(20, 900)
-                row["finish_reason"] = "stop"
-                if rng.random() < tool_calls_per_turn and len(rows) + 1 < count:
-                    call = f"call_{rng.getrandbits(48):012x}"
-                    row["tool_calls"] = [
-                        {
-                            "id": call,
-                            "type": "function",
-                            "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
-                        }
-                    ]
-                    row["finish_reason"] = "tool_calls"
-                    tool_calls += 1
-            else:
-                row["content"] = w.tool_output(cjk)
-                row["tool_call_id"] = rows[-1]["tool_calls"][0]["id"]
-                row["tool_name"] = "terminal"
-            rows.append(row)
-            next_id += 1
-        made += len(rows)
-        ids.append(sid)
-        yield {
-            "id": sid,
-            "source": rng.choice(("cli", "telegram", "discord")),
-            "user_id": None,
-            "model": rng.choice(("claude-sonnet-4", "gpt-5", "qwen3-coder")),
-            "model_config": None,
-            "system_prompt": None,
-            "parent_session_id": (
-                ids[rng.randrange(len(ids) - 1)] if len(ids) > 1 and rng.random() < 0.1 else None
-            ),
-            "started_at": started,
-            "ended_at": at + 1.25,
-            "end_reason": rng.choice(("user_exit", "timeout", "compression")),
-            "message_count": len(rows),
-            "tool_call_count": tool_calls,
-            "input_tokens": rng.randint(1_000, 2_000_000),
-            "output_tokens": rng.randint(100, 200_000),
-            "cache_read_tokens": 0,
-            "cache_write_tokens": 0,
-            "reasoning_tokens": 0,
-            "billing_provider": None,
-            "billing_base_url": None,
-            "billing_mode": None,
-            "estimated_cost_usd": round(rng.uniform(0, 2), 6),
-            "actual_cost_usd": None,
-            "cost_status": "estimated",
-            "cost_source": None,
-            "pricing_version": None,
-            "title": (
-                f"{rng.choice(('deploy', 'fix', 'review'))} {index}" if rng.random() < 0.3 else None
-            ),
-            "messages": rows,
-        }
-
-
-def tool_share(size_mb: int, messages: int) -> float:
-    """The share of assistant turns calling a tool that makes ``messages`` fill ``size_mb``:
-    a share p makes p/2 of the messages tool outputs (user -> assistant [-> tool ->
-    assistant]...)."""
-    tool_fraction = (size_mb * 2**20 / messages - CHAT_BYTES) / (TOOL_BYTES - CHAT_BYTES)
-    return max(0.0, min(0.9, 2 * tool_fraction))
 
 
 def cli(*argv: str, pythonpath: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -209,7 +96,7 @@ def build(path: Path, sessions: int, messages: int, share: float, end: float) ->
     """The export written, then imported into ``path`` with ``hermes-store import``."""
     export = path.with_suffix(".jsonl")
     with open(export, "w", encoding="utf-8") as handle:
-        records = list(export_lines(sessions, messages, share, end))
+        records = list(exports.year_export_lines(sessions, messages, share, end))
         for record in reversed(records):  # newest first, as export writes it
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         del records
@@ -227,7 +114,7 @@ def cached(cache: Path, size_mb: int, sessions: int, messages: int) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     building = cache / f".building-{os.getpid()}.db"
     started = time.perf_counter()
-    build(building, sessions, messages, tool_share(size_mb, messages), time.time())
+    build(building, sessions, messages, exports.tool_share(size_mb, messages), time.time())
     for suffix in ("-wal", "-shm", "-writer.lock"):
         Path(f"{building}{suffix}").unlink(missing_ok=True)
     building.rename(path)

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow
 def test_reads_run_both_stores_beside_a_writer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench import scale
+    from bench import exports, scale
 
     source = tmp_path / "state.db"
-    scale.build(source, 40, 2040, scale.tool_share(4, 2040), time.time())
+    scale.build(source, 40, 2040, exports.tool_share(4, 2040), time.time())
     copy = tmp_path / "copy.db"
     shutil.copyfile(source, copy)
 
