@@ -359,8 +359,9 @@ class _Descriptor:
         return True
 
     def retire(self) -> bool:
-        """No more turns on this descriptor: stop the helper and close it. False when a helper
-        still waits for an abandoned turn: it closes the descriptor once that wait ends."""
+        """No more turns on this descriptor: its helper (if any) leaves, and True says the
+        caller may close it now. False when a helper still waits for an abandoned turn: it
+        closes the descriptor itself once that wait ends."""
         with self._state:
             self._retired = True
             if self._request is not None:
