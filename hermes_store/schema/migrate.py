@@ -366,9 +366,8 @@ def migration_connection(
     state = preflight_sqlite(path) if path is not None else None
     created = path is not None and state is None and create_private_file(path)
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
-    queue = writequeue.for_database(path) if path is not None and _queues(path, state) else None
-    if queue is not None:
-        queue.attach()  # detached below: the last user closes its descriptors
+    # Attached until the end (detached below: the last user closes its descriptors).
+    queue = writequeue.attach(path) if path is not None and _queues(path, state) else None
     place = queue.turn() if queue else NOTHING_HELD
     try:
         with _lock_errors(url), mapped_errors(), place as turn:
@@ -399,7 +398,7 @@ def migration_connection(
     finally:
         engine.dispose()
         if queue is not None:
-            queue.detach()
+            writequeue.detach(queue)
 
 
 def _queues(path: Path, state: DatabaseState | None) -> bool:

@@ -28,7 +28,8 @@ file's queue (:meth:`WriteQueue.attach`) and detaches when it releases its conne
 last store on the file closed), and the last to detach closes the idle descriptors and stops
 their helper threads (one still blocked for an abandoned wait closes when that wait ends). A
 process that opens many databases in turn (a notebook over many ``state.db`` files) so keeps
-no descriptor of a file it closed; the queue object itself, its counters, stays registered.
+no descriptor of a file it closed, and no queue object: the last to detach unregisters it
+(unless it warned about the file: a broken lock file is said once per process).
 
 Bounded wait: ``fcntl`` cannot time out, so a waiter that must block hands the blocking call to
 its descriptor's helper thread and waits on a condition. It gives up once the line has not
@@ -472,18 +473,19 @@ class WriteQueue:
         return self._enabled
 
     def attach(self) -> None:
-        """A writer uses this queue until it calls :meth:`detach`."""
+        """A writer uses this queue until it calls :meth:`detach` (a registered queue: the
+        module's :func:`attach` and :func:`detach`)."""
         with self._pool_lock:
             self._users += 1
             self._idle = False
 
-    def detach(self) -> None:
+    def detach(self) -> bool:
         """A writer is done with the file; the last one closes every idle descriptor (and stops
-        its helper thread). Reopened as needed if the queue is used again."""
+        its helper thread) and is told so (True). Reopened as needed if used again."""
         with self._pool_lock:
             self._users = max(0, self._users - 1)
             if self._users:
-                return
+                return False
             self._idle = True
             idle, self._free = self._free, []
             parked, self._parked = self._parked, []
@@ -493,6 +495,13 @@ class WriteQueue:
                     self._close_locked(descriptor.fd)
             if probe >= 0:
                 self._close_locked(probe)
+            return True
+
+    @property
+    def warned(self) -> bool:
+        """It warned about its file (it turned itself off, a header it repaired, slots locked
+        by others): kept registered, so the process says each once, not once per opening."""
+        return bool(self._said)
 
     @property
     def descriptors(self) -> int:
@@ -792,6 +801,7 @@ class WriteQueue:
         if self._enabled or self._wanted:
             log.warning("%s: fair writer queue off (%s); writers wait in SQLite's busy handler",
                         self.db_path, why)  # fmt: skip
+            self._said.add("off")
         self._enabled = False
         self._wanted = False
 
@@ -801,10 +811,14 @@ _REGISTRY: dict[tuple[int, str], WriteQueue] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
+def _key(db_path: str | os.PathLike[str]) -> tuple[int, str]:
+    return os.getpid(), os.fspath(Path(db_path))
+
+
 def for_database(db_path: str | os.PathLike[str]) -> WriteQueue:
-    """This process's queue for the SQLite file ``db_path`` (one per file per process). A
-    writer that keeps using it calls :meth:`WriteQueue.attach` (and later ``detach``)."""
-    key = (os.getpid(), os.fspath(db_path))
+    """This process's queue for the SQLite file ``db_path`` (one per file per process, while
+    it is registered). A writer that keeps using it takes it with :func:`attach` instead."""
+    key = _key(db_path)
     queue = _REGISTRY.get(key)
     if queue is None:
         with _REGISTRY_LOCK:
@@ -812,6 +826,28 @@ def for_database(db_path: str | os.PathLike[str]) -> WriteQueue:
             if queue is None:
                 queue = _REGISTRY[key] = WriteQueue(db_path)
     return queue
+
+
+def attach(db_path: str | os.PathLike[str]) -> WriteQueue:
+    """This process's queue for ``db_path``, attached (see :meth:`WriteQueue.attach`): it stays
+    registered, with its descriptors, until the last user calls :func:`detach`."""
+    key = _key(db_path)
+    with _REGISTRY_LOCK:
+        queue = _REGISTRY.get(key)
+        if queue is None:
+            queue = _REGISTRY[key] = WriteQueue(db_path)
+        queue.attach()
+    return queue
+
+
+def detach(queue: WriteQueue) -> None:
+    """A user of :func:`attach` is done; the last one closes the queue's descriptors and
+    unregisters it (a process that opens thousands of files keeps no object per file), unless
+    it :attr:`~WriteQueue.warned` about its file."""
+    key = _key(queue.db_path)
+    with _REGISTRY_LOCK:
+        if queue.detach() and not queue.warned and _REGISTRY.get(key) is queue:
+            del _REGISTRY[key]
 
 
 def _after_fork_in_child() -> None:

@@ -146,8 +146,7 @@ class SqliteWriter:
             with self._turn_lock:
                 queue = self._queue
                 if queue is None:
-                    queue = self._queue = writequeue.for_database(self.queue_path)
-                    queue.attach()
+                    queue = self._queue = writequeue.attach(self.queue_path)
         return queue
 
     @holding
@@ -397,7 +396,7 @@ class SqliteWriter:
             with self._turn_lock:
                 queue, self._queue = self._queue, None
             if queue is not None:
-                queue.detach()
+                writequeue.detach(queue)
 
     # -- the WAL under the writer ------------------------------------------------------------
 

@@ -315,23 +315,28 @@ def open_behind_an_adopter(
     from hermes_store.uow import writequeue
 
     os.environ[writequeue.ENV_WAIT] = str(queue_wait)
-    retries = 0
+    retries = fallbacks = 0
 
-    class Retries(logging.Handler):
+    class Counting(logging.Handler):
+        """The migration's retries and the writer queue's fallbacks (the adoption's turn and
+        the store's: each queue is unregistered, counters and all, when its user is done)."""
+
         def emit(self, record: logging.LogRecord) -> None:
-            nonlocal retries
-            retries += record.getMessage().startswith("migration waits for the write lock")
+            nonlocal retries, fallbacks
+            message = record.getMessage()
+            retries += message.startswith("migration waits for the write lock")
+            fallbacks += "write queue fallback" in message
 
-    logger = logging.getLogger("hermes_store.schema.migrate")
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(Retries())
+    for name in ("hermes_store.schema.migrate", "hermes_store.uow.writequeue"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(Counting())
     error = ""
     try:
         barrier.wait(timeout=120)
         write_one(target, index, retry=RetryPolicy(attempts=attempts))
     except BaseException as exc:
         error = repr(exc)
-    fallbacks = writequeue.for_database(target).stats().fallbacks
     out.put((index, error, retries, fallbacks))
 
 

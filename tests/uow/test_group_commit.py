@@ -492,6 +492,7 @@ def test_adopting_a_legacy_file_waits_for_its_turn_in_the_writer_queue(
     legacy.build_legacy_db(path, 5)
     monkeypatch.setenv(writequeue.ENV_WAIT, str(GUARD))  # this file's queue: a long bound
     holder = writequeue.WriteQueue(path)  # another member of the line (its own descriptors)
+    queue = writequeue.for_database(path)  # the opener's (its counters outlive the migration)
     opened: list[Any] = []
     with holder.turn() as turn:
         assert turn.queued
@@ -506,7 +507,6 @@ def test_adopting_a_legacy_file_waits_for_its_turn_in_the_writer_queue(
     assert outcome[0] is not None and outcome[0][0] == "ok", outcome
     store = opened[0]
     try:
-        queue = writequeue.for_database(path)
         stats = queue.stats()
         assert stats.turns >= 1 and stats.waits >= 1 and stats.fallbacks == 0
         store.create_session("after", "cli")

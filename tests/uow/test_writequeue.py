@@ -222,9 +222,10 @@ def test_switched_off_by_the_environment(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_a_forked_child_queues_on_descriptors_of_its_own(db: str) -> None:
     store = SessionDB(db)
-    store.append_message("q", "user", "parent before fork")  # the pool now holds a descriptor
+    with store.transaction():  # a turn: the pool now holds a descriptor
+        store.append_message("q", "user", "parent before fork")
     queue = writequeue.for_database(db)
-    assert queue.stats().turns >= 1
+    assert queue.stats().turns >= 1 and queue.descriptors >= 1
     to_child_r, to_child_w = os.pipe()
     to_parent_r, to_parent_w = os.pipe()
     pid = os.fork()
