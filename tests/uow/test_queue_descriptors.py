@@ -101,8 +101,8 @@ def test_closing_the_last_store_closes_its_files_descriptors_and_helpers(
         for helper in helpers() - threads:
             helper.join(GUARD)
             assert not helper.is_alive()
-    assert open_descriptors() == before
-    assert helpers() == threads
+    assert open_descriptors() <= before  # none left open (another test's may close meanwhile)
+    assert helpers() <= threads
 
 
 def test_a_second_store_keeps_the_descriptors_until_it_closes(db: str, warm: None) -> None:
@@ -147,7 +147,7 @@ def test_an_abandoned_wait_closes_its_descriptor_when_it_ends(db: str, warm: Non
     ahead = writequeue.WriteQueue(db)  # another member of the line, with descriptors of its own
     ahead.attach()
     queue = writequeue.for_database(db)
-    before = open_descriptors()
+    before, threads = open_descriptors(), helpers()
     store = SessionDB(db)
     patience, queue.wait_timeout = queue.wait_timeout, 0.2
     try:
@@ -156,7 +156,8 @@ def test_an_abandoned_wait_closes_its_descriptor_when_it_ends(db: str, warm: Non
             with store.transaction():  # its turn gives up past 0.2 s and falls back
                 store.append_message("q", "user", "fell back")
             assert queue.stats().fallback_reasons.get("wait timed out") == 1
-            blocked = helpers()
+            blocked = helpers() - threads
+            assert blocked
             store.close()
             assert queue.descriptors == 1  # the helper still waits for the abandoned place
         wait_until(lambda: queue.descriptors == 0, "the abandoned place's descriptor to close")
@@ -166,7 +167,7 @@ def test_an_abandoned_wait_closes_its_descriptor_when_it_ends(db: str, warm: Non
         queue.wait_timeout = patience
         ahead.detach()
     assert ahead.descriptors == 0
-    assert open_descriptors() == before
+    assert open_descriptors() <= before and helpers() <= threads
 
 
 def test_an_adoption_leaves_no_descriptor(tmp_path: Path, warm: None) -> None:
@@ -179,7 +180,7 @@ def test_an_adoption_leaves_no_descriptor(tmp_path: Path, warm: None) -> None:
     for path in paths:
         migrate.ensure_head(to_url(path))
         assert Path(f"{path}-writer.lock").is_file()  # the adoption took a turn in the line
-    assert open_descriptors() == before
+    assert open_descriptors() <= before
 
 
 def test_a_forked_child_closes_its_own_descriptors_and_the_parent_queues_on(
