@@ -26,7 +26,9 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(text.split())
 
 
-_ENGLISH = _words(
+#: The agent conversations' English words and Chinese phrases (``bench/exports.py`` draws
+#: its texts from them too).
+ENGLISH_WORDS = _words(
     "the a to of and in is it that for on with this be as you are we can not was but file "
     "error code run test build config function value line return data user request output "
     "change update fix check need should will use model call token session message tool "
@@ -38,7 +40,7 @@ _ENGLISH = _words(
 _SYLLABLES = _words(
     "ka lo mi ne ru sa ti vo ze qu ba de fi go hu ji ky la mo nu pe ri so tu wa xe yo"
 )
-_CJK_PHRASES = (
+CJK_PHRASES = (
     "我们需要检查一下",
     "连接超时了",
     "请帮我看看这个错误",
@@ -50,12 +52,12 @@ _CJK_PHRASES = (
     "测试全部通过了",
     "缓存没有刷新",
 )
-_CJK_TARGET = "数据库连接失败"
+CJK_TARGET = "数据库连接失败"
 SOURCES = (("cli", 0.5), ("telegram", 0.3), ("discord", 0.2))
 
 
 def _vocabulary(rng: random.Random, size: int = 4000) -> list[str]:
-    words = list(_ENGLISH)
+    words = list(ENGLISH_WORDS)
     seen = set(words) | {COMMON_WORD, RARE_WORD}
     while len(words) < size:
         word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4)))
@@ -131,9 +133,9 @@ class Corpus:
         rng: random.Random, vocabulary: list[str], cumulative: list[float], rare: bool
     ) -> str:
         if rng.random() < 0.05:  # a Chinese message, no spaces between words
-            parts = rng.sample(_CJK_PHRASES, 3)
+            parts = rng.sample(CJK_PHRASES, 3)
             if rng.random() < 0.3:
-                parts.insert(1, _CJK_TARGET)
+                parts.insert(1, CJK_TARGET)
             return "，".join(parts) + "。"
         words = rng.choices(vocabulary, cum_weights=cumulative, k=rng.randint(8, 90))
         if rng.random() < 0.25:
@@ -176,7 +178,7 @@ def _message(index: int, text: str, rng: random.Random) -> dict[str, Any]:
 def bulk_batch(start: int, size: int, seed: int = 7) -> list[dict[str, Any]]:
     """``size`` messages for a bulk import (deterministic per ``start``)."""
     rng = random.Random(seed * 1_000_003 + start)
-    vocabulary = _ENGLISH
+    vocabulary = ENGLISH_WORDS
     return [
         {
             "role": "user" if i % 2 == 0 else "assistant",

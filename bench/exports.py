@@ -13,35 +13,16 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+from bench import corpus
+
 #: Bytes a message of each kind adds to a file (content, row, full-text index), measured on
 #: this generator's output: what sets the tool-call share for a size.
 CHAT_BYTES = 1_170
 TOOL_BYTES = 40_000
 DAY = 86400.0
 
-_VOCABULARY = (
-    "the a to of and in is it that for on with this be as you are we can not was but file "
-    "error code run test build config function value line return data user request output "
-    "change update fix check need should will use model call token session message tool "
-    "result python install version path import module class method list string type null "
-    "deploy service cache query index table database log debug issue branch commit merge "
-    "review script shell command network timeout retry lock thread process memory disk agent "
-    "prompt context reply stream chunk image upload parse json yaml schema field"
-)
-_WORDS = _VOCABULARY.split()
-_CJK = (
-    "我们需要检查一下",
-    "连接超时了",
-    "请帮我看看这个错误",
-    "服务器重启之后",
-    "日志里面显示",
-    "配置文件有问题",
-    "这个函数返回空值",
-    "部署到生产环境",
-    "测试全部通过了",
-    "缓存没有刷新",
-    "数据库连接失败",
-)
+_WORDS = corpus.ENGLISH_WORDS
+_CJK = (*corpus.CJK_PHRASES, corpus.CJK_TARGET)
 _LEVELS = ("INFO", "DEBUG", "WARN", "ERROR")
 
 
@@ -95,6 +76,70 @@ def next_role(previous: dict[str, Any] | None) -> str:
     return "assistant"
 
 
+def _conversation(
+    w: TextWriter,
+    sid: str,
+    count: int,
+    at: float,
+    first_id: int,
+    *,
+    longest_gap: float,
+    tool_calls_per_turn: float,
+    reasoning: bool,
+) -> tuple[list[dict[str, Any]], int, float]:
+    """``count`` messages of session ``sid`` after ``at`` (ids from ``first_id``, up to
+    ``longest_gap`` seconds apart; an assistant turn calls a tool with ``tool_calls_per_turn``
+    and, with ``reasoning``, reasons in 3 of 10 turns): the rows, how many call a tool, and the
+    last message's time."""
+    rng = w.rng
+    rows: list[dict[str, Any]] = []
+    tool_calls = 0
+    while len(rows) < count:
+        at += rng.uniform(0.5, longest_gap)
+        cjk = rng.random() < 0.05
+        role = next_role(rows[-1] if rows else None)
+        row: dict[str, Any] = {
+            "id": first_id + len(rows),
+            "session_id": sid,
+            "role": role,
+            "content": None,
+            "tool_call_id": None,
+            "tool_calls": None,
+            "tool_name": None,
+            "timestamp": at,
+            "token_count": None,
+            "finish_reason": None,
+            "reasoning": None,
+            "reasoning_details": None,
+            "codex_reasoning_items": None,
+        }
+        if role == "user":
+            row["content"] = w.chat(20, 400, cjk)
+        elif role == "assistant":
+            row["content"] = w.chat(50, 1500, cjk)
+            row["token_count"] = rng.randint(20, 900)
+            row["finish_reason"] = "stop"
+            if reasoning and rng.random() < 0.3:
+                row["reasoning"] = w.chat(100, 800, False)
+            if rng.random() < tool_calls_per_turn and len(rows) + 1 < count:
+                call = f"call_{rng.getrandbits(48):012x}"
+                row["tool_calls"] = [
+                    {
+                        "id": call,
+                        "type": "function",
+                        "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
+                    }
+                ]
+                row["finish_reason"] = "tool_calls"
+                tool_calls += 1
+        else:
+            row["content"] = w.tool_output(cjk)
+            row["tool_call_id"] = rows[-1]["tool_calls"][0]["id"]
+            row["tool_name"] = "terminal"
+        rows.append(row)
+    return rows, tool_calls, at
+
+
 def agent_export_lines(
     messages: int, seed: int = 31, tool_calls_per_turn: float = 0.4
 ) -> Iterator[dict[str, Any]]:
@@ -112,54 +157,17 @@ def agent_export_lines(
         started = clock + rng.random()
         clock += rng.uniform(30, 3600)
         count = min(messages - made, rng.randint(6, 60))
-        rows: list[dict[str, Any]] = []
-        at = started
-        tool_calls = 0
-        while len(rows) < count:
-            at += rng.uniform(0.5, 40)
-            cjk = rng.random() < 0.05
-            role = next_role(rows[-1] if rows else None)
-            row: dict[str, Any] = {
-                "id": next_id,
-                "session_id": sid,
-                "role": role,
-                "content": None,
-                "tool_call_id": None,
-                "tool_calls": None,
-                "tool_name": None,
-                "timestamp": at,
-                "token_count": None,
-                "finish_reason": None,
-                "reasoning": None,
-                "reasoning_details": None,
-                "codex_reasoning_items": None,
-            }
-            if role == "user":
-                row["content"] = w.chat(20, 400, cjk)
-            elif role == "assistant":
-                row["content"] = w.chat(50, 1500, cjk)
-                row["token_count"] = rng.randint(20, 900)
-                row["finish_reason"] = "stop"
-                if rng.random() < 0.3:
-                    row["reasoning"] = w.chat(100, 800, False)
-                if rng.random() < tool_calls_per_turn and len(rows) + 1 < count:
-                    call = f"call_{rng.getrandbits(48):012x}"
-                    row["tool_calls"] = [
-                        {
-                            "id": call,
-                            "type": "function",
-                            "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
-                        }
-                    ]
-                    row["finish_reason"] = "tool_calls"
-                    tool_calls += 1
-            else:
-                previous = rows[-1]["tool_calls"][0]
-                row["content"] = w.tool_output(cjk)
-                row["tool_call_id"] = previous["id"]
-                row["tool_name"] = "terminal"
-            rows.append(row)
-            next_id += 1
+        rows, tool_calls, at = _conversation(
+            w,
+            sid,
+            count,
+            started,
+            next_id,
+            longest_gap=40,
+            tool_calls_per_turn=tool_calls_per_turn,
+            reasoning=True,
+        )
+        next_id += len(rows)
         made += len(rows)
         cost = round(rng.uniform(0, 2), 6) + rng.random() * 1e-9
         record: dict[str, Any] = {
@@ -217,51 +225,17 @@ def year_export_lines(
         left = sessions - index
         count = messages - made if left == 1 else max(2, round(per + rng.uniform(-30, 30)))
         count = min(count, messages - made - 2 * (left - 1)) if left > 1 else count
-        rows: list[dict[str, Any]] = []
-        at = started
-        tool_calls = 0
-        while len(rows) < count:
-            at += rng.uniform(0.5, 20)
-            cjk = rng.random() < 0.05
-            role = next_role(rows[-1] if rows else None)
-            row: dict[str, Any] = {
-                "id": next_id,
-                "session_id": sid,
-                "role": role,
-                "content": None,
-                "tool_call_id": None,
-                "tool_calls": None,
-                "tool_name": None,
-                "timestamp": at,
-                "token_count": None,
-                "finish_reason": None,
-                "reasoning": None,
-                "reasoning_details": None,
-                "codex_reasoning_items": None,
-            }
-            if role == "user":
-                row["content"] = w.chat(20, 400, cjk)
-            elif role == "assistant":
-                row["content"] = w.chat(50, 1500, cjk)
-                row["token_count"] = rng.randint(20, 900)
-                row["finish_reason"] = "stop"
-                if rng.random() < tool_calls_per_turn and len(rows) + 1 < count:
-                    call = f"call_{rng.getrandbits(48):012x}"
-                    row["tool_calls"] = [
-                        {
-                            "id": call,
-                            "type": "function",
-                            "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
-                        }
-                    ]
-                    row["finish_reason"] = "tool_calls"
-                    tool_calls += 1
-            else:
-                row["content"] = w.tool_output(cjk)
-                row["tool_call_id"] = rows[-1]["tool_calls"][0]["id"]
-                row["tool_name"] = "terminal"
-            rows.append(row)
-            next_id += 1
+        rows, tool_calls, at = _conversation(
+            w,
+            sid,
+            count,
+            started,
+            next_id,
+            longest_gap=20,
+            tool_calls_per_turn=tool_calls_per_turn,
+            reasoning=False,
+        )
+        next_id += len(rows)
         made += len(rows)
         ids.append(sid)
         yield {
