@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 #: The files SQLite keeps beside a database while it is (or was) open.
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 #: The writer queue's lock file beside a database (:mod:`hermes_store.uow.writequeue`); only ever
-#: locked through descriptors held for a process's life, and harmless to leave behind.
+#: locked through descriptors held while a store has the file open, and harmless to leave behind.
 WRITER_LOCK_SUFFIX = "-writer.lock"
 #: Folder entries looked at (per folder) to name a database's other hard link.
 MAX_ALIAS_SCAN = 10_000

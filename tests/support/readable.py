@@ -1,8 +1,8 @@
 """Waiting for a pipe to have something to read, whatever its descriptor's number.
 
 ``select.select`` refuses descriptors from 1024 on (``ValueError: filedescriptor out of range
-in select()``), and a test worker that ran many tests holds that many: every file a store
-opened keeps its writer-queue lock descriptors for the process's life. ``poll`` has no such
+in select()``), and a test worker that ran many tests can hold that many (the writer queues
+of the stores it has open, and of queues tests make and never close). ``poll`` has no such
 bound.
 """
 

@@ -268,7 +268,7 @@ FILE_ACCESS_ALLOWED = {
     ("migrate.py", "os.link"): "links a complete new database into place; never replaces a path "
     "that exists (no descriptor either)",
     ("writequeue.py", "os.open"): "<db>-writer.lock, the queue's own lock file (0600), opened "
-    "once per descriptor slot and held for the process's life (tickets() and progress() read "
+    "once per descriptor slot and held while a writer uses the file (tickets() and progress() read "
     "it on a short-lived read-only descriptor: its OFD locks survive the close); never the "
     "database",
     ("trajectory.py", "open"): "appends trajectories to the caller's JSONL file, through the "

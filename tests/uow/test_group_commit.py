@@ -30,6 +30,7 @@ from hermes_store.uow import writequeue
 from hermes_store.uow.groupcommit import MAX_GROUP
 from tests.support import disks, legacy
 from tests.support.queue_workers import starve
+from tests.support.waiting import wait_until
 
 GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
 
@@ -56,13 +57,6 @@ class ForeignWriter:
     def release(self) -> None:
         self.conn.execute("COMMIT")
         self.conn.close()
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + GUARD
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _run_threads(calls: list[Callable[[], Any]]) -> tuple[list[Any], list[threading.Thread]]:
@@ -211,7 +205,7 @@ def test_a_group_of_one_that_fails_midway_leaves_nothing(
     before = db.stats()
     issued = queue.tickets()[0]
     outcomes, threads = _run_threads([lambda: db.uow.run(_half_then_fail, driver_only=True)])
-    _wait_until(lambda: queue.tickets()[0] > issued, "the unit to join the line")
+    wait_until(lambda: queue.tickets()[0] > issued, "the unit to join the line")
     assert threads[0].is_alive()  # in line behind the other writer
     other_in_line()
     threads[0].join(GUARD)
@@ -395,10 +389,10 @@ def test_the_head_keeps_its_place_while_a_foreign_writer_holds_the_lock(
             outcome, started = _run_threads([lambda i=index: write(f"w{i}")])
             lists.append(outcome)
             threads += started
-            _wait_until(lambda i=index: queue.tickets()[0] >= issued + i + 1, "a ticket")
+            wait_until(lambda i=index: queue.tickets()[0] >= issued + i + 1, "a ticket")
         # Hold the lock until the head has retried for well past the queue's bounded wait.
         needed = int(queue.wait_timeout / 0.2) * 3 + 2
-        _wait_until(lambda: store.stats().retries - retries_before >= needed, "the head's retries")
+        wait_until(lambda: store.stats().retries - retries_before >= needed, "the head's retries")
     finally:
         foreign.release()
     for thread in threads:
@@ -431,7 +425,7 @@ def test_the_heartbeat_counts_as_the_line_moving(tmp_path: Path) -> None:
         waiter = threading.Thread(target=wait_in_line)
         waiter.start()
         assert entered.wait(GUARD)
-        _wait_until(lambda: head_queue.tickets()[0] >= 2, "the waiter's ticket")
+        wait_until(lambda: head_queue.tickets()[0] >= 2, "the waiter's ticket")
         beats = 0
         deadline_beats = int(waiter_queue.wait_timeout / 0.05) * 3
         while beats < deadline_beats and not result:
@@ -498,7 +492,7 @@ def test_adopting_a_legacy_file_waits_for_its_turn_in_the_writer_queue(
         assert turn.queued
         issued = holder.tickets()[0]
         outcome, threads = _run_threads([lambda: opened.append(SessionDB(path))])
-        _wait_until(lambda: holder.tickets()[0] > issued, "the opener's ticket")
+        wait_until(lambda: holder.tickets()[0] > issued, "the opener's ticket")
         assert threads[0].is_alive() and not opened
         with sqlite3.connect(path) as raw:  # not adopted yet: it really waits in line
             tables = {r[0] for r in raw.execute("SELECT name FROM sqlite_master")}

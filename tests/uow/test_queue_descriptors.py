@@ -11,9 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from hermes_store.engine.factory import to_url
 from hermes_store.schema import migrate
 from hermes_store.uow import writequeue
 from tests.support.legacy import build_legacy_db
+from tests.support.waiting import wait_until
 
 GUARD = 90.0  # deadlock guard for any single wait; never a speed expectation
 
@@ -33,13 +32,6 @@ def open_descriptors() -> set[str]:
 
 def helpers() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("hermes-writequeue-")}
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + GUARD
-    while not condition():
-        assert time.monotonic() < deadline, f"still waiting for {what}"
-        time.sleep(0.002)
 
 
 def write_behind_a_block(store: SessionDB, queue: writequeue.WriteQueue) -> None:

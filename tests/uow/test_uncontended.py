@@ -24,6 +24,7 @@ from hermes_store.uow import uncontended, writequeue
 from hermes_store.uow.writer import STARVE_AFTER_S
 from tests.support.clock import FakeClock
 from tests.support.queue_workers import starve
+from tests.support.waiting import wait_until
 
 GUARD = 120.0  # a bound on waits that only a bug reaches
 
@@ -44,13 +45,6 @@ def _queue(store: SessionDB) -> writequeue.WriteQueue:
     queue = store.uow.write_queue
     assert queue is not None and queue.enabled
     return queue
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + GUARD
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[list[Any], threading.Thread]:
@@ -171,7 +165,7 @@ def test_a_starving_head_is_never_overtaken(db: SessionDB) -> None:
         assert queue.starving()
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
-        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome  # waiting in line, not written
         assert _contents(db) == ["alone before"]
     assert not queue.starving()
@@ -196,7 +190,7 @@ def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> No
         starve(turn)
         issued = queue.tickets()[0]
         first = _in_thread(lambda: db.append_message("s", "user", "one"))
-        _wait_until(lambda: queue.tickets()[0] > issued, "the leader to take a ticket")
+        wait_until(lambda: queue.tickets()[0] > issued, "the leader to take a ticket")
         second = _in_thread(lambda: db.append_message("s", "user", "two"))
         assert db.uow.wait_for_queued_units(1, GUARD)
     for outcome, thread in (first, second):
@@ -208,7 +202,7 @@ def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> No
         assert turn.queued and not queue.starving()
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.append_message("s", "user", "three"))
-        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome
     thread.join(GUARD)
     assert outcome and outcome[0][0] == "ok", outcome
@@ -230,7 +224,7 @@ def test_a_head_that_waits_marks_the_line_starving(db: SessionDB) -> None:
     try:
         foreign.execute("BEGIN IMMEDIATE")
         outcome, thread = _in_thread(lambda: db.update_token_counts("s", input_tokens=5))
-        _wait_until(queue.starving, "the head to mark the line starving")
+        wait_until(queue.starving, "the head to mark the line starving")
         assert thread.is_alive() and not outcome
         foreign.execute("COMMIT")
     finally:
@@ -251,7 +245,7 @@ def test_a_foreign_writer_holding_the_lock_sends_the_write_to_the_line(db: Sessi
         foreign.execute("BEGIN IMMEDIATE")
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.update_token_counts("s", input_tokens=5))
-        _wait_until(lambda: queue.tickets()[0] > issued, "the write to join the line")
+        wait_until(lambda: queue.tickets()[0] > issued, "the write to join the line")
         assert thread.is_alive() and not outcome
         foreign.execute("COMMIT")
     finally:
@@ -403,7 +397,7 @@ def test_a_head_that_waited_its_share_is_seen_by_a_writer_that_found_the_line_em
         turn.mark_starving()
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
-        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome
         assert _contents(db) == ["alone"]
     thread.join(GUARD)
@@ -429,7 +423,7 @@ def test_while_anyone_is_in_line_every_write_asks_whether_its_head_starves(
         turn.mark_starving()
         issued = queue.tickets()[0]
         outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
-        _wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
+        wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome
     thread.join(GUARD)
     assert outcome and outcome[0][0] == "ok", outcome
