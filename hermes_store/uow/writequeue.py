@@ -402,7 +402,8 @@ class _Descriptor:
 
 
 class WriteQueue:
-    """The FIFO of writers for one SQLite file in this process; get it with :func:`for_database`.
+    """The FIFO of writers for one SQLite file in this process (a writer takes it with
+    :func:`attach`).
 
     ``with queue.turn() as turn:`` waits for this writer's turn (``turn.queued``) or, past the
     bounded wait or when the queue is off, yields a fallback turn at once (``not turn.queued``).
@@ -815,27 +816,28 @@ def _key(db_path: str | os.PathLike[str]) -> tuple[int, str]:
     return os.getpid(), os.fspath(Path(db_path))
 
 
-def for_database(db_path: str | os.PathLike[str]) -> WriteQueue:
-    """This process's queue for the SQLite file ``db_path`` (one per file per process, while
-    it is registered). A writer that keeps using it takes it with :func:`attach` instead."""
+def _registered(db_path: str | os.PathLike[str]) -> WriteQueue:
+    """The registered queue for ``db_path``, made if there is none (under the registry's lock)."""
     key = _key(db_path)
     queue = _REGISTRY.get(key)
     if queue is None:
-        with _REGISTRY_LOCK:
-            queue = _REGISTRY.get(key)
-            if queue is None:
-                queue = _REGISTRY[key] = WriteQueue(db_path)
+        queue = _REGISTRY[key] = WriteQueue(db_path)
     return queue
+
+
+def for_database(db_path: str | os.PathLike[str]) -> WriteQueue:
+    """This process's queue for the SQLite file ``db_path`` (one per file per process, while
+    it is registered), for a look at it. A writer that keeps using it takes it with
+    :func:`attach` instead."""
+    with _REGISTRY_LOCK:
+        return _registered(db_path)
 
 
 def attach(db_path: str | os.PathLike[str]) -> WriteQueue:
     """This process's queue for ``db_path``, attached (see :meth:`WriteQueue.attach`): it stays
     registered, with its descriptors, until the last user calls :func:`detach`."""
-    key = _key(db_path)
     with _REGISTRY_LOCK:
-        queue = _REGISTRY.get(key)
-        if queue is None:
-            queue = _REGISTRY[key] = WriteQueue(db_path)
+        queue = _registered(db_path)
         queue.attach()
     return queue
 
