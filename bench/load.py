@@ -123,11 +123,18 @@ class LoadResult:
     queue_fallbacks: int = 0
     units: int = 0  #: write units of the first group's processes (ours only)
     commits: int = 0  #: their commits (a group commit counts once)
+    turns: int = 0  #: their turns in the fair writer queue (the rest went straight in)
     hog_ops: int = 0  #: ops the hog groups did (``hog+5``)
 
     @property
     def units_per_commit(self) -> float:
         return self.units / self.commits if self.commits else float("nan")
+
+    @property
+    def turns_per_unit(self) -> float:
+        """The share of write units that waited for a queue turn: where the contended
+        throughput goes (a turn costs several times a write going straight in)."""
+        return self.turns / self.units if self.units else float("nan")
 
     @property
     def writes(self) -> int:
@@ -218,12 +225,13 @@ def _writer(
     for thread in pool:
         thread.join()
     cpu = time.process_time() - cpu0
-    fallbacks = units = commits = 0
+    fallbacks = units = commits = turns = 0
     uow = getattr(stores[0], "uow", None)  # one per file per process, shared by the stores
     if uow is not None:
         counts = uow.stats
         units = counts.write_units
         commits = counts.groups + counts.write_units - counts.grouped_units
+        turns = counts.queue_turns
     for store in stores:
         write_queue = getattr(getattr(store, "uow", None), "write_queue", None)
         if write_queue is not None:
@@ -231,7 +239,7 @@ def _writer(
             fallbacks = stats.fallbacks
         store.close()
     flat = [x for mine in latencies for x in mine]
-    out.put(("writer", index, flat, errors, (units, commits), cpu, fallbacks, sum(done)))
+    out.put(("writer", index, flat, errors, (units, commits, turns), cpu, fallbacks, sum(done)))
 
 
 def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: Any) -> None:
@@ -255,7 +263,7 @@ def _reader(url: str, kind: str, worker: int, start: Barrier, stop: Event, out: 
             turn += 1
         latencies.append(time.perf_counter() - t0)
     store.close()
-    out.put(("reader", -1, latencies, errors, (0, 0), 0.0, 0, 0))
+    out.put(("reader", -1, latencies, errors, (0, 0, 0), 0.0, 0, 0))
 
 
 def prepare(url: str) -> None:
@@ -322,6 +330,7 @@ def run_groups(
                 result.queue_fallbacks += fallbacks
                 result.units += counts[0]
                 result.commits += counts[1]
+                result.turns += counts[2]
             else:
                 result.other_latencies.extend(latencies)
             if groups[index].hog:
@@ -476,6 +485,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "totals_ok": result.totals_ok,
         "fallbacks": result.queue_fallbacks,
         "units_per_commit": result.units_per_commit if result.commits else None,
+        "turns_per_unit": result.turns_per_unit if result.units else None,
         "seconds": time.perf_counter() - started,
         "hermes_store": imported,
     }
@@ -578,6 +588,7 @@ class Record:
     totals_ok: bool = False
     fallbacks: int = 0
     units_per_commit: float | None = None
+    turns_per_unit: float | None = None
 
     @classmethod
     def of(cls, found: dict[str, Any]) -> Record:
@@ -590,6 +601,7 @@ class Record:
             found["totals_ok"],
             found["fallbacks"],
             found["units_per_commit"],
+            found.get("turns_per_unit"),
         )
 
 
@@ -806,7 +818,9 @@ def _render(
         "one shared session, both timed as writes; each writer thread has its own store; the "
         "readers (`+2r`) search and list in a loop with the contender's own store class. "
         "Median [min..max] over rounds; CPU per write counts the contender's writer processes "
-        "(their helper threads included). Durability FULL except the NORMAL opt-in.",
+        "(their helper threads included); turns/unit is the share of their write units that "
+        "waited for a turn in the fair writer queue instead of going straight in (a turn costs "
+        "several times a straight write's CPU). Durability FULL except the NORMAL opt-in.",
     ]
     if len(checkouts) > 1 or checkouts[0][1]:
         lines += [
@@ -824,8 +838,8 @@ def _render(
             "",
             "| set | contender | writes | "
             + " | ".join(name for name, _, _ in METRICS)
-            + " | units/commit | errors | totals exact | queue fallbacks |",
-            "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---|---:|",
+            + " | units/commit | turns/unit | errors | totals exact | queue fallbacks |",
+            "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---:|---|---:|",
         ]
         for shape in steady:
             for contender in _contenders(shape, checkouts, before):
@@ -834,10 +848,11 @@ def _render(
                     _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in METRICS
                 ]
                 per_commit = _spread([r.units_per_commit for r in records], "{:.2f}")
+                per_unit = _spread([r.turns_per_unit for r in records], "{:.2f}")
                 writes = max((r.writes for r in records), default=0)
                 lines.append(
                     f"| {shape.name} | {contender.label} | {writes} | "
-                    + " | ".join([*cells, per_commit])
+                    + " | ".join([*cells, per_commit, per_unit])
                     + f" | {sum(len(r.errors) for r in records)} "
                     f"| {'yes' if all(r.totals_ok for r in records) else 'NO'} "
                     f"| {sum(r.fallbacks for r in records)} |"

@@ -114,13 +114,20 @@ def test_benchmark_sets_run_with_exact_totals(tmp_path: Path) -> None:
         )
     ]
 
-    sets = load.compare(1, 2, tmp_path, {"4x1", "16x1+2r", "8x4+2r", "hog+5"})
+    sets = load.compare(1, 2, tmp_path, {"1x1", "4x1", "16x1+2r", "8x4+2r", "hog+5"})
     assert sets.failures == 0, sets.markdown
     rows = sets.markdown.splitlines()
-    for name in ("4x1", "16x1+2r", "8x4+2r"):
+    for name in ("1x1", "4x1", "16x1+2r", "8x4+2r"):
         for who in ("ours", "original"):
             row = next(r for r in rows if r.startswith(f"| {name} | {who} |"))  # the first table
             assert row.endswith("| 0 | yes | 0 |")  # errors, totals exact, queue fallbacks
+            turns = [cell.strip() for cell in row.split("|")[1:-1]][-4]  # turns/unit
+            if who == "original":
+                assert turns == "-"  # it has no queue
+            elif name == "1x1":
+                assert turns == "0.00 [0.00..0.00]"  # a writer alone never waits for a turn
+            else:
+                assert 0.0 <= float(turns.split()[0]) <= 1.0
     assert any(r.startswith("| 8x4+2r | ours, sync=NORMAL |") for r in rows)
     hog = [r for r in rows if r.startswith(("| ours |", "| original |")) and r.endswith("yes |")]
     assert len(hog) == 2  # the hog+5 table: occasional writers' wait and the hog's throughput
