@@ -3,8 +3,11 @@ datasette users expect, on SQLite and PostgreSQL.
 
 The database refuses writes itself, so no parsing of the SQL decides what is safe: SQLite
 opens the file ``mode=ro`` with ``PRAGMA query_only``, PostgreSQL runs the statement in a
-``READ ONLY`` transaction that is rolled back. One statement per call (both drivers refuse
-several). Ctrl-C interrupts a long SQLite query.
+``READ ONLY`` transaction that is rolled back. Neither stops SQLite from opening *other*
+files: ``ATTACH`` creates a missing one, and ``VACUUM INTO`` creates its target before
+``query_only`` refuses the copy. So SQLite's authorizer refuses ``ATTACH``, ``DETACH`` and
+every ``VACUUM`` while the statement is prepared, before any file is opened. One statement
+per call (both drivers refuse several). Ctrl-C interrupts a long SQLite query.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ __all__ = ["QueryResult", "read_only_query"]
 
 #: SQLite virtual-machine steps between two chances for Ctrl-C to stop a query.
 _INTERRUPT_EVERY = 100_000
+#: Authorizer actions that open or let go of another database file. ``VACUUM`` reports an
+#: ``ATTACH`` of its target (``INTO``) or of its temporary copy, so it is refused with them.
+_OTHER_FILES = frozenset({sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH})
+_OTHER_FILES_REFUSED = (
+    "ATTACH, DETACH and VACUUM are refused: a query only reads this database and opens or "
+    "creates no other file"
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,20 @@ def _refused(error: sqlite3.Error | sa.exc.DBAPIError) -> InvalidInputError | No
     return None
 
 
+class _FileGuard:
+    """SQLite authorizer that denies :data:`_OTHER_FILES` and remembers it did, so the refusal
+    is said in words rather than as SQLite's "not authorized"."""
+
+    def __init__(self) -> None:
+        self.denied = False
+
+    def __call__(self, action: int, *_: str | None) -> int:
+        if action in _OTHER_FILES:
+            self.denied = True
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+
 def _on_sqlite(path: Path, sql: str, params: dict[str, Any], max_rows: int | None) -> QueryResult:
     if not path.exists():
         raise NotADatabaseError(f"there is no database at {path}")
@@ -75,12 +99,16 @@ def _on_sqlite(path: Path, sql: str, params: dict[str, Any], max_rows: int | Non
     with contextlib.closing(connection):
         connection.execute("PRAGMA query_only = ON")
         connection.set_progress_handler(lambda: 0, _INTERRUPT_EVERY)  # lets Ctrl-C through
+        guard = _FileGuard()
+        connection.set_authorizer(guard)
         try:
             cursor = connection.execute(sql, params)
             return _collect([d[0] for d in cursor.description or ()], cursor.fetchmany, max_rows)
         except sqlite3.ProgrammingError as error:  # several statements, a missing parameter
             raise InvalidInputError(f"the query cannot run: {error}") from None
         except sqlite3.Error as error:
+            if guard.denied:
+                raise InvalidInputError(_OTHER_FILES_REFUSED) from None
             refused = _refused(error)
             if refused is not None:
                 raise refused from None

@@ -4,11 +4,15 @@ work is in :mod:`hermes_store.ops.backup`)."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import click
 
-from hermes_store.cli.app import App, Problem, confirm, pass_app, yes_option
+from hermes_store.cli.app import App, Problem, confirm, one_line, pass_app, yes_option
 from hermes_store.cli.output import chosen_format, echo, echo_json, format_option, progress
+
+if TYPE_CHECKING:
+    from hermes_store.engine.factory import Target
 
 
 def _sqlite_only(app: App, what: str) -> None:
@@ -75,23 +79,32 @@ def restore_cmd(app: App, snapshot: str, yes: bool, fmt: str | None, as_json: bo
 
     Everything written after the snapshot was taken is replaced. Processes that have the
     database open keep working and see the restored content. Asks first; --yes from scripts.
+    A snapshot this release cannot open is refused; a live file it cannot open (a newer
+    release's schema, a damaged one) is replaced all the same: restoring is how it is put back.
 
     \b
     Examples:
       hermes-store restore ~/backups/state-2026-11-30.db
       hermes-store restore snapshot.db --yes
     """
+    from hermes_store.errors import SchemaTooNewError, UnrecognizedSchemaError
     from hermes_store.ops import backup
 
     _sqlite_only(app, "restore")
-    store = app.store()
+    live: Target
+    unusable = ""
+    try:
+        live = app.store().engine
+    except (SchemaTooNewError, UnrecognizedSchemaError) as error:
+        # Restored by its path, never opened as a store: still refused unless it is SQLite.
+        live, unusable = app.url, f" (this release cannot open it: {one_line(error)})"
     confirm(
-        f"Replace the content of {app.where} with {snapshot}?",
+        f"Replace the content of {app.where}{unusable} with {snapshot}?",
         yes=yes,
         what=f"restore {snapshot} over {app.where}",
     )
     with progress(None, "restoring (pages)") as bar:
-        report = backup.restore(store.engine, snapshot, progress=bar.update)
+        report = backup.restore(live, snapshot, progress=bar.update)
     if chosen_format(fmt, as_json, piped="table") == "json":
         echo_json(asdict(report))
         return

@@ -41,7 +41,8 @@ def query(
     as_json: bool,
 ) -> None:
     """Run one read-only SQL statement and print its rows (writes are refused by the
-    database itself: SQLite opened read-only, PostgreSQL in a READ ONLY transaction).
+    database itself: SQLite opened read-only, PostgreSQL in a READ ONLY transaction; ATTACH,
+    DETACH and VACUUM, which open or create other files, are refused before they run).
 
     \b
     Examples:

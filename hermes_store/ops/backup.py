@@ -12,7 +12,9 @@ absent or a whole snapshot.
 **Restore** writes a snapshot *into* the live database with the backup API, which holds the
 live file's write lock until the last page is in: other processes that keep the file open see
 the restored content on their next transaction. The file is never replaced (processes holding
-it open would go on writing into the old, unlinked one).
+it open would go on writing into the old, unlinked one). A snapshot this release could not open
+(a newer release's schema) is refused; a live file it cannot open is not, when named by its
+path: restore is how such a file is put back.
 
 PostgreSQL: these functions refuse and name the server's own tools (``pg_dump``/``pg_restore``).
 """
@@ -31,8 +33,21 @@ from typing import Literal
 from sqlalchemy.engine import Engine
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import create_private_file, sqlite_file, unreadable_in_wal
-from hermes_store.errors import HermesStoreError, InvalidInputError, UnsafePathError
+from hermes_store.engine.factory import (
+    Target,
+    create_private_file,
+    sqlite_file,
+    to_url,
+    unreadable_in_wal,
+)
+from hermes_store.errors import (
+    HermesStoreError,
+    InvalidInputError,
+    NotADatabaseError,
+    SchemaError,
+    UnsafePathError,
+    open_errors,
+)
 from hermes_store.schema import ddl, fulltext, migrate
 
 #: Pages per backup step (4 MiB with 4 KiB pages): the unit of progress reports.
@@ -90,10 +105,11 @@ class RestoreReport:
     messages: int
 
 
-def _live_file(engine: Engine, what: str) -> Path:
-    path = sqlite_file(engine.url)
+def _live_file(target: Target, what: str) -> Path:
+    url = target.url if isinstance(target, Engine) else to_url(target)
+    path = sqlite_file(url)
     if path is None:
-        if engine.dialect.name == "sqlite":
+        if url.get_backend_name() == "sqlite":
             raise NotSupportedError(f"an in-memory database has no file to {what}")
         raise NotSupportedError(f"{what} works on SQLite files only. {PG_BACKUP_HINT}")
     return path
@@ -151,6 +167,9 @@ def backup(
         raise InvalidInputError(f"refusing to back up onto the database itself ({target})")
     if target.is_dir():
         raise InvalidInputError(f"{target} is a folder: give the backup file's name")
+    kind = files.special_kind(target)
+    if kind is not None:  # /dev/null, a FIFO: the rename would replace it with the snapshot
+        raise InvalidInputError(f"refusing to back up onto {target}: it is {kind}, not a file")
     if target.exists() and not overwrite:
         raise InvalidInputError(
             f"{target} exists (pass overwrite=True to replace it)"
@@ -271,9 +290,13 @@ def _copy(
         live.close()
 
 
+_COLUMNS = "SELECT name FROM pragma_table_info(?)"
+
+
 def check_snapshot(path: Path) -> list[str]:
     """The problems of a database file (empty list: sound): SQLite's ``integrity_check`` and
-    ``foreign_key_check``, the full-text indexes against their content, the schema at head."""
+    ``foreign_key_check``, the full-text indexes against their content, the schema at head
+    and known to this release (the checks that refuse to open a newer release's file)."""
     problems: list[str] = []
     connection = files.connect_sqlite(path)
     try:
@@ -288,6 +311,25 @@ def check_snapshot(path: Path) -> list[str]:
             problems.append("not a hermes-store database at head (tables are missing)")
             return problems
         revision = connection.execute("SELECT version_num FROM alembic_version").fetchone()
+        version = (
+            connection.execute("SELECT version FROM schema_version").fetchone()
+            if "schema_version" in tables
+            else None
+        )
+        state = migrate.DatabaseState(
+            tables=tables,
+            revision=revision[0] if revision else None,
+            schema_version=version[0] if version else None,
+            columns={
+                table: {r[0] for r in connection.execute(_COLUMNS, (table,))}
+                for table in ("sessions", "messages")
+            },
+        )
+        try:
+            migrate.check_adoptable(state, str(path))
+        except SchemaError as error:  # a schema this release refuses: no upgrade helps
+            problems.append(str(error))
+            return problems
         head = migrate.head_revision()
         if revision is None or revision[0] != head:
             problems.append(
@@ -302,20 +344,33 @@ def check_snapshot(path: Path) -> list[str]:
     return problems
 
 
+def _check_live(live: Path) -> None:
+    """Refuse to restore over nothing or over a file that is not a SQLite database (a mistyped
+    path); any schema is fine. Read through SQLite only, writing nothing."""
+    with open_errors(live):
+        if migrate.preflight_sqlite(live, adoptable=False) is None:
+            raise NotADatabaseError(f"there is no database at {live} to restore into")
+
+
 def restore(
-    engine: Engine,
+    engine: Target,
     snapshot: str | os.PathLike[str],
     *,
     progress: Progress | None = None,
     pages_per_step: int = BACKUP_PAGES,
 ) -> RestoreReport:
-    """Write ``snapshot`` into the database ``engine`` opens, replacing its content, under its
-    write lock.
+    """Write ``snapshot`` into the database ``engine`` opens (or the file a path or URL names),
+    replacing its content, under its write lock.
 
     The snapshot is checked first (:func:`check_snapshot`): a damaged file, another schema
-    revision or a different page size is refused before anything is written. Other processes
-    keep their connections; their next transaction reads the restored content. Whatever they
-    committed after the snapshot was taken is gone, which is what a restore means.
+    revision, a newer release's schema or a different page size is refused before anything is
+    written. Other processes keep their connections; their next transaction reads the restored
+    content. Whatever they committed after the snapshot was taken is gone, which is what a
+    restore means.
+
+    A live file named by its path need only be a SQLite database: its schema may be one this
+    release refuses to open (a newer release's, a damaged one), since restoring a snapshot is
+    how such a file is put back. A missing file, or one that is no SQLite database, is refused.
     """
     live = _live_file(engine, "restore")
     source = Path(os.fspath(snapshot)).expanduser()
@@ -326,6 +381,8 @@ def restore(
     problems = check_snapshot(source)
     if problems:
         raise SnapshotError(f"refusing to restore {source}: {'; '.join(problems)}")
+    if not isinstance(engine, Engine):
+        _check_live(live)
     started = time.monotonic()
     reader = files.connect_sqlite(source)
     writer = files.connect_sqlite(live, timeout=30.0)

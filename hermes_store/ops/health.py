@@ -36,7 +36,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import sqlite_file
+from hermes_store.engine.factory import sqlite_file, unreadable_in_wal
 from hermes_store.errors import (
     AccessDeniedError,
     DatabaseLockedError,
@@ -126,7 +126,9 @@ def _schema_check(state: migrate.DatabaseState) -> Check:
     )
 
 
-def _sqlite_checks(conn: Connection, path: Path) -> list[Check]:
+def _sqlite_checks(conn: Connection, path: Path, immutable: bool) -> list[Check]:
+    if immutable:
+        return _read_only_folder_checks(path)
     checks = []
     mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
     checks.append(
@@ -148,6 +150,45 @@ def _sqlite_checks(conn: Connection, path: Path) -> list[Check]:
     )
     checks.append(_wal_file_check(path, str(mode)))
     return checks
+
+
+def _read_only_folder_checks(path: Path) -> list[Check]:
+    """The file checks of a database read ``immutable`` (see :func:`_read_engine`). SQLite
+    reports no journal mode then, and without a ``-wal`` file nothing committed lives outside
+    the main file, so what matters is that writes will be refused here."""
+    return [
+        Check(
+            "folder",
+            "warn",
+            f"{path.parent} is read-only for this process: the database was read as it is on "
+            "disk (immutable, without locks) and every write to it fails here",
+        ),
+        Check(
+            "journal mode",
+            "info",
+            "not read: SQLite reports none for a file read immutable (it matters to writers "
+            "only, and none can write here)",
+        ),
+        _no_wal_file_check(path),
+    ]
+
+
+def _no_wal_file_check(path: Path) -> Check:
+    """:func:`_wal_file_check` of a file without a ``-wal`` file, which is expected here."""
+    found = _wal_file_check(path, "")
+    if found.status != "ok":
+        return found
+    return Check(found.name, "ok", "none: everything committed is in the main file")
+
+
+def _read_engine(url: URL, path: Path | None) -> tuple[Engine, bool]:
+    """The doctor's engine, and whether it reads the file ``immutable``: a file in a folder
+    this process cannot write, without a ``-wal`` file, is read as every read command reads it
+    (SQLite could not create the ``-shm`` a WAL read needs)."""
+    if path is not None and unreadable_in_wal(path):
+        uri = files.sqlite_uri(path, mode="ro", immutable="1")
+        return sa.create_engine(uri, poolclass=NullPool), True
+    return migrate.read_engine(url), False
 
 
 #: A file up to this size gets the checks of a small one: one ``integrity_check`` of the whole
@@ -782,8 +823,8 @@ def run_doctor(
     checks = [_schema_check(state)]
     if not {"sessions", "messages"} <= state.tables:
         return checks
-    engine = migrate.read_engine(url)
     path = sqlite_file(url)
+    engine, immutable = _read_engine(url, path)
     clock = _Clock(budget_s)
     large = path is not None and _file_bytes(path) > SMALL_FILE_BYTES
     try:
@@ -791,7 +832,7 @@ def run_doctor(
             say("files")
             with engine.connect() as conn:
                 if path is not None:
-                    checks += _sqlite_checks(conn, path)
+                    checks += _sqlite_checks(conn, path, immutable)
                 else:
                     checks += _postgresql_checks(conn)
                     checks.append(replication_check(conn))

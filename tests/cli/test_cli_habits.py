@@ -24,6 +24,8 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB, analytics
 from hermes_store.cli import cli
+from hermes_store.errors import InvalidInputError
+from hermes_store.query import read_only_query
 from hermes_store.schema import migrate
 from tests.support.backends import url_string
 from tests.support.cli_process import RUN_CLI
@@ -117,6 +119,37 @@ def test_query_reads_and_refuses_every_write(runner: CliRunner, db_url: URL) -> 
     with SessionDB(target) as db:
         assert db.session_count() == 2 and db.message_count() == 1
         assert db.get_session("q1")["title"] is None  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "ATTACH DATABASE '{new}' AS x",
+        "ATTACH 'file:{new}?mode=rwc' AS x",
+        "VACUUM INTO '{new}'",
+        "VACUUM",
+        "DETACH DATABASE main",
+    ],
+)
+def test_query_opens_and_creates_no_other_file(
+    runner: CliRunner, many: Path, tmp_path: Path, statement: str
+) -> None:
+    """ATTACH created a missing file and VACUUM INTO left an empty one behind (``query_only``
+    refuses only the copy's writes): both are refused before SQLite opens anything."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    beside = sorted(many.parent.iterdir())
+    refused = run(runner, many, "query", statement.format(new=elsewhere / "new.db"))
+    assert refused.exit_code == 1, (refused.stdout, refused.stderr)
+    assert refused.stderr.startswith("Error: ") and len(refused.stderr.splitlines()) == 1
+    assert "ATTACH, DETACH and VACUUM are refused" in refused.stderr
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(many.parent.iterdir()) == beside
+    with pytest.raises(InvalidInputError, match="are refused"):
+        read_only_query(str(many), statement.format(new=elsewhere / "new.db"))
+    assert list(elsewhere.iterdir()) == []
+    counted = run(runner, many, "query", "SELECT count(*) AS n FROM sessions", "--format", "tsv")
+    assert counted.stdout.splitlines() == ["n", "46"]
 
 
 def test_query_cut_by_limit_says_so(runner: CliRunner, many: Path) -> None:

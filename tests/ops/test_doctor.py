@@ -19,12 +19,15 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB
+from hermes_store.cli import cli
 from hermes_store.engine.factory import to_url
 from hermes_store.ops import health, maintenance
 from tests.support import fts_damage_workers as workers
+from tests.support.read_only import read_only_folder
 
 #: A hang guard only: every wait is on an event or a pipe.
 DEADLINE = 120.0
@@ -98,6 +101,38 @@ def test_doctor_runs_while_another_connection_holds_the_write_lock(
     if full:
         assert statuses["full check (snapshot)"] == "ok"
     assert not list(state.parent.glob(".hermes-doctor-*"))  # the snapshots are removed
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_doctor_reads_a_database_in_a_read_only_folder(
+    history: Path, tmp_path: Path, size: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As every read command reads it: ``immutable``, since SQLite cannot create the ``-shm``
+    a WAL read needs there. Every check still runs (damage is still found), the folder is
+    reported, and nothing is created in it. Before, the doctor opened it as a writable file
+    and failed (exit 3) where the other read commands worked."""
+    _sized(monkeypatch, size)
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    sound, damaged = folder / "state.db", folder / "damaged.db"
+    shutil.copy(history, sound)
+    shutil.copy(history, damaged)
+    _unindex(damaged, "messages_fts", _latin_message(damaged))
+    before = sorted(folder.iterdir())
+    with read_only_folder(folder):
+        checks = health.run_doctor(_url(sound), full=True)
+        found = health.run_doctor(_url(damaged))
+        shown = CliRunner().invoke(cli, ["--db", str(sound), "doctor", "--format", "tsv"])
+    statuses = _statuses(checks)
+    assert statuses["folder"] == "warn" and "read-only" in _detail(checks, "folder"), checks
+    assert "error" not in statuses.values(), checks
+    for name in ("integrity_check", "full-text index", "orphan messages", "WAL file"):
+        assert statuses[name] == "ok", checks
+    assert statuses["full check (snapshot)"] == "ok", checks
+    assert _statuses(found)["full-text index"] == "error", found
+    assert shown.exit_code == 0, shown.output
+    assert "folder\twarn" in shown.stdout and "Traceback" not in shown.output
+    assert sorted(folder.iterdir()) == before  # no -wal, -shm, lock file or snapshot folder
 
 
 def _unindex(path: Path, table: str, message_id: int) -> None:

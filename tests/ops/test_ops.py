@@ -21,7 +21,13 @@ from sqlalchemy.engine import URL
 from hermes_store import SessionDB
 from hermes_store.cli import cli
 from hermes_store.engine.factory import JOURNAL_SIZE_LIMIT_ENV
-from hermes_store.errors import DatabaseLockedError, InvalidInputError
+from hermes_store.errors import (
+    DatabaseLockedError,
+    InvalidInputError,
+    NotADatabaseError,
+    SchemaTooNewError,
+    UnrecognizedSchemaError,
+)
 from hermes_store.ops import backup, maintenance, retention
 from hermes_store.schema import migrate
 from tests.support import legacy
@@ -245,6 +251,98 @@ def test_restore_refuses_a_damaged_or_older_snapshot_before_writing(tmp_path: Pa
         with pytest.raises(backup.SnapshotError, match="head is"):
             backup.restore(store.engine, older)
         assert store.get_session("s") is not None
+
+
+def _set_schema_version(path: Path, version: int) -> None:
+    """What a newer release of the original store leaves in a file."""
+    raw = sqlite3.connect(path)
+    try:
+        with raw:
+            raw.execute("UPDATE schema_version SET version = ?", (version,))
+    finally:
+        raw.close()
+
+
+def _schema_version(path: Path) -> int:
+    raw = sqlite3.connect(path)
+    try:
+        return int(raw.execute("SELECT version FROM schema_version").fetchone()[0])
+    finally:
+        raw.close()
+
+
+def test_restore_refuses_a_snapshot_from_a_newer_release_before_writing(tmp_path: Path) -> None:
+    """Once restored, such a file could not be opened again, not even to restore another
+    snapshot over it."""
+    path = tmp_path / "state.db"
+    newer = tmp_path / "newer.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+        backup.backup(store.engine, newer)
+        store.create_session("kept", "cli")
+        _set_schema_version(newer, 99)
+        assert any("schema_version 99" in p for p in backup.check_snapshot(newer))
+        with pytest.raises(backup.SnapshotError, match="knows versions up to 6"):
+            backup.restore(store.engine, newer)
+        with pytest.raises(backup.SnapshotError, match="knows versions up to 6"):
+            backup.restore(path, newer)
+        assert store.get_session("kept") is not None
+    assert _schema_version(path) == 6
+    runner = CliRunner()
+    refused = runner.invoke(cli, ["--db", str(path), "restore", str(newer), "--yes"])
+    assert refused.exit_code == 1, refused.output
+    assert refused.stderr.startswith("Error: refusing to restore") and "99" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1
+    with SessionDB(path) as store:
+        assert store.session_count() == 2
+
+
+def test_restore_puts_back_a_live_file_this_release_cannot_open(tmp_path: Path) -> None:
+    """Restore is the way back from a file of a newer release (or one damaged past repair):
+    named by its path it is written into without being opened as a store. A path that holds
+    no database is still refused, and nothing is created or written there."""
+    path = tmp_path / "state.db"
+    good = tmp_path / "good.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+        store.append_message("s", "user", "in the snapshot")
+        backup.backup(store.engine, good)
+        store.create_session("lost", "cli")
+    _set_schema_version(path, 99)
+    with pytest.raises(SchemaTooNewError):
+        SessionDB(path)
+    report = backup.restore(path, good)
+    assert (report.sessions, report.messages) == (1, 1)
+    with SessionDB(path) as store:
+        assert store.get_session("lost") is None
+        assert store.search_messages("snapshot")[0]["session_id"] == "s"
+
+    _set_schema_version(path, 99)
+    runner = CliRunner()
+    done = runner.invoke(cli, ["--db", str(path), "restore", str(good), "--yes", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["sessions"] == 1
+    listed = runner.invoke(cli, ["--db", str(path), "sessions", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [s["id"] for s in json.loads(listed.stdout)] == ["s"]
+
+    with SessionDB(path) as store, store.uow.connect(write=True) as conn:
+        conn.exec_driver_sql("ALTER TABLE messages DROP COLUMN reasoning")
+    with pytest.raises(UnrecognizedSchemaError, match="restore it from a backup"):
+        SessionDB(path)
+    done = runner.invoke(cli, ["--db", str(path), "restore", str(good), "--yes"])
+    assert done.exit_code == 0, done.output
+    with SessionDB(path) as store:
+        assert store.message_count("s") == 1
+
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a database\n" * 100)
+    with pytest.raises(NotADatabaseError):
+        backup.restore(junk, good)
+    assert junk.read_text() == "not a database\n" * 100
+    with pytest.raises(NotADatabaseError):
+        backup.restore(tmp_path / "absent.db", good)
+    assert not (tmp_path / "absent.db").exists()
 
 
 # -- bounded growth -----------------------------------------------------------------------------
