@@ -339,7 +339,9 @@ def to_dataframe(statement: sa.Executable, target: Target) -> pandas.DataFrame:
 
     Columns get the same dtypes on both backends and in empty results: timestamps
     (:data:`TIME_COLUMNS`) and days are ``datetime64[ns, UTC]``, integer columns ``int64``
-    (``Int64`` when they hold NULLs), floats ``float64``.
+    (``Int64`` when they hold NULLs), floats ``float64``. A timestamp such a column cannot hold
+    (before 1677 or after 2262, or a number no date holds: a file the original store wrote
+    may have any) is ``NaT``, as a NULL one is.
     """
     with extras_named():
         pd: Any = importlib.import_module("pandas")
@@ -392,7 +394,9 @@ def _column_kinds(statement: sa.Executable) -> dict[str, str]:
 
 def _typed(pd: Any, values: Any, name: str, kind: str | None) -> Any:
     if name in TIME_COLUMNS:
-        moments = pd.to_datetime(pd.to_numeric(values, errors="coerce"), unit="s", utc=True)
+        moments = pd.to_datetime(
+            pd.to_numeric(values, errors="coerce"), unit="s", utc=True, errors="coerce"
+        )
         return moments.astype(UTC_DTYPE)
     if name in DAY_COLUMNS:
         return pd.to_datetime(values, utc=True, format="%Y-%m-%d").astype(UTC_DTYPE)

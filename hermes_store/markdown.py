@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any
+
+from hermes_store import timestamps
 
 RowDict = dict[str, Any]
 
@@ -27,7 +29,7 @@ REDACTED_NOTE = (
 def _when(ts: float | None) -> str:
     if ts is None:
         return "—"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return timestamps.shown(ts, "%Y-%m-%d %H:%M:%S UTC", UTC)
 
 
 def _cell(value: object) -> str:
@@ -182,7 +184,8 @@ def render_document(records: Iterable[RowDict], *, redacted: bool = False) -> It
 
 def file_name(record: RowDict) -> str:
     """A stable, portable file name for one session: date, title slug, id prefix."""
-    day = datetime.fromtimestamp(record.get("started_at") or 0, UTC).strftime("%Y-%m-%d")
+    started = timestamps.moment(record.get("started_at") or 0, UTC)
+    day = started.strftime("%Y-%m-%d") if started is not None else "undated"
     slug = re.sub(r"[^\w]+", "-", str(record.get("title") or ""), flags=re.UNICODE).strip("-")
     safe_id = re.sub(r"[^A-Za-z0-9_-]+", "-", str(record["id"]))[:12]
     return "-".join(part for part in (day, slug[:60].lower(), safe_id) if part) + ".md"

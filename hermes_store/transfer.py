@@ -12,9 +12,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import queue
 import sqlite3
+import stat
 import sys
 import tempfile
 import threading
@@ -29,7 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
-from hermes_store import redact
+from hermes_store import redact, timestamps, validate
 from hermes_store.engine import fastpath, files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url
 from hermes_store.errors import (
@@ -76,14 +78,36 @@ def is_database_file(path: str | os.PathLike[str], database: URL) -> bool:
     }
 
 
+#: What an export streams into instead of replacing (:func:`export_writer`).
+_STREAMS = frozenset({"a character device", "a FIFO (named pipe)"})
+
+
+def _stream_to(target: Path) -> int:
+    """A descriptor writing into the device or FIFO at ``target``: never through a symbolic
+    link swapped in since it was looked at, never created or truncated, and checked on the
+    descriptor to be what was looked at."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as error:
+        raise OutputFileError(f"Could not open {str(target)!r}: {error.strerror}") from error
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+        os.close(fd)
+        raise OutputFileError(f"refusing to write {str(target)!r}: it changed as it was opened")
+    return fd
+
+
 @contextmanager
-def export_writer(path: str, database: URL) -> Iterator[IO[str]]:
+def export_writer(path: str, database: URL, *, stream: bool = True) -> Iterator[IO[str]]:
     """``-`` is stdout (UTF-8 whatever the locale says); a file is written owner-only (0600)
     into an unpredictable temp file created exclusively beside its final name, and renamed into
     place when complete (a crash leaves the old file, never half a new one).
 
-    The database and its ``-wal``/``-shm`` are never a target: replacing them would destroy
-    the store, and even opening them would drop this process's SQLite locks.
+    A character device or a FIFO (``/dev/null``, a pipe from the shell's ``>(...)``) is
+    written to as it is, never replaced; with ``stream`` off (files the export names itself)
+    it is refused, as a folder or a socket always is. The database and its ``-wal``/``-shm``
+    are never a target: replacing them would destroy the store, and even opening them would
+    drop this process's SQLite locks.
     """
     if path == "-":
         stdout = sys.stdout
@@ -102,6 +126,13 @@ def export_writer(path: str, database: URL) -> Iterator[IO[str]]:
     final = Path(path)
     if is_database_file(final, database):
         raise DatabaseTargetError(f"refusing to export onto the database itself ({final})")
+    kind = files.special_kind(final)
+    if kind is not None:
+        if not stream or kind not in _STREAMS:
+            raise OutputFileError(f"refusing to write {path!r}: it is {kind}, not a file")
+        with open(_stream_to(final), "w", encoding="utf-8", newline="\n") as device:
+            yield device
+        return
     try:
         fd, partial_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
     except OSError as error:
@@ -192,12 +223,34 @@ def _python_types(column: sa.Column[Any]) -> tuple[type, ...]:
     return (str,)
 
 
+#: Numbers are held to the API's rules (``validate``): the store's timestamps, its costs,
+#: its other real numbers, and its integers.
+_MOMENTS = frozenset({"started_at", "ended_at", "timestamp"})
+_COSTS = frozenset({"estimated_cost_usd", "actual_cost_usd"})
+_Check = Callable[[str, object], None]
+
+
+def _number_rule(column: sa.Column[Any]) -> tuple[_Check, float, float] | None:
+    """How a column's numbers are checked: the API's check, and the range inside which a
+    number passes it without the call (an import checks a million of them)."""
+    if column.name in _MOMENTS:
+        return validate.moment, timestamps.EARLIEST, timestamps.LATEST
+    if column.name in _COSTS:
+        return validate.cost, -validate.MAX_COST_USD, validate.MAX_COST_USD
+    kinds = _python_types(column)
+    if kinds == (int,):
+        return validate.integer, validate.INT64_MIN, validate.INT64_MAX
+    return (validate.real, math.inf, -math.inf) if float in kinds else None  # always asked
+
+
 @dataclass(frozen=True)
 class _Shape:
     """A table's columns as an import checks a record: (name, accepted types, value when the
     record leaves it out) in table order, and every name."""
 
-    columns: tuple[tuple[str, tuple[type, ...], int | None], ...]
+    columns: tuple[
+        tuple[str, tuple[type, ...], int | None, tuple[_Check, float, float] | None], ...
+    ]
     names: frozenset[str]
 
     @classmethod
@@ -205,7 +258,12 @@ class _Shape:
         return cls(
             columns=tuple(
                 # the counters (server default 0) are 0 when left out
-                (c.name, _python_types(c), 0 if c.server_default is not None else None)
+                (
+                    c.name,
+                    _python_types(c),
+                    0 if c.server_default is not None else None,
+                    _number_rule(c),
+                )
                 for c in table.c
             ),
             names=frozenset(table.c.keys()),
@@ -234,7 +292,7 @@ def _checked(
         if unknown:
             raise InvalidInputError(f"{where}: unknown fields {sorted(unknown)}")
     row: RowDict = {}
-    for name, kinds, default in shape.columns:
+    for name, kinds, default, rule in shape.columns:
         value = record.get(name, default)
         if value is None:
             if name in required:
@@ -242,6 +300,13 @@ def _checked(
         elif type(value) not in kinds and (isinstance(value, bool) or not isinstance(value, kinds)):
             expected = " or ".join(k.__name__ for k in kinds)
             raise InvalidInputError(f"{where}: {name} must be {expected}")
+        elif rule is not None:
+            check, low, high = rule
+            if not low <= value <= high:  # NaN too
+                try:
+                    check(name, value)
+                except InvalidInputError as error:
+                    raise InvalidInputError(f"{where}: {error}") from None
         elif not nul_ok and isinstance(value, str) and "\x00" in value:
             raise InvalidInputError(f"{where}: {name} holds a NUL character")
         row[name] = value
@@ -262,6 +327,8 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
     session = _checked(
         record, _SESSION_SHAPE, where, _REQUIRED_SESSION, extra=_SESSION_EXTRA, nul_ok=nul_ok
     )
+    if session["parent_session_id"] == session["id"]:
+        raise InvalidInputError(f"{where}: session {session['id']!r} is its own parent")
     raw_messages = record.get("messages") or []
     if not isinstance(raw_messages, list):
         raise InvalidInputError(f"{where}: messages must be a list")
@@ -492,6 +559,8 @@ def read_records(handle: IO[bytes], advance: Callable[[int], None]) -> Iterator[
             yield number, json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise InvalidInputError(f"line {number}: not valid JSON ({error})") from error
+        except RecursionError:
+            raise InvalidInputError(f"line {number}: JSON nested too deeply to read") from None
 
 
 def import_sessions(
@@ -833,7 +902,8 @@ def write_records(
         folder = Path(output)
         make_private_dirs(folder)  # 0700 whatever the umask
         for record in counted(chosen):
-            with export_writer(str(folder / markdown.file_name(record)), database) as handle:
+            page = str(folder / markdown.file_name(record))
+            with export_writer(page, database, stream=False) as handle:
                 handle.write(markdown.render_session(record))
     elif fmt == "md":
         with export_writer(output, database) as handle:

@@ -10,7 +10,9 @@ nothing is written. The rules:
   SQLite's 64-bit range (-2**63 .. 2**63 - 1); ``limit`` and page sizes where noted are >= 0/1;
 - real numbers (costs, timestamps, day counts): ``int`` or ``float`` but not ``bool``, finite
   (NaN and infinities are refused on both backends: PostgreSQL would store them, SQLite would
-  turn NaN into NULL);
+  turn NaN into NULL); an ``int`` also within the 64-bit range (no driver binds a larger one);
+  timestamps are seconds since 1970 that a date holds (years 1 to 9999), costs at most
+  :data:`MAX_COST_USD` either way (a running total then never overflows to infinity);
 - lists of names (``exclude_sources``, ``source_filter``, ``role_filter``): a ``str`` (one name)
   or an iterable of ``str``;
 - flags: ``bool`` (or ``int``);
@@ -33,11 +35,15 @@ from typing import Any
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import ArgumentError
 
+from hermes_store import timestamps
 from hermes_store.engine.factory import to_url
 from hermes_store.errors import InvalidInputError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+#: The largest cost one call may give, either way (a trillion dollars): added up ever after,
+#: such costs stay below a float's range for far longer than any store lives.
+MAX_COST_USD = 1e12
 #: The most UTF-8 bytes of text one message may hold (content, reasoning, tool calls ...
 #: together). Indexing is linear but not cheap: 16 MiB of distinct words cost about 10 s and
 #: 700 MB of memory in SQLite's full-text index, 16 MiB of CJK about 35 s and 1.1 GB in its
@@ -121,12 +127,20 @@ def real(name: str, value: object, *, optional: bool = False, scale: float = 1.0
         return
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise InvalidInputError(f"{name} must be a number, not {_kind(value)}")
-    try:
-        finite = math.isfinite(float(value) * scale)
-    except OverflowError:  # an int beyond a float's range
-        finite = False
-    if not finite:
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise InvalidInputError(
+            f"{name} must be a float or an integer within the 64-bit range, not {value}"
+        )
+    if not math.isfinite(float(value) * scale):
         raise InvalidInputError(f"{name} must be a finite number, not {value!r}")
+
+
+def cost(name: str, value: object) -> None:
+    """A cost in US dollars, None, or a finite number of at most :data:`MAX_COST_USD` either
+    way: the store adds costs up, and a running total must stay a number."""
+    real(name, value, optional=True)
+    if value is not None and not -MAX_COST_USD <= float(value) <= MAX_COST_USD:  # type: ignore[arg-type]
+        raise InvalidInputError(f"{name} must be at most {MAX_COST_USD:.0e} USD, not {value!r}")
 
 
 def flag(name: str, value: object) -> None:
@@ -176,9 +190,25 @@ def messages(value: object) -> list[Mapping[str, Any]]:
     return batch
 
 
+def moment(name: str, value: object, *, optional: bool = False) -> None:
+    """Seconds since 1970 that a date holds (years 1 to 9999: :mod:`hermes_store.timestamps`);
+    one in milliseconds, the usual slip, is named as such."""
+    real(name, value, optional=optional)
+    if value is None:
+        return
+    seconds = float(value)  # type: ignore[arg-type]  # real() let only an int or a float by
+    if timestamps.fits(seconds):
+        return
+    slip = seconds > timestamps.LATEST and timestamps.fits(seconds / 1000)
+    raise InvalidInputError(
+        f"{name} must be seconds since 1970 within the years 1 to 9999, not {value!r}"
+        + (" (it looks like milliseconds)" if slip else "")
+    )
+
+
 def message_numbers(token_count: object, timestamp: object) -> None:
     integer("token_count", token_count, optional=True)
-    real("timestamp", timestamp, optional=True)
+    moment("timestamp", timestamp, optional=True)
 
 
 def token_counts(
@@ -204,8 +234,8 @@ def token_counts(
             return
     for name, value in zip(names, counts, strict=True):
         integer(name, value)
-    real("estimated_cost_usd", estimated, optional=True)
-    real("actual_cost_usd", actual, optional=True)
+    cost("estimated_cost_usd", estimated)
+    cost("actual_cost_usd", actual)
 
 
 def target(value: object) -> None:

@@ -160,6 +160,11 @@ class App:
         if self._url is None:
             from hermes_store.engine.factory import display_url, to_url, url_from_environment
 
+            if self._db is not None and not self._db.strip():
+                raise BadArgument(
+                    "--db is empty: give a SQLite path or a database URL (leave the option "
+                    "out for the default database)"
+                )
             origin = "--db" if self._db else "HERMES_STORE_URL"
             try:
                 url = to_url(self._db) if self._db else url_from_environment()

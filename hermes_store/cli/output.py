@@ -21,10 +21,11 @@ import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
+
+from hermes_store import timestamps
 
 if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
     from hermes_store.ops.pacing import StepTally
@@ -166,12 +167,17 @@ def width() -> int:
 
 
 def when(ts: float | None, fmt: str = "%Y-%m-%d %H:%M") -> str:
-    return datetime.fromtimestamp(ts).strftime(fmt) if ts is not None else "—"
+    """A timestamp for people: local time, the number itself when no date holds it."""
+    return timestamps.shown(ts, fmt) if ts is not None else "—"
 
 
 def iso(ts: float | None) -> str:
-    """A timestamp for machines: local ISO 8601 to the second, empty when missing."""
-    return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts is not None else ""
+    """A timestamp for machines: local ISO 8601 to the second, empty when missing, the number
+    itself when no date holds it (a file the original store wrote may hold any)."""
+    if ts is None:
+        return ""
+    moment = timestamps.moment(ts)
+    return moment.isoformat(timespec="seconds") if moment is not None else repr(ts)
 
 
 def lock_holds(report: StepTally) -> str:

@@ -75,6 +75,8 @@ def export(
     """
     from hermes_store import transfer
 
+    if session_ref is not None and not session_ref.strip():
+        raise click.UsageError("--session is empty: name a session (leave it out for all)")
     if session_ref and sources:
         raise click.UsageError("--session and --source cannot be combined")
     if split and fmt != "md":

@@ -278,6 +278,30 @@ def _command_line(entry: Path) -> str:
     return raw.replace(b"\x00", b" ").decode("utf-8", "replace").strip() or "?"
 
 
+#: What a path can be besides a regular file or a symbolic link, in words.
+_SPECIAL_KINDS = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
+
+
+def special_kind(path: Path) -> str | None:
+    """What ``path`` is, in words, when it exists as something other than a regular file or
+    a symbolic link (a device such as ``/dev/null``, a FIFO, a folder, a socket); else None.
+
+    An output written beside its name and renamed into place must never be renamed over such
+    a thing: as root, ``export -o /dev/null`` replaced the machine's ``/dev/null`` with a
+    regular file, and every program that wrote to it after failed. Only ``lstat``."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None  # nothing there (or nothing to look at): creating it says what is wrong
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), None)
+
+
 def refuse_aliases(path: Path, given: Path | None = None) -> None:
     """Refuse a database file that has another name (a hard link): SQLite keeps the WAL and
     its index beside the name a process opened (``NAME-wal``), so two processes writing

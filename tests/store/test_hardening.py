@@ -38,6 +38,8 @@ from hermes_store import (
     SessionDB,
     StorageFullError,
     UnrecognizedSchemaError,
+    timestamps,
+    validate,
 )
 from hermes_store.cli import cli
 from hermes_store.schema.migrate import remove_stale_temps
@@ -213,6 +215,23 @@ BAD_CALLS: dict[str, Callable[[SessionDB], object]] = {
     ),
     "timestamp NaN": lambda db: db.append_messages("base", [{"role": "user", "timestamp": NAN}]),
     "timestamp inf": lambda db: db.append_messages("base", [{"role": "user", "timestamp": INF}]),
+    "timestamp in milliseconds": lambda db: db.append_messages(
+        "base", [{"role": "user", "timestamp": 1_733_500_000_000.5}]
+    ),
+    "timestamp 1e300": lambda db: db.append_messages(
+        "base", [{"role": "user", "timestamp": 1e300}]
+    ),
+    "timestamp before year 1": lambda db: db.append_messages(
+        "base", [{"role": "user", "timestamp": -1e12}]
+    ),
+    "estimated cost 2**70 as an int": lambda db: db.update_token_counts(
+        "base", estimated_cost_usd=2**70
+    ),
+    "actual cost 2**63 as an int": lambda db: db.update_token_counts("base", actual_cost_usd=HUGE),
+    "estimated cost 1e308": lambda db: db.update_token_counts("base", estimated_cost_usd=1e308),
+    "actual cost -1e13, absolute": lambda db: db.update_token_counts(
+        "base", actual_cost_usd=-1e13, absolute=True
+    ),
     "estimated cost NaN": lambda db: db.update_token_counts("base", estimated_cost_usd=NAN),
     "actual cost -inf": lambda db: db.update_token_counts("base", actual_cost_usd=-INF),
     "search 5": lambda db: db.search_messages(5),  # type: ignore[arg-type]
@@ -265,6 +284,32 @@ def test_counter_overflow_is_refused_not_turned_into_a_float(baseline: SessionDB
     assert session["input_tokens"] == top - 1 and type(session["input_tokens"]) is int
     assert session["output_tokens"] == -top and type(session["output_tokens"]) is int
     baseline.delete_session("big")
+
+
+def test_timestamps_and_costs_within_their_bounds_are_taken(baseline: SessionDB) -> None:
+    """The store takes any date a ``datetime`` holds and costs up to a trillion dollars a
+    call; a timestamp in milliseconds is named as the likely slip."""
+    baseline.create_session("edges", "cli")
+    baseline.append_messages(
+        "edges",
+        [
+            {"role": "user", "content": "early", "timestamp": timestamps.EARLIEST},
+            {"role": "user", "content": "late", "timestamp": timestamps.LATEST},
+            {"role": "user", "content": "epoch", "timestamp": 0},
+        ],
+    )
+    baseline.update_token_counts("edges", estimated_cost_usd=validate.MAX_COST_USD)
+    baseline.update_token_counts("edges", estimated_cost_usd=validate.MAX_COST_USD)
+    baseline.update_token_counts("edges", actual_cost_usd=-validate.MAX_COST_USD)
+    session = baseline.get_session("edges")
+    assert session is not None
+    assert session["estimated_cost_usd"] == 2 * validate.MAX_COST_USD
+    assert session["actual_cost_usd"] == -validate.MAX_COST_USD
+    moments = [m["timestamp"] for m in baseline.get_messages("edges")]
+    assert moments == [timestamps.EARLIEST, 0, timestamps.LATEST]
+    with pytest.raises(InvalidInputError, match="looks like milliseconds"):
+        baseline.append_messages("edges", [{"role": "user", "timestamp": 1_733_500_000_000}])
+    baseline.delete_session("edges")
 
 
 def test_a_directory_at_the_database_path(tmp_path: Path) -> None:

@@ -262,7 +262,10 @@ FILE_ACCESS_ALLOWED = {
     ("transfer.py", "open"): "export: the descriptor of its own mkstemp file; import: the "
     "file to import, refused when it is the database or a sidecar",
     ("transfer.py", "os.replace"): "export: renames its temp file onto a target checked not to "
-    "be the database or a sidecar",
+    "be the database or a sidecar, nor a device, FIFO, folder or socket",
+    ("transfer.py", "os.open"): "export: writes into a character device or FIFO the target is "
+    "(/dev/null, a pipe), O_NOFOLLOW, checked on the descriptor; the database is a regular file "
+    "and never a target",
     ("factory.py", "os.open"): "create_private_file: O_CREAT|O_EXCL, fails rather than open an "
     "existing file",
     ("migrate.py", "os.link"): "links a complete new database into place; never replaces a path "
