@@ -109,9 +109,19 @@ def _to_json(name: str, value: Any) -> str | None:
     if not value:
         return None
     try:
-        return json.dumps(value)
+        text = json.dumps(value)
+        if "\\ud" in text:  # a character beyond the BMP, or a lone surrogate: see below
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # Escaped, a lone surrogate looks like half of a pair ("\ud800" "\udc00" are read
+        # back as one character): it would come back as another string, so it is refused as
+        # it is in text.
+        raise InvalidInputError(
+            f"{name} holds text that is not Unicode (a lone surrogate)"
+        ) from None
     except (TypeError, ValueError, RecursionError) as error:
         raise InvalidInputError(f"{name} cannot be stored as JSON: {error}") from error
+    return text
 
 
 def _row_dict(row: Row[Any]) -> RowDict:
