@@ -246,7 +246,7 @@ def _number_rule(column: sa.Column[Any]) -> tuple[_Check, float, float] | None:
 @dataclass(frozen=True)
 class _Shape:
     """A table's columns as an import checks a record: (name, accepted types, value when the
-    record leaves it out) in table order, and every name."""
+    record leaves it out, the rule of its numbers) in table order, and every name."""
 
     columns: tuple[
         tuple[str, tuple[type, ...], int | None, tuple[_Check, float, float] | None], ...
