@@ -8,8 +8,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from hermes_store import SessionDB
 from hermes_store.cli import cli
 from tests.support import legacy
 from tests.support.backends import url_string
+from tests.support.read_only import read_only_folder
 
 
 @pytest.fixture
@@ -119,24 +118,6 @@ def test_the_migrations_command_line_fails_in_one_line(
     failed = [line for line in output.splitlines() if line.startswith("FAILED: ")]
     assert len(failed) == 1, output
     assert not (tmp_path / "new.db").exists()  # nothing left behind
-
-
-@contextmanager
-def read_only_folder(folder: Path) -> Iterator[None]:
-    """No file can be created in ``folder``, for root too (the immutable attribute; a plain
-    mode suffices for other users)."""
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "+i", str(folder)], check=True)
-        try:
-            yield
-        finally:
-            subprocess.run(["chattr", "-i", str(folder)], check=True)
-    else:
-        folder.chmod(0o555)
-        try:
-            yield
-        finally:
-            folder.chmod(0o755)
 
 
 def test_a_database_in_a_read_only_folder_can_be_backed_up(
