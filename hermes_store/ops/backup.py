@@ -290,9 +290,6 @@ def _copy(
         live.close()
 
 
-_COLUMNS = "SELECT name FROM pragma_table_info(?)"
-
-
 def check_snapshot(path: Path) -> list[str]:
     """The problems of a database file (empty list: sound): SQLite's ``integrity_check`` and
     ``foreign_key_check``, the full-text indexes against their content, the schema at head
@@ -310,30 +307,16 @@ def check_snapshot(path: Path) -> list[str]:
         if not {"sessions", "messages", "alembic_version", ddl.FTS_TABLE} <= tables:
             problems.append("not a hermes-store database at head (tables are missing)")
             return problems
-        revision = connection.execute("SELECT version_num FROM alembic_version").fetchone()
-        version = (
-            connection.execute("SELECT version FROM schema_version").fetchone()
-            if "schema_version" in tables
-            else None
-        )
-        state = migrate.DatabaseState(
-            tables=tables,
-            revision=revision[0] if revision else None,
-            schema_version=version[0] if version else None,
-            columns={
-                table: {r[0] for r in connection.execute(_COLUMNS, (table,))}
-                for table in ("sessions", "messages")
-            },
-        )
-        try:
-            migrate.check_adoptable(state, str(path))
-        except SchemaError as error:  # a schema this release refuses: no upgrade helps
+        try:  # the checks that refuse to open a newer release's file: no upgrade helps
+            state = migrate.preflight_sqlite(path)
+        except SchemaError as error:
             problems.append(str(error))
             return problems
+        revision = state.revision if state is not None else None
         head = migrate.head_revision()
-        if revision is None or revision[0] != head:
+        if revision != head:
             problems.append(
-                f"schema at {revision[0] if revision else 'no revision'}, head is {head} "
+                f"schema at {revision or 'no revision'}, head is {head} "
                 "(`hermes-store --db SNAPSHOT db upgrade` brings it to head)"
             )
         problems += fulltext.index_damage(connection)
