@@ -36,7 +36,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import sqlite_file, unreadable_in_wal
+from hermes_store.engine.factory import sqlite_file
 from hermes_store.errors import (
     AccessDeniedError,
     DatabaseLockedError,
@@ -153,7 +153,7 @@ def _sqlite_checks(conn: Connection, path: Path, immutable: bool) -> list[Check]
 
 
 def _read_only_folder_checks(path: Path) -> list[Check]:
-    """The file checks of a database read ``immutable`` (see :func:`_read_engine`). SQLite
+    """The file checks of a database read ``immutable`` (see :func:`migrate.read_engine`). SQLite
     reports no journal mode then, and without a ``-wal`` file nothing committed lives outside
     the main file, so what matters is that writes will be refused here."""
     return [
@@ -179,16 +179,6 @@ def _no_wal_file_check(path: Path) -> Check:
     if found.status != "ok":
         return found
     return Check(found.name, "ok", "none: everything committed is in the main file")
-
-
-def _read_engine(url: URL, path: Path | None) -> tuple[Engine, bool]:
-    """The doctor's engine, and whether it reads the file ``immutable``: a file in a folder
-    this process cannot write, without a ``-wal`` file, is read as every read command reads it
-    (SQLite could not create the ``-shm`` a WAL read needs)."""
-    if path is not None and unreadable_in_wal(path):
-        uri = files.sqlite_uri(path, mode="ro", immutable="1")
-        return sa.create_engine(uri, poolclass=NullPool), True
-    return migrate.read_engine(url), False
 
 
 #: A file up to this size gets the checks of a small one: one ``integrity_check`` of the whole
@@ -824,7 +814,8 @@ def run_doctor(
     if not {"sessions", "messages"} <= state.tables:
         return checks
     path = sqlite_file(url)
-    engine, immutable = _read_engine(url, path)
+    engine = migrate.read_engine(url)
+    immutable = migrate.reads_immutable(engine)
     clock = _Clock(budget_s)
     large = path is not None and _file_bytes(path) > SMALL_FILE_BYTES
     try:

@@ -46,6 +46,7 @@ from hermes_store.engine.factory import (
     same_connection,
     sqlite_file,
     to_url,
+    unreadable_in_wal,
 )
 from hermes_store.errors import (
     AccessDeniedError,
@@ -246,6 +247,9 @@ def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | N
         raise NotADatabaseError(f"{where} cannot be examined: {error.strerror or error}") from error
     if stat.S_ISDIR(info.st_mode):
         raise NotADatabaseError(f"{where} is a directory, not a SQLite database")
+    if not stat.S_ISREG(info.st_mode):  # /dev/null would read as an empty file
+        kind = files.kind_of(info.st_mode) or "not a regular file"
+        raise NotADatabaseError(f"{where} is {kind}, not a SQLite database")
     if info.st_size == 0:
         raise NotADatabaseError(f"{where} is an empty file (0 bytes), not a SQLite database")
     if not os.access(path, os.R_OK):
@@ -580,14 +584,25 @@ def repair(target: Target, *, retry: RetryPolicy | None = None) -> list[str]:
 
 
 def read_engine(target: Target) -> Engine:
-    """An engine for read-only commands (``current``, ``check``) on an existing database."""
+    """An engine for read-only commands (``current``, ``check``, the doctor, analytics) on an
+    existing database. A SQLite file in a folder this process cannot write, without a ``-wal``
+    file, is read ``immutable``, as the store opens it (SQLite could not create the ``-shm`` a
+    WAL read needs there): :func:`reads_immutable` tells."""
     url = target.url if isinstance(target, Engine) else to_url(target)
     path = sqlite_file(url)
     if path is not None:
         if preflight_sqlite(path) is None:
             raise NotADatabaseError(f"there is no database at {path}")
+        if unreadable_in_wal(path):
+            url = files.sqlite_uri(path, mode="ro", immutable="1")
         return sa.create_engine(url, poolclass=NullPool)
     return create_engine(url, poolclass=NullPool, **same_connection(target))
+
+
+def reads_immutable(engine: Engine) -> bool:
+    """Whether a :func:`read_engine` reads its SQLite file ``immutable`` (no locks, no journal
+    mode to ask about)."""
+    return engine.url.query.get("immutable") == "1"
 
 
 def upgrade(

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from hermes_store import InvalidInputError, SessionDB, analytics
 from hermes_store.models import ChatSession
 from hermes_store.models import sessions_table as S
+from tests.support.read_only import read_only_folder
 
 # Two sessions either side of a UTC midnight, one a day later; a 3-level lineage.
 LATE = datetime(2025, 3, 1, 23, 59, 30, tzinfo=UTC).timestamp()
@@ -152,6 +153,25 @@ def test_to_dataframe_on_every_kind_of_target(usage_db: SessionDB, tmp_path: Pat
     with SessionDB(path) as db:
         db.create_session("x", "cli")
     assert analytics.to_dataframe(analytics.totals(), path)["sessions"].tolist() == [1]
+
+
+def test_to_dataframe_reads_a_file_in_a_read_only_folder(tmp_path: Path) -> None:
+    """An archived copy in a folder nobody may write: read as the store opens it (immutable),
+    not failing for want of the ``-shm`` a WAL read would create; nothing appears there."""
+    pytest.importorskip("pandas")
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    path = folder / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("x", "cli")
+        db.append_message("x", "user", "kept")
+    for extra in folder.glob("state.db?*"):
+        extra.unlink()  # the queue's lock file: a folder copied read-only has none
+    before = sorted(folder.iterdir())
+    with read_only_folder(folder):
+        frame = analytics.to_dataframe(analytics.totals(), path)
+    assert frame["sessions"].tolist() == [1] and frame["messages"].tolist() == [1]
+    assert sorted(folder.iterdir()) == before
 
 
 def test_to_dataframe_without_pandas_says_what_to_install(
