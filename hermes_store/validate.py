@@ -208,7 +208,8 @@ def moment(name: str, value: object, *, optional: bool = False) -> None:
 
 def message_numbers(token_count: object, timestamp: object) -> None:
     integer("token_count", token_count, optional=True)
-    moment("timestamp", timestamp, optional=True)
+    if timestamp is not None:
+        moment("timestamp", timestamp)
 
 
 def token_counts(

@@ -299,6 +299,11 @@ def special_kind(path: Path) -> str | None:
         mode = os.lstat(path).st_mode
     except OSError:
         return None  # nothing there (or nothing to look at): creating it says what is wrong
+    return kind_of(mode)
+
+
+def kind_of(mode: int) -> str | None:
+    """:func:`special_kind` of a ``stat`` result's ``st_mode``."""
     return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), None)
 
 

@@ -183,3 +183,18 @@ def test_a_backup_never_replaces_a_device_or_fifo(runner: CliRunner, tmp_path: P
         result = run(runner, path, "backup", str(target), "--force")
         assert result.exit_code == 1 and "not a file" in result.stderr, result.output
         assert not stat.S_ISREG(os.lstat(target).st_mode)
+
+
+def test_a_device_or_fifo_as_the_database_is_named_for_what_it_is(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """``--db /dev/null`` was refused as "an empty file (0 bytes)": refused still, in words
+    that say what the path is; and it is left as it was."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for target, kind in ((fifo, "FIFO"), (_char_device(tmp_path / "null"), "character device")):
+        if target is None:
+            continue
+        result = run(runner, target, "sessions", "list")
+        assert result.exit_code == 3 and kind in result.stderr, result.output
+        assert not stat.S_ISREG(os.lstat(target).st_mode)
