@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -398,6 +399,28 @@ _TWINS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
 _TWIN_LOCK = threading.Lock()
 
 
+#: The module-level hooks each engine listens with (see :func:`listen_once`).
+_LISTENING: weakref.WeakKeyDictionary[Engine, set[tuple[str, Callable[..., Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LISTEN_LOCK = threading.Lock()
+
+
+def listen_once(engine: Engine, identifier: str, hook: Callable[..., Any]) -> None:
+    """``event.listen(engine, identifier, hook)`` unless ``engine`` already listens with it.
+
+    Not ``event.contains``: SQLAlchemy's registry is keyed by the engine's ``id()``, and it
+    can keep an emptied entry after the engine is collected, which then answers True for a
+    new engine at the same address. A caller's engine went unhooked that way
+    (its writes in the client encoding its environment named). Tracked here by the engine
+    itself, weakly."""
+    with _LISTEN_LOCK:
+        hooks = _LISTENING.setdefault(engine, set())
+        if (identifier, hook) not in hooks:
+            event.listen(engine, identifier, hook)
+            hooks.add((identifier, hook))
+
+
 def register_origin(engine: Engine, url: URL, connect_args: dict[str, Any]) -> None:
     """Record what ``engine`` was made from (see :func:`connection_key`)."""
     _ORIGINS[engine] = (url, dict(connect_args))
@@ -628,8 +651,7 @@ def install_pooler_guard(engine: Engine) -> None:
     pooler answers the startup itself, so they differ, and the connection prepares nothing
     (as ``prepare_threshold=none`` in the URL, which also skips this check). One round trip
     per new connection; idempotent."""
-    if not event.contains(engine, "connect", _guard_pooler):
-        event.listen(engine, "connect", _guard_pooler)
+    listen_once(engine, "connect", _guard_pooler)
 
 
 #: Pooler fronts already reported (one warning per server address, not per connection).
@@ -700,8 +722,7 @@ def install_read_only_names(engine: Engine) -> None:
     SELECT in a read-only transaction", which names neither the cause nor the cure (on
     PostgreSQL 14 and later, which report both). A read unit's own READ ONLY transaction is
     left to the usual mapping. Idempotent."""
-    if not event.contains(engine, "handle_error", _name_read_only_refusal):
-        event.listen(engine, "handle_error", _name_read_only_refusal)
+    listen_once(engine, "handle_error", _name_read_only_refusal)
 
 
 def _name_read_only_refusal(context: ExceptionContext) -> None:
@@ -719,9 +740,8 @@ def install_utf8(engine: Engine) -> None:
     """Make a PostgreSQL engine handed to the store talk UTF-8 (see :data:`CLIENT_ENCODING`):
     its new connections ask for it at startup, and a connection it pooled before in another
     encoding is replaced when the pool hands it out. Idempotent."""
-    if not event.contains(engine, "do_connect", _utf8_startup):
-        event.listen(engine, "do_connect", _utf8_startup)
-        event.listen(engine, "checkout", _utf8_checkout)
+    listen_once(engine, "do_connect", _utf8_startup)
+    listen_once(engine, "checkout", _utf8_checkout)
 
 
 def _utf8_startup(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:

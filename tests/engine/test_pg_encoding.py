@@ -26,12 +26,14 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from sqlalchemy import event
 from sqlalchemy.engine import URL, Connection
+from sqlalchemy.event.registry import _key_to_collection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from hermes_store import AsyncSessionDB, SessionDB
-from hermes_store.engine.factory import autocommit_engine
+from hermes_store.engine.factory import _utf8_checkout, _utf8_startup, autocommit_engine
 from hermes_store.repo.postgresql import append_statement, message_id
 from hermes_store.schema import migrate
 from hermes_store.uow.pggroup import Grouped, rowcount
@@ -307,6 +309,36 @@ def test_every_store_connection_talks_utf8(
         return found
 
     assert asyncio.run(on_asyncio_engines()) == ["SJIS", "UTF8", "UTF8", "UTF8", "UTF8"]
+
+
+def test_a_callers_engine_is_hooked_whatever_sqlalchemys_registry_remembers(
+    scratch: Callable[[str], URL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLAlchemy's event registry is keyed by ``id()``, and it can keep an emptied entry for
+    a collected engine, which ``event.contains`` then reports for a new one at the same
+    address (once in a few hundred engines a store opened). The store asked it and left
+    such a caller's engine unhooked: its writes went in the environment's SJIS, every ``¥``
+    stored as a backslash. The entries are planted here as a collected object leaves them."""
+    url = scratch("sjis")
+    _fresh(url)
+    monkeypatch.setenv("PGCLIENTENCODING", "SJIS")
+    given = sa.create_engine(url)
+    try:
+        with given.connect() as conn:
+            assert _client_encoding(conn) == "SJIS"
+        for identifier, hook in (("do_connect", _utf8_startup), ("checkout", _utf8_checkout)):
+            assert not _key_to_collection[(id(given), identifier, id(hook))]  # made, empty
+        assert event.contains(given, "do_connect", _utf8_startup)  # what misled the store
+        session = f"s-{uuid.uuid4().hex[:8]}"
+        with SessionDB(given) as db:
+            db.create_session(session, "cli")
+            for text in YEN:
+                db.append_message(session, "user", text)
+            with db.engine.connect() as conn:
+                assert _client_encoding(conn) == "UTF8"
+    finally:
+        given.dispose()
+    assert _stored(url, session) == YEN
 
 
 def _show(engine: sa.Engine, twin: bool) -> str:
