@@ -426,13 +426,15 @@ def register_origin(engine: Engine, url: URL, connect_args: dict[str, Any]) -> N
     _ORIGINS[engine] = (url, dict(connect_args))
 
 
-def connection_key(engine: Engine) -> str:
+def connection_key(engine: Engine) -> str | None:
     """Where ``engine`` connects, as a key: two engines with equal keys reach one database.
-    The URL alone is not enough (connect_args may name another host or database); an engine
-    this module did not make from a URL (its connect function is opaque) is a key of its own."""
+    The URL alone is not enough (connect_args may name another host or database). None for
+    an engine this module did not make from a URL: its connect function is opaque, so it
+    shares its key with no other engine (key it by the engine itself, weakly: an ``id()``
+    outlives the engine and names the next one made at its address)."""
     origin = _ORIGINS.get(engine)
     if origin is None:
-        return f"{engine.url.render_as_string(hide_password=False)}#engine-{id(engine)}"
+        return None
     url, connect_args = origin
     return f"{url.render_as_string(hide_password=False)}#{sorted(connect_args.items())!r}"
 

@@ -43,6 +43,7 @@ import enum
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -196,6 +197,7 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             log.warning("a PostgreSQL write group was not sent (%s); its writes run alone", error)
         finally:
             with self._lock:  # entered in C (see LeaderQueue)
+                self._group = []  # settled: the units (and their stores' engines) go
                 self._cond.notify_all()
 
     def _send(self, batch: list[Grouped[Any]], outlet: Outlet) -> None:
@@ -348,20 +350,31 @@ def _rolled_back(conn: Connection, driver: Any) -> bool:
     return True
 
 
-_registry: dict[tuple[int, str, SchemaMap], StatementGroups] = {}
+#: The queues of the engines this package made: by process, database and schema.
+_registry: dict[tuple[object, ...], StatementGroups] = {}
+#: A caller's engine's queues, by process and schema: they go with the engine.
+_by_engine: weakref.WeakKeyDictionary[Engine, dict[tuple[object, ...], StatementGroups]] = (
+    weakref.WeakKeyDictionary()
+)
 _registry_lock = threading.Lock()
 
 
 def for_database(engine: Engine) -> StatementGroups:
     """This process's group-commit queue for ``engine``'s database and schema (keyed by the
     process, so a forked child never waits on its parent's queue; by the schema, so a group
-    is written into one schema)."""
+    is written into one schema). Stores on engines this package made from one URL share it;
+    a caller's engine has its own, kept with the engine."""
     schemas = schema_map(engine)
-    key = (os.getpid(), connection_key(engine), schemas)
-    groups = _registry.get(key)
-    if groups is None:
-        with _registry_lock:
-            groups = _registry.setdefault(key, StatementGroups(schemas))
+    where = connection_key(engine)
+    key: tuple[object, ...]
+    with _registry_lock:
+        if where is None:
+            queues, key = _by_engine.setdefault(engine, {}), (os.getpid(), schemas)
+        else:
+            queues, key = _registry, (os.getpid(), where, schemas)
+        groups = queues.get(key)
+        if groups is None:
+            groups = queues[key] = StatementGroups(schemas)
     return groups
 
 

@@ -9,7 +9,9 @@ write in flight while the others queue (``wait_for_queued_units``), and the serv
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -200,3 +202,27 @@ def test_a_store_in_a_schema_of_its_own_groups_into_that_schema(db_url: URL) -> 
         assert (public_row["message_count"], public_row["input_tokens"]) == (1, 0)
         assert placed.stats().lost_groups == 0  # it went into its schema at the first try
         assert placed.uow.statement_groups is not public.uow.statement_groups
+
+
+def test_a_callers_engine_has_a_queue_of_its_own_that_goes_with_it(pg_url: URL) -> None:
+    """Stores on the package's engines for one URL share a queue; a caller's engine gets one
+    of its own, shared by the stores on it and collected with it: keyed by ``id()`` it stayed
+    for the process's life and went to the next engine made at the same address."""
+    url = url_string(pg_url)
+    with SessionDB(url) as first, SessionDB(url) as second:
+        assert first.uow.statement_groups is second.uow.statement_groups
+    given = sa.create_engine(pg_url)
+    with SessionDB(given) as first, SessionDB(given) as second:
+        groups = first.uow.statement_groups
+        assert groups is not None and groups is second.uow.statement_groups
+        first.create_session("s", "cli")
+        first.append_message("s", "user", "through the caller's engine")
+    other = sa.create_engine(pg_url)
+    with SessionDB(other) as db:
+        assert db.uow.statement_groups is not groups
+    other.dispose()
+    gone = weakref.ref(groups)
+    given.dispose()
+    del given, first, second, groups, db
+    gc.collect()
+    assert gone() is None
