@@ -102,6 +102,28 @@ def _migration_context(conn: Connection) -> MigrationContext:
     return MigrationContext.configure(conn, opts=opts)
 
 
+#: This package's own tables past the original store's last schema version, newest first,
+#: with the revision that creates each.
+OWN_TABLES = (("write_keys", "h9_write_keys"), ("messages_cjk", "h7_cjk_index"))
+
+
+def legacy_revision(state: DatabaseState) -> str | None:
+    """The revision of a database with a ``schema_version`` and no Alembic row.
+
+    The original store's files: their version's. A database this package wrote that lost its
+    row (a hand-dropped or emptied ``alembic_version``) also holds tables of later revisions,
+    which the upgrade from its version would create again and fail on. On SQLite the newest of
+    them tells its revision (the revisions between change nothing there); on PostgreSQL they
+    retype columns in place, so it cannot be told: None."""
+    assert state.schema_version is not None
+    ours = [revision for table, revision in OWN_TABLES if table in state.tables]
+    if not ours:
+        return revision_for_version(state.schema_version)
+    if state.schema_version != ddl.HEAD_VERSION or state.dialect != "sqlite":
+        return None
+    return ours[0]
+
+
 def revision_for_version(version: int) -> str:
     """The Alembic revision of the original store's schema version (``v3_session_title`` for 3)."""
     revision = revisions.for_version(version)
@@ -130,6 +152,7 @@ class DatabaseState:
     #: SQLite: the trigger names; PostgreSQL: the index names on ``messages``.
     triggers: set[str] = field(default_factory=set)
     indexes: set[str] = field(default_factory=set)
+    dialect: str = "sqlite"
 
     @property
     def is_empty(self) -> bool:
@@ -169,7 +192,11 @@ def read_state(conn: Connection) -> DatabaseState:
                 ).scalars()
             )
     state = DatabaseState(
-        tables=tables, triggers=triggers, indexes=indexes, version_table=where.version_table
+        tables=tables,
+        triggers=triggers,
+        indexes=indexes,
+        version_table=where.version_table,
+        dialect=conn.dialect.name,
     )
     if where.version_table in tables:
         state.revision = conn.execute(
@@ -215,6 +242,16 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
     version = state.schema_version
     if version < 1:
         raise UnrecognizedSchemaError(f"{where} has schema_version {version}, which never existed")
+    if legacy_revision(state) is None:
+        own = sorted(table for table, _ in OWN_TABLES if table in state.tables)
+        raise UnrecognizedSchemaError(
+            f"{where} holds hermes_store's own tables ({', '.join(own)}) at schema_version "
+            f"{version} but no {state.version_table} row, so its revision cannot be told. "
+            f"Once you know it, record it: INSERT INTO {state.version_table} (version_num) "
+            f"VALUES ('REVISION') ({revisions.HEAD} for this release's head; `hermes-store db "
+            f"history` lists them; a dropped table is CREATE TABLE {state.version_table} "
+            "(version_num varchar(32) PRIMARY KEY))"
+        )
     need, allowed = ddl.columns_at(version), ddl.columns_at(ddl.HEAD_VERSION)
     for table in ("sessions", "messages"):
         have = state.columns.get(table)
@@ -314,7 +351,8 @@ def adopt(conn: Connection) -> DatabaseState:
     state = read_state(conn)
     check_adoptable(state, _describe(conn))
     if state.is_legacy and state.schema_version is not None:
-        revision = revision_for_version(state.schema_version)
+        revision = legacy_revision(state)
+        assert revision is not None  # check_adoptable refused it otherwise
         log.info(
             "adopting a legacy database at schema_version %s as %s", state.schema_version, revision
         )
@@ -904,7 +942,7 @@ def revision_of(state: DatabaseState | None) -> str | None:
     if state.revision is not None:
         return state.revision
     if state.is_legacy and state.schema_version is not None:
-        return revision_for_version(state.schema_version)
+        return legacy_revision(state)
     return None
 
 

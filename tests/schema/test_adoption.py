@@ -366,6 +366,75 @@ def test_refusals_in_postgresql(pg_worker_url: URL | None) -> None:
         engine.dispose()
 
 
+# -- a database of this package that lost its Alembic row -----------------------------------------
+
+
+@pytest.mark.parametrize("how", ["dropped", "emptied"])
+@pytest.mark.parametrize(
+    ("at", "told"), [("h7_cjk_index", "h7_cjk_index"), (HEAD, "h9_write_keys")]
+)
+def test_a_sqlite_file_that_lost_its_alembic_row_is_adopted_where_it_is(
+    tmp_path: Path, how: str, at: str, told: str
+) -> None:
+    """A file this package wrote whose ``alembic_version`` was dropped or emptied by hand
+    holds tables of revisions past the original store's version 6: adopted at the newest
+    of them (the later ones change nothing on SQLite), nothing lost. From version 6 the
+    upgrade met ``write_keys`` and failed with a raw "table write_keys already exists"."""
+    path = tmp_path / "state.db"
+    url = URL.create("sqlite", database=str(path))
+    with SessionDB(path) as db:
+        db.create_session("s", "cli")
+        db.append_message("s", "user", "kept 表示の確認")
+        keyed = db.append_message("s", "user", "keyed", idempotency_key="k1")
+    if at != HEAD:
+        hermes_store.downgrade(path, at)
+    with sqlite3.connect(path) as con:
+        con.execute(
+            "DROP TABLE alembic_version" if how == "dropped" else "DELETE FROM alembic_version"
+        )
+    con.close()
+    assert hermes_store.current(path) == told  # by its tables
+    with SessionDB(path) as db:
+        assert [m["content"] for m in db.get_messages("s")] == ["kept 表示の確認", "keyed"]
+        assert [hit["id"] for hit in db.search_messages("表示")] == [1]
+        assert db.append_message("s", "user", "again", idempotency_key="k1") == (
+            keyed if at == HEAD else db.get_messages("s")[-1]["id"]
+        )
+    assert alembic_revision(url) == HEAD
+    assert schema_version(url) == 6
+    assert cjk_index_ids(path) == [1]
+
+
+def test_a_postgresql_database_that_lost_its_alembic_row_is_refused_unchanged(
+    pg_url: URL,
+) -> None:
+    """On a server the revisions past version 6 retype columns in place: which of them ran
+    cannot be told from the tables, so the database is refused, naming the fix."""
+    with SessionDB(url_string(pg_url)) as db:
+        db.create_session("s", "cli")
+        db.append_message("s", "user", "kept")
+    engine = plain_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM alembic_version"))
+        for open_it in (
+            lambda: hermes_store.upgrade(pg_url),
+            lambda: SessionDB(url_string(pg_url)),
+        ):
+            with pytest.raises(UnrecognizedSchemaError, match="INSERT INTO alembic_version"):
+                open_it()
+        assert alembic_revision(pg_url) is None
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM messages")).scalar() == 1
+            conn.execute(
+                sa.text("INSERT INTO alembic_version (version_num) VALUES (:v)"), {"v": HEAD}
+            )
+    finally:
+        engine.dispose()
+    with SessionDB(url_string(pg_url)) as db:
+        assert [m["content"] for m in db.get_messages("s")] == ["kept"]
+
+
 # -- opening without the write lock; many processes at once --------------------------------------
 
 
