@@ -246,11 +246,12 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
         own = sorted(table for table, _ in OWN_TABLES if table in state.tables)
         raise UnrecognizedSchemaError(
             f"{where} holds hermes_store's own tables ({', '.join(own)}) at schema_version "
-            f"{version} but no {state.version_table} row, so its revision cannot be told. "
-            f"Once you know it, record it: INSERT INTO {state.version_table} (version_num) "
-            f"VALUES ('REVISION') ({revisions.HEAD} for this release's head; `hermes-store db "
-            f"history` lists them; a dropped table is CREATE TABLE {state.version_table} "
-            "(version_num varchar(32) PRIMARY KEY))"
+            f"{version} but no row in {state.version_table}, so its revision cannot be told. "
+            f"Once you know it, store it as the one row of {state.version_table} (its "
+            f"version_num column; "
+            f"{revisions.HEAD} is this release's head, `hermes-store db history` lists them; "
+            "a dropped table comes back as Alembic makes it: version_num varchar(32), the "
+            "primary key), then open it"
         )
     need, allowed = ddl.columns_at(version), ddl.columns_at(ddl.HEAD_VERSION)
     for table in ("sessions", "messages"):
