@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from datetime import UTC
 from typing import Any
 
-from hermes_store import timestamps
+from hermes_store import jsontext, timestamps
 
 RowDict = dict[str, Any]
 
@@ -59,8 +59,8 @@ def _pretty_json(raw: Any) -> str:
             parsed = json.loads(raw)
         except ValueError:
             return raw
-        return json.dumps(parsed, ensure_ascii=False, indent=2)
-    return json.dumps(raw, ensure_ascii=False, indent=2)
+        return jsontext.dumps(parsed, ensure_ascii=False, indent=2)
+    return jsontext.dumps(raw, ensure_ascii=False, indent=2)
 
 
 def _tool_calls(message: RowDict) -> list[str]:

@@ -30,6 +30,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from hermes_store import jsontext
+
 #: The marker written in place of each secret.
 MASK = "[REDACTED:{kind}]"
 #: Export records carry this key (true) when they were redacted; ``import`` refuses them.
@@ -699,7 +701,7 @@ def redact_value(value: Any) -> Any:
             except ValueError:
                 return redact_text(value)
             cleaned = redact_value(parsed)
-            return value if cleaned == parsed else json.dumps(cleaned, ensure_ascii=False)
+            return value if cleaned == parsed else jsontext.dumps(cleaned, ensure_ascii=False)
         return redact_text(value)
     if isinstance(value, dict):
         out: dict[Any, Any] = {}

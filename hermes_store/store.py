@@ -109,7 +109,8 @@ def _to_json(name: str, value: Any) -> str | None:
     if not value:
         return None
     try:
-        text = json.dumps(value)
+        # No NaN or Infinity: not JSON (jq and most readers refuse the whole text).
+        text = json.dumps(value, allow_nan=False)
         if "\\ud" in text:  # a character beyond the BMP, or a lone surrogate: see below
             json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -120,6 +121,8 @@ def _to_json(name: str, value: Any) -> str | None:
             f"{name} holds text that is not Unicode (a lone surrogate)"
         ) from None
     except (TypeError, ValueError, RecursionError) as error:
+        if isinstance(error, ValueError) and str(error).startswith("Out of range float"):
+            raise InvalidInputError(f"{name} holds NaN or an infinity, not JSON") from None
         raise InvalidInputError(f"{name} cannot be stored as JSON: {error}") from error
     return text
 

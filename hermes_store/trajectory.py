@@ -9,12 +9,13 @@ file, and two helpers turn the agent's ``<REASONING_SCRATCHPAD>`` tags into Shar
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat
 from datetime import datetime
 from typing import Any
+
+from hermes_store import jsontext
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def save_trajectory(
         "completed": completed,
     }
     try:
-        line = json.dumps(entry, ensure_ascii=False) + "\n"
+        line = jsontext.dumps(entry, ensure_ascii=False) + "\n"
         with open(_append_only(filename), "a", encoding="utf-8") as handle:
             handle.write(line)
     except Exception as error:  # the agent must never fail because a sample was not saved

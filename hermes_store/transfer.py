@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
-from hermes_store import redact, timestamps, validate
+from hermes_store import jsontext, redact, timestamps, validate
 from hermes_store.engine import fastpath, files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url
 from hermes_store.errors import (
@@ -65,6 +65,11 @@ class DatabaseTargetError(InvalidInputError):
 
 class OutputFileError(InvalidInputError):
     """The export file cannot be created (no such folder, no permission)."""
+
+
+class ParentCycleError(InvalidInputError):
+    """An imported session's parent links would lead back to it (A's parent B, B's parent A):
+    the batch that would close the cycle was rolled back, the batches before it stay."""
 
 
 def is_database_file(path: str | os.PathLike[str], database: URL) -> bool:
@@ -149,7 +154,7 @@ def export_writer(path: str, database: URL, *, stream: bool = True) -> Iterator[
 def write_export(handle: IO[str], records: Iterable[RowDict]) -> Iterator[RowDict]:
     """Write each record as one JSON line, yielding it once written (for progress and counts)."""
     for record in records:
-        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.write(jsontext.dumps(record, ensure_ascii=False) + "\n")
         yield record
 
 
@@ -336,7 +341,7 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
     for index, raw in enumerate(raw_messages):
         if isinstance(raw, dict) and raw.get("tool_calls") is not None:
             # get_messages() decodes tool_calls; store them as JSON text again.
-            raw = {**raw, "tool_calls": json.dumps(raw["tool_calls"])}
+            raw = {**raw, "tool_calls": jsontext.dumps(raw["tool_calls"])}
         message = _checked(
             raw, _MESSAGE_SHAPE, f"{where}, message {index}", _REQUIRED_MESSAGE, nul_ok=nul_ok
         )
@@ -358,6 +363,32 @@ _TITLES = _in(S.c.title)
 _MESSAGE_IDS = _in(M.c.id)
 _SESSIONS_LANDED = _in(S.c.id, func.count())
 _MESSAGES_LANDED = _in(M.c.session_id, func.count())
+
+
+def _cycle_walk() -> sa.Select[Any]:
+    """The sessions of the list ``:values`` whose parents lead back to them: each walks up
+    its chain of parents (as stored, links of this batch included), one row per (child,
+    ancestor) pair. ``UNION`` keeps a pair once, so a walk ends at a root, at a parent that
+    is missing, back at its child, or once round a cycle it joined (an older one, not
+    through the child): one row per ancestor, never more."""
+    start = select(S.c.id.label("child"), S.c.parent_session_id.label("ancestor")).where(
+        S.c.id.in_(bindparam("values", expanding=True)), S.c.parent_session_id.is_not(None)
+    )
+    walk = start.cte("parent_walk", recursive=True)
+    step = S.alias("walk_step")
+    walk = walk.union(
+        select(walk.c.child, step.c.parent_session_id).where(
+            step.c.id == walk.c.ancestor,
+            walk.c.ancestor != walk.c.child,
+            step.c.parent_session_id.is_not(None),
+        )
+    )
+    return select(walk.c.child).where(walk.c.ancestor == walk.c.child)
+
+
+_CYCLE_CHILDREN = _cycle_walk()
+#: The most sessions of a cycle an error names (a longer one ends with ``...``).
+_CYCLE_SHOWN = 10
 
 
 def _chunks(conn: Connection, statement: sa.Select[Any], values: Iterable[Any]) -> Iterator[Any]:
@@ -464,6 +495,7 @@ def _write_batch(
             .values(parent_session_id=bindparam("parent")),
             [{"child": child, "parent": links[child]} for child in linked],
         )
+        _refuse_cycles(conn, linked, fresh, batch)
 
     fresh_ids = [p.session["id"] for p in fresh]
     landed_sessions = sum(_chunks(conn, _SESSIONS_LANDED, fresh_ids))
@@ -475,6 +507,42 @@ def _write_batch(
             f"{landed_messages}; the batch was rolled back"
         )
     return _BatchOutcome(report, linked, new_links)
+
+
+def _refuse_cycles(
+    conn: Connection, linked: Iterable[str], fresh: list[_Prepared], batch: list[_Prepared]
+) -> None:
+    """Raise :class:`ParentCycleError` when the links just applied close a cycle of parents.
+
+    A new cycle runs through a link of this batch, so walking up from each newly linked
+    child finds it (:func:`_cycle_walk`, one statement per 500 children; the chains already
+    in the database and the batches before count, as stored). Only the children linked now
+    are walked: an import of sessions without parents asks nothing. The error names the
+    cycle from the session of the batch (``fresh``: the ones it inserted) that comes first."""
+    looping = sorted(set(_chunks(conn, _CYCLE_CHILDREN, linked)))
+    if not looping:
+        return
+    cycle = [looping[0]]
+    parent_of = select(S.c.parent_session_id).where(S.c.id == bindparam("id"))
+    while len(cycle) <= _CYCLE_SHOWN:
+        parent = conn.scalar(parent_of, {"id": cycle[-1]})
+        if parent is None or parent == cycle[0]:
+            break
+        cycle.append(parent)
+    lines = {p.session["id"]: p.line for p in fresh}
+    line, first = min(((lines[s], s) for s in cycle if s in lines), default=(batch[0].line, None))
+    if len(cycle) > _CYCLE_SHOWN:
+        shown = " -> ".join(repr(s) for s in cycle[:_CYCLE_SHOWN]) + " -> ..."
+    else:
+        turn = cycle.index(first) if first is not None else 0
+        cycle = cycle[turn:] + cycle[:turn]
+        shown = " -> ".join(repr(s) for s in [*cycle, cycle[0]])
+    first_line, last_line = batch[0].line, batch[-1].line
+    span = f"lines {first_line}-{last_line}" if last_line != first_line else f"line {first_line}"
+    raise ParentCycleError(
+        f"line {line}: the parent links {shown} form a cycle (each session would be its own "
+        f"ancestor): refused; its batch ({span}) was rolled back"
+    )
 
 
 def _insert(conn: Connection, table: sa.Table, rows: list[RowDict]) -> None:
@@ -549,10 +617,40 @@ def _advance_message_sequence(conn: Connection) -> None:
     )
 
 
+#: The longest line an import reads (bytes, its newline left out). One line holds a whole
+#: session with all its messages (the store caps a message, not how many a session has), so
+#: the cap is far above any real export (a session of a thousand 1 MB tool outputs is 1 GB);
+#: it is there so that a file with no newline at all (a disk image, ``/dev/zero``) is refused
+#: once this much is read, not read whole into memory.
+MAX_LINE_BYTES = 1 << 30
+#: What one read of a line takes at most: a line longer than this is read in such pieces, each
+#: checked as it comes (every line of a usual export fits in one).
+_LINE_CHUNK = 1 << 20
+#: A UTF-8 byte order mark, which ``json.loads`` skips (an export saved by a Windows editor).
+_BOM = b"\xef\xbb\xbf"
+
+
+class NotAnExportError(InvalidInputError):
+    """The import's input is not a JSON Lines export at all (binary data, a line that is no
+    JSON object, a line longer than :data:`MAX_LINE_BYTES`): refused as soon as it shows,
+    before its batch is written."""
+
+
 def read_records(handle: IO[bytes], advance: Callable[[int], None]) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded JSON) of each non-blank line; ``advance`` gets each line's size."""
-    for number, raw in enumerate(handle, 1):
-        advance(len(raw))
+    """(line number, decoded JSON) of each non-blank line; ``advance`` gets the size of each
+    piece read (they sum to the bytes read).
+
+    Each line is read in pieces of at most :data:`_LINE_CHUNK` bytes and checked as they come,
+    so that misuse fails at once and memory stays bounded by :data:`MAX_LINE_BYTES`: a NUL
+    byte (JSON text never holds one raw: binary data), a line that does not start with ``{``
+    (every record is a JSON object) and a line over the cap raise :class:`NotAnExportError`.
+    """
+    number = 0
+    while True:
+        number += 1
+        raw = _read_line(handle, number, advance)
+        if raw is None:
+            return
         if not raw.strip():
             continue
         try:
@@ -561,6 +659,64 @@ def read_records(handle: IO[bytes], advance: Callable[[int], None]) -> Iterator[
             raise InvalidInputError(f"line {number}: not valid JSON ({error})") from error
         except RecursionError:
             raise InvalidInputError(f"line {number}: JSON nested too deeply to read") from None
+
+
+def _read_line(
+    handle: IO[bytes], number: int, advance: Callable[[int], None]
+) -> bytes | bytearray | None:
+    """Line ``number`` (with its newline, if any) checked as :func:`read_records` says; None at
+    the end of the input."""
+    chunk = handle.readline(_LINE_CHUNK)
+    if not chunk:
+        return None
+    advance(len(chunk))
+    opened = _check_piece(chunk, number, opened=False)
+    if chunk[-1:] == b"\n" or len(chunk) < _LINE_CHUNK:  # the usual line: read whole
+        _check_length(len(chunk) - (chunk[-1:] == b"\n"), number)
+        return chunk
+    line = bytearray(chunk)
+    while True:
+        _check_length(len(line), number)
+        chunk = handle.readline(_LINE_CHUNK)
+        if not chunk:
+            return line
+        advance(len(chunk))
+        opened = _check_piece(chunk, number, opened=opened)
+        line += chunk
+        if chunk[-1:] == b"\n":
+            _check_length(len(line) - 1, number)
+            return line
+
+
+def _check_piece(piece: bytes, number: int, *, opened: bool) -> bool:
+    """Refuse a NUL byte in this piece of line ``number``, or a line whose first byte that is
+    not blank is not ``{``. Returns whether that first byte has been seen (``opened``: in an
+    earlier piece of the line)."""
+    if b"\0" in piece:
+        raise NotAnExportError(
+            f"line {number}: holds a NUL byte: not a JSON Lines export (binary data?)"
+        )
+    if opened or piece[:1] == b"{":
+        return True
+    start = piece.lstrip()
+    if number == 1 and start.startswith(_BOM):
+        start = start[len(_BOM) :].lstrip()
+    if not start:
+        return False  # blank so far
+    if start[:1] != b"{":
+        raise NotAnExportError(
+            f"line {number}: not a JSON Lines export: every line is a JSON object "
+            f"({{...}}), this one starts with {start[:1].decode('latin-1')!r}"
+        )
+    return True
+
+
+def _check_length(length: int, number: int) -> None:
+    if length > MAX_LINE_BYTES:
+        raise NotAnExportError(
+            f"line {number}: longer than {MAX_LINE_BYTES:,} bytes: not a JSON Lines export "
+            "(no export line is this long; is it a file of another kind?)"
+        )
 
 
 def import_sessions(
@@ -752,9 +908,17 @@ def _write_batches(
     with closing(reader) if reader is not None else nullcontext():
         for batch in reader if reader is not None else batches:
             links = dict(pending)
-            outcome = uow.run(
-                lambda conn: _write_batch(conn, batch, links, read_next)  # noqa: B023
-            )
+            try:
+                outcome = uow.run(
+                    lambda conn: _write_batch(conn, batch, links, read_next)  # noqa: B023
+                )
+            except ParentCycleError as error:
+                kept = (
+                    f"the {total.sessions} session(s) of the batches before it stay imported"
+                    if total.sessions
+                    else "nothing was imported"
+                )
+                raise ParentCycleError(f"{error}; {kept}") from None
             for child in outcome.linked:
                 pending.pop(child, None)
             pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})

@@ -14,7 +14,6 @@ import contextlib
 import csv
 import functools
 import io
-import json
 import os
 import re
 import sys
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
-from hermes_store import timestamps
+from hermes_store import jsontext, timestamps
 
 if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
     from hermes_store.ops.pacing import StepTally
@@ -91,7 +90,8 @@ def echo(text: str = "", *, err: bool = False) -> None:
 
 
 def echo_json(value: Any) -> None:
-    echo(json.dumps(value, ensure_ascii=False, indent=2, default=str))
+    """``--json``: valid JSON whatever the database holds (an infinite cost as ``null``)."""
+    echo(jsontext.dumps(value, ensure_ascii=False, indent=2, default=str))
 
 
 @contextlib.contextmanager
@@ -470,7 +470,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict | list):
-        return json.dumps(value, ensure_ascii=False)
+        return jsontext.dumps(value, ensure_ascii=False)
     return value
 
 

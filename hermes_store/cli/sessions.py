@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from hermes_store import jsontext
 from hermes_store.cli.app import (
     App,
     Problem,
@@ -179,10 +179,10 @@ def _tool_call_line(call: Any, full: bool) -> str:
     if isinstance(function, dict):
         name, arguments = function.get("name", "?"), function.get("arguments", "")
         if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+            arguments = jsontext.dumps(arguments, ensure_ascii=False)
         body = f"{name}({arguments})"
     else:
-        body = json.dumps(call, ensure_ascii=False)
+        body = jsontext.dumps(call, ensure_ascii=False)
     return body if full else fold(body)
 
 
@@ -262,7 +262,9 @@ def sessions_show(
                 "tool_calls",
                 "tool calls",
                 lambda m: (
-                    json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None
+                    jsontext.dumps(m["tool_calls"], ensure_ascii=False)
+                    if m.get("tool_calls")
+                    else None
                 ),
             ),
             Column("reasoning", "reasoning", lambda m: m.get("reasoning")),

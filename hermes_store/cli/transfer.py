@@ -9,7 +9,9 @@ import click
 
 from hermes_store.cli.app import (
     App,
+    BadArgument,
     complete_session,
+    one_line,
     pass_app,
     resolve_session,
     sources_option,
@@ -134,23 +136,32 @@ def import_(
         f"{report.sessions} session(s) and {report.messages} message(s) were imported (whole "
         "batches); run the same import again to add the rest (known ids are skipped)."
     )
-    with (
-        transfer.import_reader(file, app.url) as (handle, size),
-        progress(size, "importing", bytes_=True) as bar,
-    ):
-        records = transfer.read_records(handle, bar.advance)
-        if new_file is not None:  # built whole beside it, then linked in place
-            transfer.import_new_file(
-                new_file, records, batch_size=batch_size, allow_redacted=force, report=report
-            )
-        else:
-            transfer.import_sessions(
-                app.store(create=True),
-                records,
-                batch_size=batch_size,
-                allow_redacted=force,
-                report=report,
-            )
+    try:
+        with (
+            transfer.import_reader(file, app.url) as (handle, size),
+            progress(size, "importing", bytes_=True) as bar,
+        ):
+            records = transfer.read_records(handle, bar.advance)
+            if new_file is not None:  # built whole beside it, then linked in place
+                transfer.import_new_file(
+                    new_file, records, batch_size=batch_size, allow_redacted=force, report=report
+                )
+            else:
+                transfer.import_sessions(
+                    app.store(create=True),
+                    records,
+                    batch_size=batch_size,
+                    allow_redacted=force,
+                    report=report,
+                )
+    except transfer.NotAnExportError as error:
+        # The wrong file given: a usage error, as a missing one is.
+        landed = (
+            f" ({report.sessions} session(s) of the batches before it were imported)"
+            if report.sessions
+            else ""
+        )
+        raise BadArgument(f"{file}: {one_line(error)}{landed}") from error
 
     def human() -> None:
         echo(

@@ -33,6 +33,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import CompoundSelect, Select
 
+from hermes_store import jsontext
 from hermes_store.engine import placement
 from hermes_store.engine.factory import default_db_path, make_private_dirs, sqlite_file
 from hermes_store.errors import InvalidInputError, UnsafePathError
@@ -461,7 +462,7 @@ def _read_marker(fd: int) -> dict[str, Any]:
 
 
 def _write_marker(fd: int, record: dict[str, Any]) -> None:
-    data = json.dumps(record, sort_keys=True).encode("utf-8")
+    data = jsontext.dumps(record, sort_keys=True).encode("utf-8")
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
     os.fsync(fd)

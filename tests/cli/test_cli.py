@@ -507,7 +507,7 @@ def test_import_renumbers_taken_message_ids_and_clears_taken_titles(
 def test_import_refuses_bad_lines_before_writing(runner: CliRunner, tmp_path: Path) -> None:
     good = {"id": "s1", "source": "cli", "started_at": 1.0, "messages": []}
     cases = {
-        "not json": "line 2: not valid JSON",
+        "{not json": "line 2: not valid JSON",
         json.dumps({**good, "id": "s2", "colour": "red"}): "unknown fields ['colour']",
         json.dumps({**good, "id": "s2", "started_at": "yesterday"}): "started_at must be",
         json.dumps({**good, "id": "s2", "messages": [{"role": "user"}]}): "timestamp is required",
@@ -539,6 +539,27 @@ def test_import_links_children_whose_parent_comes_later(runner: CliRunner, tmp_p
             for s in ("grandchild", "child", "lost", "root")
         }
     assert parents == {"grandchild": "child", "child": "root", "lost": None, "root": None}
+
+
+def test_import_refuses_a_cycle_of_parents_keeping_the_batches_before(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """'a' and 'b' each other's parent, a batch apart: one line naming them and what stayed."""
+    lines = [
+        {"id": "a", "source": "cli", "started_at": 1.0, "parent_session_id": "b"},
+        {"id": "b", "source": "cli", "started_at": 2.0, "parent_session_id": "a"},
+    ]
+    path = tmp_path / "ring.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    result = run(runner, tmp_path / "t.db", "import", str(path), "--batch-size", "1")
+    assert one_line_error(result, 1) == (
+        "Error: line 2: the parent links 'b' -> 'a' -> 'b' form a cycle (each session would be "
+        "its own ancestor): refused; its batch (line 2) was rolled back; the 1 session(s) of "
+        "the batches before it stay imported"
+    )
+    with open_db(tmp_path / "t.db") as db:
+        assert [s["id"] for s in db.list_sessions_rich()] == ["a"]
+        assert (db.get_session("a") or {})["parent_session_id"] is None
 
 
 # -- stats -------------------------------------------------------------------------------------

@@ -7,14 +7,18 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
 from hermes_store import SessionDB, markdown
 from hermes_store.cli import cli
+from tests.support.cli_process import RUN_CLI
 
 
 @pytest.fixture
@@ -79,7 +83,10 @@ BAD_LINES = {
         '{"id": "x", "source": "cli", "started_at": 1.0, "actual_cost_usd": Infinity}',
         "finite number",
     ),
-    "JSON nested 100,000 deep": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "JSON nested 100,000 deep": (
+        '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        "nested too deeply",
+    ),
     "a session that is its own parent": (
         '{"id": "x", "source": "cli", "started_at": 1.0, "parent_session_id": "x"}',
         "its own parent",
@@ -105,6 +112,132 @@ def test_import_refuses_numbers_and_shapes_no_store_takes(
     assert reason in errors[0]
     with SessionDB(path) as db:  # refused before anything was written
         assert [s["id"] for s in db.list_sessions_rich()] == ["kept"]
+
+
+#: The child's address space, capped: a reader that reads /dev/zero whole fails at once
+#: instead of taking the machine's memory until the timeout.
+_MEMORY_CAP = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+
+
+def test_importing_dev_zero_fails_at_once(tmp_path: Path) -> None:
+    """``hermes-store import /dev/zero`` read it as one endless line, growing to gigabytes
+    without a word: now one line, exit 2 (the wrong file given), nothing created."""
+    env = {k: v for k, v in os.environ.items() if k != "HERMES_STORE_URL"}
+    argv = [sys.executable, "-c", _MEMORY_CAP + RUN_CLI, "--db", str(tmp_path / "state.db")]
+    done = subprocess.run(
+        [*argv, "import", "/dev/zero"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "Error: /dev/zero: line 1: holds a NUL byte: not a JSON Lines export (binary data?)"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"SQLite format 3\x00\x10\x00\x01\x01", "line 1: holds a NUL byte"),
+        (b"\x1f\x8b\x08\x08\xd2\x93", "line 1: not a JSON Lines export: every line is a JSON"),
+        (b"id,source,started_at\nx,cli,1.0\n", "starts with 'i'"),
+    ],
+    ids=["sqlite", "gzip", "csv"],
+)
+def test_import_of_a_file_that_is_no_export_is_a_usage_error(
+    runner: CliRunner, tmp_path: Path, content: bytes, reason: str
+) -> None:
+    """A database, a gzip file or a CSV given to import: one line, exit 2, nothing written;
+    an export given after it still imports."""
+    source = tmp_path / "input"
+    source.write_bytes(content)
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("kept", "cli")
+    result = run(runner, path, "import", str(source))
+    assert result.exit_code == 2, (result.output, result.exception)
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"Error: {source}: line 1: ") and reason in line
+    export = tmp_path / "good.jsonl"
+    export.write_text('{"id": "fine", "source": "cli", "started_at": 1.0}\n')
+    assert run(runner, path, "import", str(export)).exit_code == 0
+    with SessionDB(path) as db:
+        assert sorted(s["id"] for s in db.list_sessions_rich()) == ["fine", "kept"]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise AssertionError(f"not JSON: {name}")
+
+
+def strict_json(text: str) -> Any:
+    """``text`` read as JSON is: ``Infinity``, ``-Infinity`` and ``NaN`` refused (as jq does)."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
+_INFINITE_CALLS = (
+    '[{"id": "c1", "function": {"name": "f", "arguments": {"x": Infinity, "y": NaN}}}]'
+)
+_COSTS_QUERY = "SELECT id, estimated_cost_usd, actual_cost_usd FROM sessions"
+
+
+def test_an_infinite_cost_is_null_in_every_json_written(runner: CliRunner, tmp_path: Path) -> None:
+    """A file the original store wrote may hold an infinite cost (a REAL column; SQLite keeps
+    NaN as NULL) and tool calls whose JSON holds ``Infinity``: the export and every ``--json``
+    output write ``null`` there (``Infinity`` is not JSON: jq refuses the whole file), and the
+    export imports again."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("inf", "cli", model="m")
+        db.set_session_title("inf", "Infinite")
+        db.append_message("inf", "assistant", "calling", tool_calls=[{"id": "c1"}])
+    with sqlite3.connect(path) as con:  # as the original store could have left it
+        con.execute(
+            "UPDATE sessions SET estimated_cost_usd = 9e999, actual_cost_usd = -9e999 "
+            "WHERE id = 'inf'"
+        )
+        con.execute(
+            "UPDATE messages SET tool_calls = ? WHERE session_id = 'inf'", (_INFINITE_CALLS,)
+        )
+        stored = con.execute("SELECT estimated_cost_usd, actual_cost_usd FROM sessions").fetchone()
+    assert stored == (float("inf"), float("-inf"))
+    exported = tmp_path / "out.jsonl"
+    assert run(runner, path, "export", "-o", str(exported)).exit_code == 0
+    piped = run(runner, path, "export", "-o", "-")
+    assert piped.exit_code == 0, (piped.output, piped.exception)
+    for text in (exported.read_text(), piped.stdout):
+        [record] = [strict_json(line) for line in text.splitlines()]
+        assert record["estimated_cost_usd"] is None and record["actual_cost_usd"] is None
+        arguments = record["messages"][0]["tool_calls"][0]["function"]["arguments"]
+        assert arguments == {"x": None, "y": None}
+    commands = {
+        "list": ("sessions", "list", "--json"),
+        "show": ("sessions", "show", "inf", "--json"),
+        "stats": ("stats", "--json"),
+        "query": ("query", _COSTS_QUERY, "--json"),
+    }
+    printed = {}
+    for name, args in commands.items():
+        result = run(runner, path, *args)
+        assert result.exit_code == 0, (args, result.output, result.exception)
+        printed[name] = strict_json(result.stdout)
+    assert printed["list"][0]["estimated_cost_usd"] is None
+    assert printed["list"][0]["actual_cost_usd"] is None
+    assert printed["show"]["actual_cost_usd"] is None
+    assert printed["query"] == [{"id": "inf", "estimated_cost_usd": None, "actual_cost_usd": None}]
+    tsv = run(runner, path, "sessions", "show", "inf", "--format", "tsv").stdout
+    assert '"arguments": {"x": null, "y": null}' in tsv
+    copy = tmp_path / "copy.db"
+    result = run(runner, copy, "import", str(exported), "--json")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert strict_json(result.stdout)["sessions"] == 1
+    with SessionDB(copy) as db:
+        session = db.get_session("inf")
+        assert session is not None and session["estimated_cost_usd"] is None
+        assert db.get_session_title("inf") == "Infinite"
 
 
 def test_an_empty_database_or_session_option_is_refused(runner: CliRunner, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import math
 import os
 import re
 import sqlite3
@@ -413,6 +414,24 @@ def test_nul_is_stored_on_sqlite_and_refused_on_postgresql(baseline: SessionDB) 
     assert store.message_count("nul") == 0
     session = store.get_session("nul")
     assert session is not None and session["message_count"] == 0
+
+
+@pytest.mark.parametrize("number", [math.nan, math.inf, -math.inf])
+def test_nan_or_an_infinity_in_a_json_field_is_refused(baseline: SessionDB, number: float) -> None:
+    """Python writes them as ``NaN``/``Infinity``, which is not JSON: a reader of the column
+    (jq, a PostgreSQL cast, another language) would refuse the whole text."""
+    store = baseline
+    store.create_session("nan", "cli")
+    calls: list[Callable[[], object]] = [
+        lambda: store.append_message("nan", "assistant", "x", tool_calls=[{"n": number}]),
+        lambda: store.append_message("nan", "assistant", "x", reasoning_details=[number]),
+        lambda: store.append_messages("nan", [{"role": "user", "codex_reasoning_items": [number]}]),
+        lambda: store.create_session("nan2", "cli", model_config={"temperature": number}),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidInputError, match="NaN or an infinity"):
+            call()
+    assert store.message_count("nan") == 0 and store.get_session("nan2") is None
 
 
 def test_sql_in_every_field_is_just_text(baseline: SessionDB) -> None:

@@ -56,6 +56,22 @@ def test_explicit_filename_appends(tmp_path: Path) -> None:
     assert len(target.read_text(encoding="utf-8").splitlines()) == 2
 
 
+def test_a_non_finite_number_is_written_as_null(tmp_path: Path) -> None:
+    """``Infinity`` and ``NaN`` are not JSON (jq refuses the whole file): written as null."""
+    target = tmp_path / "samples.jsonl"
+    turns = [{"from": "gpt", "value": "x", "score": float("inf"), "scores": [float("nan"), 1.5]}]
+    save_trajectory(turns, "m", True, filename=target)
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not JSON: {name}")
+
+    [line] = target.read_text(encoding="utf-8").splitlines()
+    entry = json.loads(line, parse_constant=refuse)
+    assert entry["conversations"] == [
+        {"from": "gpt", "value": "x", "score": None, "scores": [None, 1.5]}
+    ]
+
+
 def test_errors_are_logged_and_swallowed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="hermes_store.trajectory"):
         save_trajectory(CONVERSATION, "m", True, filename=tmp_path)  # a directory
