@@ -72,6 +72,8 @@ T = TypeVar("T")
 DEFAULT_THREADS = 8
 #: How often an open SQLite transaction()'s thread looks whether its event loop was closed.
 LOOP_WATCH_S = 0.5
+#: A task's call waiting this long for another task's transaction() block to end is logged.
+BLOCK_WAIT_NOTICE_S = 10.0
 
 
 @dataclass
@@ -186,6 +188,9 @@ class _Tx:
         # PostgreSQL: a context of its own that every call of the block runs in.
         self.thread = _TxThread(self.loop, self._abandon) if owner._threads else None
         self.context = contextvars.Context()
+        #: Set once the block is over: tasks started inside it wait for this (see
+        #: :meth:`AsyncSessionDB._behind_a_block`).
+        self.over = asyncio.Event()
 
     def end(self, error: BaseException | None) -> Callable[[], object]:
         """The call (run where the block's calls run) that ends the block: commit, or roll
@@ -597,6 +602,8 @@ class AsyncSessionDB:
         task = asyncio.current_task()
         open_tx = self._tx.get()
         nested = open_tx is not None and open_tx.task is task
+        if not nested:
+            await self._behind_a_block()
         tx = open_tx if open_tx is not None and nested else _Tx(self, task)
         token = None if nested else self._tx.set(tx)
         body_thread = threading.get_ident()  # the loop's: it must never wait for this writer
@@ -639,6 +646,8 @@ class AsyncSessionDB:
                 raise
             await self._must(tx.submit(ending(None)))
         finally:
+            if not nested:
+                tx.over.set()
             if token is not None and self._tx.get() is tx:
                 self._tx.reset(token)
             if not nested and tx.thread is not None:
@@ -702,7 +711,30 @@ class AsyncSessionDB:
         return result  # type: ignore[no-any-return]
 
     async def _run(self, call: Callable[[], T]) -> T:
+        await self._behind_a_block()
         return await self._settle(*self._submit(call))
+
+    async def _behind_a_block(self) -> None:
+        """A task started inside another task's open ``transaction()`` block sees that block
+        (tasks copy their context) and its calls land after it: they wait here, on the loop,
+        for the block to end. Waiting in a thread for the block's writer (or, on PostgreSQL,
+        its row locks) instead, a call could not be cancelled, and a block that awaited such
+        a task (``gather``, ``wait_for``) hung for good, its timeout never firing."""
+        tx = self._tx.get()
+        if tx is None or tx.task is asyncio.current_task() or tx.over.is_set():
+            return
+        if tx.loop is not asyncio.get_running_loop():
+            return  # a copied context on another loop: its event is not this loop's
+        try:
+            await asyncio.wait_for(tx.over.wait(), BLOCK_WAIT_NOTICE_S)
+        except TimeoutError:
+            log.warning(
+                "a call of a task started inside a transaction() block waits for that block "
+                "to end (%.0f s so far); if the block awaits this task, neither ends: await "
+                "such calls in the block's own task, or start the task after the block",
+                BLOCK_WAIT_NOTICE_S,
+            )
+            await tx.over.wait()
 
     async def _call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         db = await self._open()

@@ -213,6 +213,48 @@ def test_transaction_is_bound_to_its_task(url: str) -> None:
     assert contents == ["other task"] and count == 1
 
 
+def test_a_block_awaiting_its_child_tasks_call_can_time_out(url: str) -> None:
+    """A task started inside a block lands after it, so a block that awaits it cannot end:
+    its call waits on the loop, where the block's timeout cancels it before it began. It
+    waited for the block's writer (or its row locks) in a thread instead, where a
+    cancellation waits for a started call to finish: ``wait_for`` never returned."""
+
+    async def scenario() -> list[str | None]:
+        async with AsyncSessionDB(url) as db:
+            await db.create_session("s", "cli")
+            with pytest.raises(TimeoutError):
+                async with db.transaction():
+                    await db.append_message("s", "user", "in the block")
+                    child = asyncio.create_task(db.append_message("s", "user", "child"))
+                    await asyncio.wait_for(child, 0.2)
+            assert child.cancelled()
+            return [m["content"] for m in await db.get_messages("s")]
+
+    assert run(scenario()) == []
+
+
+def test_a_child_tasks_block_cancelled_behind_its_parents_block(url: str) -> None:
+    """The same for a child that opens a block of its own: cancelled while it waits for the
+    parent's block, it never began."""
+
+    async def scenario() -> list[str | None]:
+        async with AsyncSessionDB(url) as db:
+            await db.create_session("s", "cli")
+
+            async def child() -> None:
+                async with db.transaction():
+                    await db.append_message("s", "user", "never")
+
+            async with db.transaction():
+                await db.append_message("s", "user", "parent")
+                task = asyncio.create_task(child())
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(task, 0.2)
+            return [m["content"] for m in await db.get_messages("s")]
+
+    assert run(scenario()) == ["parent"]
+
+
 def test_no_deadlock_with_fewer_threads_than_transactions(tmp_path: Path) -> None:
     """Two pool threads both wait for the writer while a transaction holds it: the block's
     next call runs on the block's own thread, so it ends and everyone lands."""
@@ -224,18 +266,25 @@ def test_no_deadlock_with_fewer_threads_than_transactions(tmp_path: Path) -> Non
             uow = db.sync.uow
             queued: list[asyncio.Task[Any]] = []
 
+            go = asyncio.Event()
+
+            async def plain(n: int) -> None:
+                await go.wait()
+                await db.append_message("s", "user", f"plain{n}")
+
             async def transfer(n: int) -> None:
+                await go.wait()
                 async with db.transaction():
                     await db.append_message("s", "user", f"t{n}a")
                     await db.append_message("s", "user", f"t{n}b")
 
+            # Tasks of their own, not the block's children (those wait on the loop for the
+            # block to end): their calls take pool threads and wait there for the writer.
+            queued = [asyncio.create_task(plain(n)) for n in range(4)]
+            queued += [asyncio.create_task(transfer(n)) for n in range(4)]
             async with db.transaction():
                 await db.append_message("s", "user", "first")
-                queued = [
-                    asyncio.create_task(db.append_message("s", "user", f"plain{n}"))
-                    for n in range(4)
-                ]
-                queued += [asyncio.create_task(transfer(n)) for n in range(4)]
+                go.set()
                 # Both pool threads now wait for the writer this block holds.
                 both = await asyncio.to_thread(uow.wait_for_waiting_writers, 2, STUCK)
                 await db.append_message("s", "user", "second")
