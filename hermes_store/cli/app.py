@@ -8,6 +8,7 @@ Only click is imported here: SQLAlchemy, Alembic and rich load when a command ne
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -31,6 +32,9 @@ EXIT_DATABASE = 3
 #: Ended by Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
 
+#: The largest count an option takes: the store's integers are 64-bit.
+INT64_MAX = 2**63 - 1
+
 #: Backends the store runs on; any other URL is refused as a usage error before connecting.
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -52,6 +56,26 @@ class BadArgument(click.ClickException):
     """Exit 2 without click's usage banner (an unknown revision, a bad URL)."""
 
     exit_code = EXIT_USAGE
+
+
+class FiniteFloat(click.FloatRange):
+    """A :class:`click.FloatRange` that also refuses NaN (click's range lets it through) and
+    the infinities, and a value that stops being finite times ``scale`` (days as seconds):
+    the API refuses them, so the CLI refuses them as usage errors (exit 2) before any work."""
+
+    name = "finite float"
+
+    def __init__(self, min: float | None = None, *, scale: float = 1.0) -> None:
+        super().__init__(min=min)
+        self.scale = scale
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        if not math.isfinite(number * self.scale):
+            self.fail(f"{value!r} is too large.", param, ctx)
+        return number
 
 
 def stderr_is_terminal() -> bool:
@@ -165,7 +189,15 @@ class App:
                     "--db is empty: give a SQLite path or a database URL (leave the option "
                     "out for the default database)"
                 )
-            origin = "--db" if self._db else "HERMES_STORE_URL"
+            origin = (
+                "--db"
+                if self._db
+                else "HERMES_STORE_URL"
+                if os.environ.get("HERMES_STORE_URL")
+                else "HERMES_HOME"
+                if os.environ.get("HERMES_HOME")
+                else "the default database"
+            )
             try:
                 url = to_url(self._db) if self._db else url_from_environment()
                 backend = url.get_backend_name()

@@ -91,6 +91,7 @@ def db_downgrade(app: App, revision: str, yes: bool) -> None:
     """
     from hermes_store.schema import migrate
 
+    migrate.resolve_revision(revision)  # a bad revision is refused before the question
     before = migrate.current(app.url)
     what = "every table and every row" if revision == "base" else "the columns it drops"
     confirm(

@@ -6,7 +6,7 @@ from typing import cast
 
 import click
 
-from hermes_store.cli.app import App, pass_app, sources_option
+from hermes_store.cli.app import INT64_MAX, App, pass_app, sources_option
 from hermes_store.cli.output import (
     Column,
     RowDict,
@@ -30,7 +30,7 @@ from hermes_store.cli.output import (
     "--exclude-source", "excluded", multiple=True, help="Leave out a source (repeatable)."
 )
 @click.option("--role", "roles", multiple=True, help="Only messages of this role (repeatable).")
-@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, INT64_MAX))
 @click.option(
     "--sort",
     type=click.Choice(["rank", "newest", "oldest"]),

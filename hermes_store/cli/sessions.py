@@ -10,7 +10,9 @@ import click
 
 from hermes_store import jsontext
 from hermes_store.cli.app import (
+    INT64_MAX,
     App,
+    FiniteFloat,
     Problem,
     complete_session,
     confirm,
@@ -97,7 +99,7 @@ def _list_rows(
     "--limit",
     default=20,
     show_default=True,
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, INT64_MAX),
     help="How many sessions, newest first; 0 lists every one.",
 )
 @click.option("--all", "every", is_flag=True, help="Every session (the same as --limit 0).")
@@ -370,7 +372,7 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     "--older-than",
     "days",
     required=True,
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0, scale=86400),
     metavar="DAYS",
     help="Delete ended sessions started more than DAYS days ago.",
 )

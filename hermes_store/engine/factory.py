@@ -126,6 +126,7 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
     if isinstance(target, URL):
         url = target
     elif isinstance(target, str) and "://" in target:
+        files.refuse_undecodable(target, "the database URL", show=False)  # it may hold a password
         try:
             url = make_url(_hosts_in_query(target))
         except ValueError as error:  # int() of a non-numeric port
@@ -144,6 +145,7 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
                 "postgresql://USER@/DBNAME?host=a:5432&host=b:5432&target_session_attrs=read-write)"
             )
         path = Path(os.fspath(target)).expanduser().resolve()
+        files.refuse_undecodable(str(path), "the database path")  # a symlink may lead there too
         if len(os.fsencode(path)) > MAX_PATH_BYTES:
             raise InvalidInputError(
                 f"{path} is {len(os.fsencode(path))} bytes long; SQLite opens database paths "
@@ -151,6 +153,10 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
                 "choose a shorter path or a symlink to the folder"
             )
         return URL.create("sqlite", database=str(path))
+    if url.get_backend_name() == "sqlite" and url.database:
+        files.refuse_undecodable(url.database, "the database path")
+    if url.get_backend_name() != "sqlite":
+        _check_ports(url)
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
     given = url.query.get("password")
@@ -158,6 +164,29 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         # The driver gets it either way; in its place every rendering of the URL masks it.
         url = url.set(password=given).difference_update_query(["password"])
     return url
+
+
+#: The TCP ports a server can listen on.
+PORT_RANGE = range(1, 65536)
+
+
+def _check_ports(url: URL) -> None:
+    """Refuse a port no server can listen on (SQLAlchemy keeps any integer): a settings
+    mistake, which would otherwise be retried as an unreachable server until the open's
+    patience ran out. The URL's port, ``?port=`` and the ports of ``?host=HOST:PORT``."""
+    given: list[str] = [] if url.port is None else [str(url.port)]
+    for key in ("port", "host"):
+        values = url.query.get(key, ())
+        for value in (values,) if isinstance(values, str) else values:
+            for item in value.split(","):
+                # A host's port follows its last colon (a bare IPv6 address has only hex there).
+                given.append(item if key == "port" else item.rpartition(":")[2])
+    for port in given:
+        if port.strip().isdigit() and int(port) not in PORT_RANGE:
+            raise InvalidInputError(
+                f"malformed database URL: port {int(port)} is out of range "
+                f"({PORT_RANGE.start}-{PORT_RANGE.stop - 1})"
+            )
 
 
 def is_secret_parameter(key: str) -> bool:

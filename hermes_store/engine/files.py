@@ -25,7 +25,7 @@ from urllib.parse import quote, unquote
 
 from sqlalchemy.engine import URL
 
-from hermes_store.errors import DatabaseAliasError
+from hermes_store.errors import DatabaseAliasError, InvalidInputError
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,25 @@ def sqlite_uri(path: Path, **params: str) -> URL:
     ``URL.create`` keeps the database string as given (``make_url`` would decode it first),
     and SQLite decodes the ``%XX`` escapes itself, so any byte of a path survives.
     """
+    refuse_undecodable(os.fspath(path), "the database path")
     encoded = quote(os.fspath(path), safe="/")
     return URL.create("sqlite", database=f"file:{encoded}", query={**params, "uri": "true"})
+
+
+def refuse_undecodable(text: str, what: str, *, show: bool = True) -> None:
+    """Refuse a path or URL holding bytes that are not UTF-8 (Python carries them as lone
+    surrogates: a folder ``b\\xffd`` arrives as ``b\\udcffd``). The store hands SQLite its
+    paths as UTF-8 URIs and prints and logs them, so such a name cannot be used faithfully:
+    it is refused before anything is created, its bytes shown as escapes (``show``; never
+    for a URL, which may hold a password)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = f" {os.fsencode(text).decode('utf-8', 'backslashreplace')}" if show else ""
+        raise InvalidInputError(
+            f"{what}{shown} is not valid UTF-8; rename the folder (or file) so that its name "
+            "is UTF-8: the store opens database paths as UTF-8 URIs"
+        ) from None
 
 
 def connect_sqlite(

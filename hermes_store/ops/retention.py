@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -70,6 +71,8 @@ class Policy:
         days = self.older_than_days
         if isinstance(days, bool) or not isinstance(days, int | float) or days != days:
             raise InvalidInputError(f"older_than_days must be a number, not {days!r}")
+        if not math.isfinite(float(days) * 86400):  # as prune_sessions: inf would pass cutoff()
+            raise InvalidInputError(f"older_than_days must be a finite number, not {days!r}")
         if isinstance(self.sources, str) or not all(isinstance(s, str) for s in self.sources):
             raise InvalidInputError("sources must be a sequence of strings")
 

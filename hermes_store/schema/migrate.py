@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import random
+import re
 import sqlite3
 import stat
 import time
@@ -135,6 +136,57 @@ def revision_for_version(version: int) -> str:
 def head_revision() -> str:
     """The head revision's id (a constant: no Alembic, no script read)."""
     return revisions.HEAD
+
+
+#: Alembic's relative form: ``[LABEL@][SYMBOL](+|-)N`` (``head-1``, ``v3_session_title+2``, ``+1``).
+_RELATIVE = re.compile(r"(?:(.+?)@)?(\w+)?([+-]\d+)")
+
+
+def resolve_revision(spec: str) -> str:
+    """``spec`` checked before anything is opened or locked, with a step from a named revision
+    (``head-1``, ``base+2``) resolved to the revision it names (``base`` included).
+
+    Alembic refuses most bad arguments with its ``CommandError`` ("Can't locate revision"), but
+    an empty id (``''``, ``'@'``) or a step past either end (``head+1``, ``base+99``, and an
+    upgrade to ``head-10``, which is base) trips an ``assert`` deep inside it instead: those
+    raise the same ``CommandError`` here, or reach Alembic resolved. Steps from the database's
+    own revision (``+1``, ``-1``) need that revision, so they are left to Alembic, which
+    refuses them cleanly inside the migration's transaction (rolled back).
+    """
+    from alembic.util import CommandError
+
+    if ":" in spec:
+        raise CommandError("Range revision not allowed")
+    if not spec.rpartition("@")[2].strip():
+        raise CommandError(
+            f"Can't locate revision identified by {spec!r}: give a revision id, head, base or "
+            "a step such as head-1 (`hermes-store db history` lists them)"
+        )
+    scripts = revisions.scripts()
+    relative = _RELATIVE.fullmatch(spec)
+    if relative is None:
+        if _RELATIVE.match(spec) is not None:  # Alembic would drop what follows the number
+            raise CommandError(f"Can't locate revision identified by {spec!r}")
+        scripts.get_revisions(spec)  # CommandError when unknown or ambiguous
+        return spec
+    label, symbol, steps = relative.groups()
+    if symbol is None:
+        if label:
+            scripts.get_revisions(f"{label}@head")  # CommandError when no such label
+        return spec
+    start = scripts.get_revision(f"{label}@{symbol}" if label else symbol)
+    chain = revisions.REVISIONS  # one linear chain: a step is an index
+    reached = (chain.index(start.revision) if start is not None else -1) + int(steps)
+    if reached >= len(chain):
+        raise CommandError(
+            f"Can't locate revision identified by {spec!r}: it lies "
+            f"{reached - len(chain) + 1} past head ({revisions.HEAD})"
+        )
+    if reached < -1:
+        raise CommandError(
+            f"Can't locate revision identified by {spec!r}: it lies {-1 - reached} below base"
+        )
+    return chain[reached] if reached >= 0 else "base"
 
 
 # -- looking at a database without changing it -------------------------------------------------
@@ -650,6 +702,7 @@ def upgrade(
     """Bring ``target`` (a path, URL or Engine) to ``revision``, adopting a legacy file first."""
     from alembic import command
 
+    revision = resolve_revision(revision)
     with migration_connection(target, retry=retry) as conn:
         command.upgrade(alembic_config(conn), revision)
         reached = _current_revision(conn)
@@ -696,7 +749,14 @@ def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = N
     the URL; ``start`` defaults to the database's own revision when it can be read, else base.
     """
     from alembic import command
+    from alembic.util import CommandError
 
+    if start is None and ":" in revision:  # Alembic's START:END
+        start, _, revision = revision.partition(":")
+    if ":" in revision or (start and ":" in start):
+        raise CommandError(f"{start}:{revision} is no range: give START:END")
+    start = resolve_revision(start) if start else None
+    revision = resolve_revision(revision)
     url = target.url if isinstance(target, Engine) else to_url(target)
     placement.current().check_dialect(url.get_backend_name())
     buffer = io.StringIO()
@@ -712,6 +772,7 @@ def downgrade(target: Target, revision: str) -> str | None:
     """Step ``target`` down to ``revision`` (``base`` removes every table)."""
     from alembic import command
 
+    revision = resolve_revision(revision)
     with migration_connection(target) as conn:
         command.downgrade(alembic_config(conn), revision)
         return _current_revision(conn)
@@ -721,6 +782,7 @@ def stamp(target: Target, revision: str) -> None:
     """Record ``revision`` as ``target``'s without running anything."""
     from alembic import command
 
+    revision = resolve_revision(revision)
     with migration_connection(target) as conn:
         command.stamp(alembic_config(conn), revision)
 
@@ -965,6 +1027,7 @@ def run_upgrade(
     """:func:`upgrade`, saying where the database started and whether a file written by the
     original store was adopted on the way. What is refused is refused before the upgrade,
     by the lock-free read of the starting point."""
+    revision = resolve_revision(revision)
     before = state_of(target)
     after = upgrade(target, revision, retry=retry)
     adopted = before.schema_version if before is not None and before.is_legacy else None

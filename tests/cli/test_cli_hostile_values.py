@@ -331,3 +331,54 @@ def test_a_device_or_fifo_as_the_database_is_named_for_what_it_is(
         result = run(runner, target, "sessions", "list")
         assert result.exit_code == 3 and kind in result.stderr, result.output
         assert not stat.S_ISREG(os.lstat(target).st_mode)
+
+
+def test_a_database_path_that_is_not_utf8_is_a_usage_error(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """``--db`` or ``HERMES_HOME`` naming a folder whose name is not UTF-8: one line, exit 2,
+    and no folder or file created (``db upgrade`` created the folder, then failed raw)."""
+    folder = tmp_path / os.fsdecode(b"b\xffd")
+    for env, args in (
+        ({}, ["--db", str(folder / "state.db"), "stats"]),
+        ({}, ["--db", str(folder / "state.db"), "db", "upgrade"]),
+        ({"HERMES_HOME": str(folder)}, ["stats"]),
+        ({"HERMES_HOME": str(folder)}, ["db", "upgrade"]),
+    ):
+        done = runner.invoke(cli, args, env=env)
+        assert done.exit_code == 2, (args, done.output, done.exception)
+        assert "is not valid UTF-8; rename the folder" in done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prune_refuses_a_non_finite_age_and_counts_need_64_bits(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """``--older-than inf`` was taken (every ended session went); NaN and an age whose seconds
+    overflow are refused as the API refuses them, and a --limit past 2**63-1 is a usage error
+    stating the range, not the store's "between -9223372036854775808 and ..."."""
+    from hermes_store.errors import InvalidInputError
+    from hermes_store.ops import retention
+
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("old", "cli")
+        db.end_session("old", "done")
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE sessions SET started_at = 1000, ended_at = 1001")
+    for days in ("inf", "Infinity", "nan", "1e305"):
+        done = run(runner, path, "sessions", "prune", "--older-than", days, "--yes")
+        assert done.exit_code == 2, (days, done.output, done.exception)
+        assert "finite" in done.stderr or "too large" in done.stderr
+    for days_value in (float("inf"), 1e305):
+        with pytest.raises(InvalidInputError, match="finite"):
+            retention.Policy(days_value)
+    with SessionDB(path) as db:
+        assert db.get_session("old") is not None  # nothing was pruned
+    too_big = str(2**63)
+    for args in (("sessions", "list", "--limit", too_big), ("search", "x", "--limit", too_big)):
+        done = run(runner, path, *args)
+        assert done.exit_code == 2, (args, done.output)
+        assert f"<=x<={2**63 - 1}" in done.stderr
+    assert run(runner, path, "sessions", "list", "--limit", str(2**63 - 1)).exit_code == 0

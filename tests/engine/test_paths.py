@@ -107,3 +107,32 @@ def test_a_path_too_long_for_sqlite_is_refused_before_anything_is_created(
     (tmp_path / "state.db").rename(longest)
     with SessionDB(longest) as store:  # the longest path SQLite opens still works
         assert store.get_session("s") is not None
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_anything_is_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named with bytes that are not UTF-8 (Python carries them as lone surrogates)
+    failed with a raw UnicodeEncodeError, and an upgrade created the folder first. SQLite gets
+    paths as UTF-8 URIs, so such a path is refused, saying how to fix it, with nothing made."""
+    folder = tmp_path / os.fsdecode(b"b\xffd")
+    path = folder / "state.db"
+    refused = r"b\\xffd/state\.db is not valid UTF-8; rename the folder"
+    with pytest.raises(InvalidInputError, match=refused):
+        SessionDB(path)
+    with pytest.raises(InvalidInputError, match=refused):
+        migrate.upgrade(path)
+    with pytest.raises(InvalidInputError, match="not valid UTF-8"):
+        to_url(f"sqlite:///{path}")
+    with pytest.raises(InvalidInputError, match="not valid UTF-8"):
+        sqlite_uri(path)
+    monkeypatch.setenv("HERMES_HOME", str(folder))
+    with pytest.raises(InvalidInputError, match=refused):
+        SessionDB()
+    assert list(tmp_path.iterdir()) == []
+    folder.mkdir()  # an existing folder: nothing is created in it either
+    (tmp_path / "link").symlink_to(folder)
+    for given in (path, tmp_path / "link" / "state.db"):
+        with pytest.raises(InvalidInputError, match=refused):
+            migrate.upgrade(given)
+    assert list(folder.iterdir()) == []

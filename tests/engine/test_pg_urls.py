@@ -169,3 +169,32 @@ def test_a_host_that_never_answers_is_passed_over(silent_host: int, pg_url: URL)
         db.create_session("multi-host", "cli")
         assert db.get_session("multi-host") is not None
     assert time.monotonic() - started < 120  # it moved on instead of waiting for good
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "postgresql://u@h:99999/db",
+        "postgresql://u@h:0/db",
+        "postgresql://u@/db?host=h1:5432,h2:70000",
+        "postgresql://u@/db?host=h&port=65536",
+    ],
+)
+def test_a_port_out_of_range_is_refused_when_the_url_is_read(given: str) -> None:
+    """SQLAlchemy keeps any integer as the port; 1..65535 are checked as the URL is read."""
+    with pytest.raises(InvalidInputError, match=r"port \d+ is out of range \(1-65535\)"):
+        to_url(given)
+
+
+def test_a_port_no_server_can_have_fails_at_once(pg_url: URL) -> None:
+    """``invalid port number`` was retried as an unreachable server for the whole 30 s of
+    the open's patience, then exit 3: a settings mistake now fails at once, naming the port
+    (the CLI: one line, exit 2)."""
+    wrong = pg_url.set(port=99999)
+    started = time.monotonic()
+    with pytest.raises(InvalidInputError, match="port 99999 is out of range"):
+        SessionDB(wrong)
+    done = CliRunner().invoke(cli, ["--db", url_string(wrong), "stats"])
+    assert done.exit_code == 2, done.output
+    assert "port 99999 is out of range (1-65535)" in done.stderr
+    assert time.monotonic() - started < 5

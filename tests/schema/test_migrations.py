@@ -585,3 +585,55 @@ def test_migrations_need_no_alembic_ini(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     assert hermes_store.upgrade("state.db") == HEAD
     assert hermes_store.current(tmp_path / "state.db") == HEAD
+
+
+#: Revision arguments Alembic refused with a bare AssertionError (an empty id, a step past an
+#: end from a named revision) or a ValueError (two colons), beside ones it always refused.
+BAD_REVISIONS = ("", "@", " ", "head+1", "base+99", "head-99", f"{HEAD}+1", "head+1xyz", "nosuch")
+
+
+def test_a_revision_alembic_cannot_resolve_is_refused_changing_nothing(
+    empty_url: URL, tmp_path: Path, no_env_url: None
+) -> None:
+    """upgrade, downgrade and upgrade_sql refuse each with Alembic's CommandError ("Can't
+    locate revision") before any lock is taken; the database stays where it was, and the
+    command line says it in one line with exit 2."""
+    from alembic.util import CommandError
+    from click.testing import CliRunner
+
+    from hermes_store.cli import cli
+
+    migrate.upgrade(empty_url, "v3_session_title")
+    for bad in BAD_REVISIONS:
+        for call in (hermes_store.upgrade, hermes_store.downgrade, migrate.stamp):
+            with pytest.raises(CommandError, match="locate revision"):
+                call(empty_url, bad)
+        with pytest.raises(CommandError, match="locate revision"):
+            migrate.upgrade_sql(empty_url, bad, start="base")
+        with pytest.raises(CommandError, match="locate revision"):
+            migrate.upgrade_sql(empty_url, f"base:{bad}")
+        assert alembic_revision(empty_url) == "v3_session_title"
+    with pytest.raises(CommandError, match="no range"):
+        migrate.upgrade_sql(empty_url, "a:b:c")
+    url = url_string(empty_url)
+    runner = CliRunner()
+    for args in (
+        ("db", "upgrade", ""),
+        ("db", "upgrade", "@"),
+        ("db", "upgrade", "head+1"),
+        ("db", "upgrade", "base+99"),
+        ("db", "upgrade", "base:head+1", "--sql"),
+        ("db", "downgrade", "", "--yes"),
+        ("db", "downgrade", "head+1"),  # refused before the question
+    ):
+        done = runner.invoke(cli, ["--db", url, *args])
+        assert done.exit_code == 2, (args, done.output, done.exception)
+        assert done.stderr.startswith("Error: Can't locate revision"), (args, done.stderr)
+        assert len(done.stderr.splitlines()) == 1
+    assert alembic_revision(empty_url) == "v3_session_title"
+    # A step from a named revision reaches Alembic resolved: to base too, where it asserted.
+    assert migrate.upgrade(empty_url, "head-1") == REVISIONS[-2]
+    assert migrate.downgrade(empty_url, "base+3") == REVISIONS[2]
+    assert migrate.downgrade(empty_url, "head-10") is None
+    assert migrate.upgrade(empty_url, "v1_base-1") is None
+    assert "Running upgrade" in migrate.upgrade_sql(empty_url, "head-1", start="base+1")
