@@ -110,7 +110,7 @@ class Unit:
     inside a block that thread cannot join); ``closed``: ended, perhaps by another thread.
     """
 
-    __slots__ = ("body_thread", "closed", "conn", "frames", "owner", "write")
+    __slots__ = ("body_thread", "closed", "conn", "frames", "opener", "owner", "write")
 
     def __init__(self, conn: Connection, write: bool) -> None:
         self.conn = conn
@@ -118,6 +118,8 @@ class Unit:
         self.owner = self.body_thread = threading.get_ident()
         self.frames: tuple[FrameType, ...] = ()
         self.closed = False
+        #: A write block's: the thread that opened it (an ident may be reused once it ends).
+        self.opener: threading.Thread | None = None
 
 
 def driver_cursor(conn: Connection) -> Any:
@@ -355,6 +357,7 @@ class UnitOfWork:
                 frames.append(frame)
             frame = frame.f_back
         unit.frames = tuple(frames)
+        unit.opener = threading.current_thread()
         with self._blocks_lock:
             self._blocks.add(unit)
 
@@ -386,6 +389,14 @@ class UnitOfWork:
                         )
             frame = frame.f_back
         if write and self.backend.serialises_writers:
+            for block in blocks:
+                if block.opener is not None and not block.opener.is_alive():
+                    raise TransactionMisuseError(
+                        f"a transaction() block opened by thread {block.opener.name!r}, which "
+                        "has ended, is still open (a generator holding it, kept unfinished): "
+                        "it holds the file's writer, so this write would wait forever. Close "
+                        "that generator (its close() rolls the block back) or let it go"
+                    )
             me = threading.get_ident()
             if any(block.body_thread == me for block in blocks):
                 raise TransactionMisuseError(

@@ -29,6 +29,7 @@ from hermes_store import (
     ReadOnlyUnitError,
     RetryPolicy,
     SessionDB,
+    TransactionMisuseError,
 )
 from hermes_store.uow import writequeue
 from tests.support.backends import is_sqlite, url_string
@@ -395,3 +396,29 @@ def test_pg_serialization_failure_inside_the_block_rolls_back_and_raises(pg_url:
     finally:
         raw.close()
         store.close()
+
+
+def test_a_block_left_open_by_a_thread_that_ended_is_named_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A generator that opened a block in a thread that then ended, kept unfinished, holds
+    the file's writer: a later write of the process waited for it forever. It is refused at
+    once, naming the thread; closing the generator rolls the block back and frees the
+    writer."""
+    with SessionDB(tmp_path / "state.db") as db:
+        db.create_session("s", "cli")
+
+        def held() -> Iterator[None]:
+            with db.transaction():
+                db.append_message("s", "user", "in the block")
+                yield
+
+        kept: list[Iterator[None]] = []
+        opener = threading.Thread(target=lambda: kept.append(g := held()) or next(g))
+        opener.start()
+        opener.join()
+        with pytest.raises(TransactionMisuseError, match="has ended"):
+            db.append_message("s", "user", "after")
+        kept[0].close()  # type: ignore[attr-defined]  # the block is rolled back
+        db.append_message("s", "user", "after")
+        assert [m["content"] for m in db.get_messages("s")] == ["after"]
