@@ -36,7 +36,12 @@ from hermes_store.engine.factory import (
     sqlite_file,
     to_url,
 )
-from hermes_store.errors import InvalidInputError, StoreConfigError, extras_named
+from hermes_store.errors import (
+    InvalidInputError,
+    StoreConfigError,
+    StoreMisuseError,
+    extras_named,
+)
 from hermes_store.ops import retention
 from hermes_store.repo import dialects, listing, statements
 from hermes_store.repo.messages import (
@@ -125,6 +130,18 @@ def _to_json(name: str, value: Any) -> str | None:
             raise InvalidInputError(f"{name} holds NaN or an infinity, not JSON") from None
         raise InvalidInputError(f"{name} cannot be stored as JSON: {error}") from error
     return text
+
+
+class _ClosedUnitOfWork:
+    """A closed store's Unit of Work: every call meets a clear error. The store's writer was
+    let go of (another store on the file may hold it now): carrying on, its calls became a
+    second writer of the file in this process, waiting on the first."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise StoreMisuseError("this SessionDB is closed")
+
+
+_CLOSED = _ClosedUnitOfWork()
 
 
 def _row_dict(row: Row[Any]) -> RowDict:
@@ -295,16 +312,22 @@ class SessionDB:
         best-effort WAL checkpoint and releases every connection. Safe to call twice."""
         if self._closed:
             return
+        if self.uow.current() is not None:  # before anything is let go of: the block goes on
+            raise StoreMisuseError(
+                "close() inside an open unit (db.transaction(), uow.connect()): leave the "
+                "block first"
+            )
         self._closed = True
         if self.retention_job is not None:
             self.retention_job.stop()
+        uow, self.uow = self.uow, cast(UnitOfWork, _CLOSED)
         owns = self._owns_engine
         if self._file is not None:
             last, owns = shared.release(self._file)
             if not last:
                 return
-        self.uow.checkpoint()
-        self.uow.release()
+        uow.checkpoint()
+        uow.release()
         if owns:
             self.engine.dispose()
 

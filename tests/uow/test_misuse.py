@@ -383,3 +383,29 @@ def test_a_new_database_creates_owner_only_parent_folders(
     with SessionDB(tmp_path / "a" / "b" / "state.db") as db:
         db.create_session("s", "cli")
     assert _mode(tmp_path / "a") == 0o700 and _mode(tmp_path / "a" / "b") == 0o700
+
+
+def test_a_closed_store_refuses_every_call(db_url: URL) -> None:
+    """A store used after close() kept working: its calls became a second writer of the file
+    beside a store opened since, and a block of one waited on the other (23 s, then
+    DatabaseLockedError). Every call now says the store is closed; close() inside a block is
+    refused before anything is let go of."""
+    first = SessionDB(url_string(db_url))
+    first.create_session("s", "cli")
+    first.close()
+    first.close()  # twice is fine
+    calls: list[Callable[[], object]] = [
+        lambda: first.append_message("s", "user", "after close"),
+        lambda: first.get_messages("s"),
+        lambda: first.transaction().__enter__(),
+        first.stats,
+    ]
+    for call in calls:
+        with pytest.raises(StoreMisuseError, match="this SessionDB is closed"):
+            call()
+    with SessionDB(url_string(db_url)) as second:
+        with second.transaction():
+            with pytest.raises(StoreMisuseError, match="inside an open unit"):
+                second.close()
+            second.append_message("s", "user", "in the block")
+        assert [m["content"] for m in second.get_messages("s")] == ["in the block"]

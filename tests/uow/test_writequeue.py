@@ -108,12 +108,13 @@ def test_lock_file_is_private_and_beside_the_database(db: str) -> None:
     try:
         store = SessionDB(db)
         store.append_message("q", "user", "hello")
+        queue = store.uow.write_queue
         store.close()
     finally:
         os.umask(old)
     lock = Path(f"{db}-writer.lock")
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
-    assert store.uow.write_queue is not None and store.uow.write_queue.lock_path == lock
+    assert queue is not None and queue.lock_path == lock
 
 
 def test_threads_of_one_process_take_turns_in_arrival_order(db: str) -> None:
