@@ -121,6 +121,27 @@ def url_from_environment() -> URL:
     return to_url(env) if env else to_url(default_db_path())
 
 
+#: The query arguments SQLAlchemy's sqlite3 dialect takes from a URL that is not a SQLite URI
+#: (``uri=true``); it ignores any other with a warning.
+_SQLITE_DIALECT_ARGUMENTS = frozenset(
+    {"timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements", "uri"}
+)
+
+
+def _refuse_ignored_sqlite_arguments(url: URL) -> None:
+    """A SQLite URL's argument that would be ignored is refused: ``sqlite:////x.db?mode=ro``
+    opened the file for writing (SQLAlchemy drops ``mode`` unless the URL is a SQLite URI),
+    and wrote into a file its caller asked to read only."""
+    if str(url.query.get("uri", "")).lower() in ("true", "1"):
+        return
+    ignored = sorted(set(url.query) - _SQLITE_DIALECT_ARGUMENTS)
+    if ignored:
+        raise InvalidInputError(
+            f"the SQLite URL's {', '.join(ignored)} would be ignored: SQLite URI arguments "
+            "need the URI form, sqlite:///file:/path/to/state.db?mode=ro&uri=true"
+        )
+
+
 def to_url(target: str | os.PathLike[str] | URL) -> URL:
     """A SQLAlchemy URL from a URL, a URL string or a file path (made absolute)."""
     if isinstance(target, URL):
@@ -155,6 +176,7 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         return URL.create("sqlite", database=str(path))
     if url.get_backend_name() == "sqlite" and url.database:
         files.refuse_undecodable(url.database, "the database path")
+        _refuse_ignored_sqlite_arguments(url)
     if url.get_backend_name() != "sqlite":
         _check_ports(url)
     if url.drivername in ("postgresql", "postgres"):

@@ -29,6 +29,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store import (
     DatabaseUnavailableError,
     HermesStoreError,
+    InvalidInputError,
     NotADatabaseError,
     ReadOnlyDatabaseError,
     SessionDB,
@@ -195,6 +196,21 @@ def test_read_only_uri_refuses_writes_and_serves_reads(tmp_path: Path) -> None:
     finally:
         store.close()
     assert _sha256(path) == before
+
+
+def test_a_sqlite_argument_that_would_be_ignored_is_refused(tmp_path: Path) -> None:
+    """``sqlite:////path?mode=ro`` is no SQLite URI: SQLAlchemy dropped ``mode`` with a
+    warning, and the store wrote into the file its caller asked to read only."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("a", "cli")
+    before = _sha256(path)
+    for query in ("mode=ro", "immutable=1&mode=ro", "cache=shared"):
+        with pytest.raises(InvalidInputError, match="would be ignored"):
+            SessionDB(f"sqlite:///{path}?{query}")
+    assert _sha256(path) == before
+    with SessionDB(f"sqlite:///{path}?timeout=5") as store:  # one the dialect takes
+        assert store.session_count() == 1
 
 
 # -- a full disk --------------------------------------------------------------------------------
