@@ -107,6 +107,9 @@ def _on_sqlite(path: Path, sql: str, params: dict[str, Any], max_rows: int | Non
         except sqlite3.ProgrammingError as error:  # several statements, a missing parameter
             raise InvalidInputError(f"the query cannot run: {error}") from None
         except sqlite3.Error as error:
+            if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_INTERRUPT:
+                # Ctrl-C, raised in the progress handler, comes back as SQLite's "interrupted"
+                raise KeyboardInterrupt from None
             if guard.denied:
                 raise InvalidInputError(_OTHER_FILES_REFUSED) from None
             refused = _refused(error)

@@ -205,6 +205,30 @@ def test_ctrl_c_exits_130_and_says_what_landed(tmp_path: Path) -> None:
     assert imported() == 3
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system time of a running process (/proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ctrl_c_in_a_long_query_exits_130(tmp_path: Path) -> None:
+    """SQLite reports the Ctrl-C its progress handler let through as "interrupted": the
+    query exited 1, "the database refused the query", where every other command says
+    Interrupted and exits 130."""
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
+    process = _cli("--db", str(path), "query", endless, stdout=subprocess.PIPE)
+    # Past its start (well under a second of CPU), it is in the query.
+    _wait_for(lambda: _cpu_seconds(process.pid) > 2.0, "the query to run")
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Interrupted" in err and "refused" not in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_an_export_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
