@@ -679,6 +679,8 @@ class SessionDB:
         rows: list[dict[str, Any]] = []
         tool_call_total = 0
         for index, message in enumerate(messages):
+            if type(message) is not dict:  # a Mapping is read once, through keys(), as ** does
+                message = dict(message)
             unknown = set(message) - _MESSAGE_ARGUMENTS
             if unknown:
                 raise InvalidInputError(f"message {index}: unknown keys {sorted(unknown)}")

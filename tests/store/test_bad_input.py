@@ -17,7 +17,7 @@ import os
 import re
 import sqlite3
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -642,3 +642,30 @@ def test_an_in_memory_sqlite_database_is_refused_clearly(url: str) -> None:
     check meant for servers failed on it first). Refused at open, naming the fix."""
     with pytest.raises(hermes_store.StoreConfigError, match="in-memory SQLite database"):
         hermes_store.SessionDB(url)
+
+
+def test_a_mapping_whose_keys_differ_from_its_iteration_is_read_once(baseline: SessionDB) -> None:
+    """``append_messages`` checked a Mapping's keys by iterating it and then unpacked it with
+    ``**``, which reads ``keys()``: one whose two differ got a key past the check and raised a
+    raw TypeError. It is read once, as ``**`` reads it."""
+
+    class TwoFaced(Mapping[str, Any]):
+        def __init__(self) -> None:
+            self.items_ = {"role": "user", "session_id": "elsewhere"}
+
+        def __getitem__(self, key: str) -> Any:
+            return self.items_[key]
+
+        def __len__(self) -> int:
+            return 1
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(["role"])
+
+        def keys(self) -> Any:
+            return ["role", "session_id"]
+
+    baseline.create_session("two", "cli")
+    with pytest.raises(InvalidInputError, match="unknown keys \\['session_id'\\]"):
+        baseline.append_messages("two", [TwoFaced()])
+    assert baseline.message_count("two") == 0
