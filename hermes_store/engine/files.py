@@ -42,7 +42,8 @@ def sqlite_uri(path: Path, **params: str) -> URL:
     """A SQLAlchemy URL that hands SQLite ``file:<path>?<params>`` with the path percent-encoded.
 
     ``URL.create`` keeps the database string as given (``make_url`` would decode it first),
-    and SQLite decodes the ``%XX`` escapes itself, so any byte of a path survives.
+    and SQLite decodes the ``%XX`` escapes itself, so any character of a path survives (``?``,
+    ``#``, ``%``); a path that is not UTF-8 is refused (:func:`refuse_undecodable`).
     """
     refuse_undecodable(os.fspath(path), "the database path")
     encoded = quote(os.fspath(path), safe="/")
