@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import click
 
-from hermes_store.cli.app import EXIT_PROBLEM, App, DatabaseProblem, pass_app
+from hermes_store.cli.app import EXIT_PROBLEM, App, DatabaseProblem, FiniteFloat, pass_app
 from hermes_store.cli.output import (
     Column,
     chosen_format,
@@ -34,7 +34,7 @@ MARKS = {
 )
 @click.option(
     "--budget",
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0),
     default=120,
     show_default=True,
     metavar="SECONDS",

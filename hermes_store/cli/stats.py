@@ -75,7 +75,7 @@ def _raw(name: str) -> Callable[[RowDict], Any]:
     "--days",
     default=30,
     show_default=True,
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, 100_000),  # analytics.summary's range (importing it loads SQLAlchemy)
     help="How many recent UTC days the per-day table covers.",
 )
 @sources_option()

@@ -382,3 +382,19 @@ def test_prune_refuses_a_non_finite_age_and_counts_need_64_bits(
         assert done.exit_code == 2, (args, done.output)
         assert f"<=x<={2**63 - 1}" in done.stderr
     assert run(runner, path, "sessions", "list", "--limit", str(2**63 - 1)).exit_code == 0
+
+
+def test_doctor_budget_and_stats_days_out_of_range_are_usage_errors(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """``doctor --budget nan`` (or inf: 0 is the documented "no limit") and ``stats --days``
+    past the analytics' 100,000 were taken, or refused with exit 1 as a refused input."""
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    for args in (("doctor", "--budget", "nan"), ("doctor", "--budget", "inf")):
+        done = run(runner, path, *args)
+        assert done.exit_code == 2 and "finite" in done.stderr, (args, done.output)
+    done = run(runner, path, "stats", "--days", "100001")
+    assert done.exit_code == 2 and "1<=x<=100000" in done.stderr, done.output
+    assert run(runner, path, "stats", "--days", "100000").exit_code == 0
+    assert run(runner, path, "doctor", "--budget", "0").exit_code == 0
