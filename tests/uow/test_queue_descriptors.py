@@ -37,7 +37,21 @@ def helpers() -> set[threading.Thread]:
 def write_behind_a_block(store: SessionDB, queue: writequeue.WriteQueue) -> None:
     """Two threads of this process write the store's file in ``transaction()`` blocks (a queued
     turn each): the second waits in line behind the first, on a descriptor whose helper
-    thread blocks in the kernel."""
+    thread blocks in the kernel. Its ticket is taken a moment before it asks for the first
+    writer's place; on a loaded machine the first may be gone by then (no wait): the scene is
+    played again until the second one waited."""
+    waits = queue.stats().waits
+    for _ in range(GUARD_ATTEMPTS):
+        _write_behind_a_block_once(store, queue)
+        if queue.stats().waits > waits:
+            return
+    raise AssertionError(f"no writer waited in line in {GUARD_ATTEMPTS} attempts")
+
+
+GUARD_ATTEMPTS = 50
+
+
+def _write_behind_a_block_once(store: SessionDB, queue: writequeue.WriteQueue) -> None:
     inside, leave = threading.Event(), threading.Event()
 
     def hold() -> None:
