@@ -1027,8 +1027,7 @@ def run_upgrade(
     """:func:`upgrade`, saying where the database started and whether a file written by the
     original store was adopted on the way. What is refused is refused before the upgrade,
     by the lock-free read of the starting point."""
-    revision = resolve_revision(revision)
-    before = state_of(target)
+    before = state_of(target)  # upgrade() checks the revision before it takes any lock
     after = upgrade(target, revision, retry=retry)
     adopted = before.schema_version if before is not None and before.is_legacy else None
     return UpgradeReport(before=revision_of(before), after=after, adopted_version=adopted)

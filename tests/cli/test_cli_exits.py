@@ -18,7 +18,7 @@ from hermes_store import SessionDB
 from hermes_store.cli import cli
 from tests.support import legacy
 from tests.support.backends import url_string
-from tests.support.read_only import read_only_folder
+from tests.support.read_only import archived_database, read_only_folder
 
 
 @pytest.fixture
@@ -124,13 +124,7 @@ def test_a_database_in_a_read_only_folder_can_be_backed_up(
     runner: CliRunner, tmp_path: Path
 ) -> None:
     folder = tmp_path / "ro"
-    folder.mkdir()
-    path = folder / "state.db"
-    with SessionDB(path) as db:
-        db.create_session("s1", "cli")
-        db.append_message("s1", "user", "kept in a read-only folder")
-    for extra in folder.glob("state.db?*"):
-        extra.unlink()  # the queue's lock file: a folder copied read-only has none
+    path = archived_database(folder, "s1", "kept in a read-only folder")
     target = tmp_path / "copy.db"
     with read_only_folder(folder):
         assert not os.access(folder, os.W_OK) or os.geteuid() == 0

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from hermes_store import InvalidInputError, SessionDB, analytics
 from hermes_store.models import ChatSession
 from hermes_store.models import sessions_table as S
-from tests.support.read_only import read_only_folder
+from tests.support.read_only import archived_database, read_only_folder
 
 # Two sessions either side of a UTC midnight, one a day later; a 3-level lineage.
 LATE = datetime(2025, 3, 1, 23, 59, 30, tzinfo=UTC).timestamp()
@@ -160,13 +160,7 @@ def test_to_dataframe_reads_a_file_in_a_read_only_folder(tmp_path: Path) -> None
     not failing for want of the ``-shm`` a WAL read would create; nothing appears there."""
     pytest.importorskip("pandas")
     folder = tmp_path / "archive"
-    folder.mkdir()
-    path = folder / "state.db"
-    with SessionDB(path) as db:
-        db.create_session("x", "cli")
-        db.append_message("x", "user", "kept")
-    for extra in folder.glob("state.db?*"):
-        extra.unlink()  # the queue's lock file: a folder copied read-only has none
+    path = archived_database(folder, "x", "kept")
     before = sorted(folder.iterdir())
     with read_only_folder(folder):
         frame = analytics.to_dataframe(analytics.totals(), path)

@@ -34,3 +34,18 @@ def read_only_folder(folder: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def archived_database(folder: Path, session: str, content: str) -> Path:
+    """``folder/state.db`` holding one session with one message, as a folder copied read-only
+    holds it: no writer lock file beside it (the folder is created, still writable)."""
+    from hermes_store import SessionDB
+
+    folder.mkdir()
+    path = folder / "state.db"
+    with SessionDB(path) as db:
+        db.create_session(session, "cli")
+        db.append_message(session, "user", content)
+    for extra in folder.glob("state.db?*"):
+        extra.unlink()  # the queue's lock file
+    return path
