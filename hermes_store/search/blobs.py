@@ -34,8 +34,9 @@ def content_prefix(raw: sqlite3.Connection, message_id: int, chars: int) -> str:
     with blob:
         data = blob.read(chars * 4)
         complete = blob.tell() >= len(blob)
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    return decoder.decode(data, final=complete)[:chars]
+    # The incremental decoder's own function: a character cut at the read's end is held
+    # back, not replaced, unless the value ends there (no decoder object made per call).
+    return codecs.utf_8_decode(data, "replace", complete)[0][:chars]
 
 
 def read_content(
