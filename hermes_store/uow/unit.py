@@ -364,8 +364,9 @@ class UnitOfWork:
     def _refuse_foreign_block(self, write: bool) -> None:
         """Refuse, before it waits, a call that could only wait forever: one made inside a
         block opened in another thread or context (a generator that opened it, resumed
-        elsewhere), or, on SQLite, a write from the thread that runs an open block's body
-        (another asyncio task's sync block, an ``AsyncSessionDB`` block of this loop)."""
+        elsewhere), a write while a block opened by a thread that has ended is still open, or,
+        on SQLite, a write from the thread that runs an open block's body (another asyncio
+        task's sync block, an ``AsyncSessionDB`` block of this loop)."""
         if self._asyncio:
             _refuse_outside_greenlet()
         with self._blocks_lock:
@@ -388,15 +389,18 @@ class UnitOfWork:
                             "own block)"
                         )
             frame = frame.f_back
-        if write and self.backend.serialises_writers:
-            for block in blocks:
-                if block.opener is not None and not block.opener.is_alive():
-                    raise TransactionMisuseError(
-                        f"a transaction() block opened by thread {block.opener.name!r}, which "
-                        "has ended, is still open (a generator holding it, kept unfinished): "
-                        "it holds the file's writer, so this write would wait forever. Close "
-                        "that generator (its close() rolls the block back) or let it go"
-                    )
+        if not write:
+            return
+        for block in blocks:
+            if block.opener is not None and not block.opener.is_alive():
+                raise TransactionMisuseError(
+                    f"a transaction() block opened by thread {block.opener.name!r}, which "
+                    "has ended, is still open (a generator holding it, kept unfinished): it "
+                    "holds the database's write lock (SQLite) or its rows' locks (PostgreSQL), "
+                    "so this write could wait for it forever. Close that generator (its "
+                    "close() rolls the block back) or let it go"
+                )
+        if self.backend.serialises_writers:
             me = threading.get_ident()
             if any(block.body_thread == me for block in blocks):
                 raise TransactionMisuseError(

@@ -399,13 +399,13 @@ def test_pg_serialization_failure_inside_the_block_rolls_back_and_raises(pg_url:
 
 
 def test_a_block_left_open_by_a_thread_that_ended_is_named_not_waited_for(
-    tmp_path: Path,
+    db_url: URL,
 ) -> None:
     """A generator that opened a block in a thread that then ended, kept unfinished, holds
-    the file's writer: a later write of the process waited for it forever. It is refused at
-    once, naming the thread; closing the generator rolls the block back and frees the
-    writer."""
-    with SessionDB(tmp_path / "state.db") as db:
+    the file's writer (SQLite) or the session row's lock (PostgreSQL): a later write of the
+    process waited for it forever. It is refused at once, naming the thread; closing the
+    generator rolls the block back and frees the writer and the row."""
+    with SessionDB(db_url) as db:
         db.create_session("s", "cli")
 
         def held() -> Iterator[None]:
