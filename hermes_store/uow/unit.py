@@ -364,9 +364,10 @@ class UnitOfWork:
     def _refuse_foreign_block(self, write: bool) -> None:
         """Refuse, before it waits, a call that could only wait forever: one made inside a
         block opened in another thread or context (a generator that opened it, resumed
-        elsewhere), a write while a block opened by a thread that has ended is still open, or,
-        on SQLite, a write from the thread that runs an open block's body (another asyncio
-        task's sync block, an ``AsyncSessionDB`` block of this loop)."""
+        elsewhere), a write while a block opened by a thread that has ended is still open, or a
+        write from the thread that runs an open block's body (another asyncio task's sync
+        block, an ``AsyncSessionDB`` block of this loop): on SQLite it holds the writer, on
+        PostgreSQL the rows it changed."""
         if self._asyncio:
             _refuse_outside_greenlet()
         with self._blocks_lock:
@@ -400,15 +401,15 @@ class UnitOfWork:
                     "so this write could wait for it forever. Close that generator (its "
                     "close() rolls the block back) or let it go"
                 )
-        if self.backend.serialises_writers:
-            me = threading.get_ident()
-            if any(block.body_thread == me for block in blocks):
-                raise TransactionMisuseError(
-                    "a write from a thread whose own open transaction() block (in another "
-                    "asyncio task or context, or AsyncSessionDB's async with adb.transaction()) "
-                    "holds the file's writer: it would wait for itself forever. Make the call "
-                    "inside that block (await adb.<method>() in an async block), or after it"
-                )
+        me = threading.get_ident()
+        if any(block.body_thread == me for block in blocks):
+            raise TransactionMisuseError(
+                "a write from a thread whose own open transaction() block (in another asyncio "
+                "task or context, or AsyncSessionDB's async with adb.transaction()) holds the "
+                "database's write lock (SQLite) or its rows' locks (PostgreSQL): it could wait "
+                "for itself forever. Make the call inside that block (await adb.<method>() in "
+                "an async block), or after it"
+            )
 
     def _refuse_foreign_exit(self, unit: Unit, error: BaseException | None) -> None:
         """A block ended by another thread or context (a generator closed elsewhere) is

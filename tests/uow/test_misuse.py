@@ -112,10 +112,11 @@ def test_a_generator_resumed_in_another_thread_is_refused_at_once(
     db.close()
 
 
-def test_the_thread_running_an_open_blocks_body_is_refused_a_write(tmp_path: Path) -> None:
+def test_the_thread_running_an_open_blocks_body_is_refused_a_write(db_url: URL) -> None:
     """Two asyncio tasks of one thread: one holds a sync block across an await, the other's
-    sync write would wait for the writer its own thread holds (freezing the loop)."""
-    db = SessionDB(tmp_path / "state.db")
+    sync write would wait for the writer (SQLite) or the session row's lock (PostgreSQL) its
+    own thread holds, freezing the loop for good."""
+    db = SessionDB(url_string(db_url))
     db.create_session("s", "cli")
 
     async def scenario() -> BaseException | None:
@@ -141,7 +142,7 @@ def test_the_thread_running_an_open_blocks_body_is_refused_a_write(tmp_path: Pat
 
     result, error = _outcome(lambda: asyncio.run(scenario()))
     assert error is None and isinstance(result, TransactionMisuseError), (result, error)
-    assert _messages(tmp_path / "state.db") == ["held"]
+    assert _messages(db_url) == ["held"]
     db.close()
 
 
