@@ -364,6 +364,8 @@ def create_engine(
     :class:`~hermes_store.SessionDB` or :mod:`hermes_store.schema.migrate`, which do.
     """
     if isinstance(target, Engine):
+        where = placement_mod.current() if placement is None else placement
+        where.check_dialect(target.dialect.name)
         if target.dialect.name == "sqlite":
             refuse_sqlite_aliases(target.url, None)
             install_sqlite_hooks(
@@ -378,7 +380,7 @@ def create_engine(
         elif _is_psycopg(target):
             install_utf8(target)
             install_pooler_guard(target)
-        return target
+        return placement_mod.placed(target, where)
     url = to_url(target)
     where = placement_mod.current() if placement is None else placement
     where.check_dialect(url.get_backend_name())

@@ -139,6 +139,18 @@ def install(engine: Engine, placement: Placement) -> None:
             cursor.execute(statement)
 
 
+def placed(engine: Engine, placement: Placement) -> Engine:
+    """A caller's Engine as the store must use it: for a placement other than the default, a
+    copy of it (sharing its pool) carrying the placement's options and search_path hook, so
+    the store's statements land in its schema while the caller's own use of the Engine (its
+    tables in ``public``, say) stays as it was."""
+    if placement.is_default:
+        return engine
+    copy = engine.execution_options(**placement.execution_options())
+    install(copy, placement)
+    return copy
+
+
 def create_schema(conn: Connection, placement: Placement) -> None:
     """Create the placement's schema if it does not exist (before a migration reads it)."""
     if placement.schema is not None and conn.dialect.name == "postgresql":

@@ -4,6 +4,7 @@ version table under another name, the application's same-named tables untouched.
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from alembic import command
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from hermes_store import InvalidInputError, SessionDB, transfer
+from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB, transfer
 from hermes_store.engine.factory import create_engine
 from hermes_store.engine.placement import Placement
 from hermes_store.schema import migrate
@@ -103,6 +104,43 @@ def test_two_stores_in_two_schemas_beside_the_apps_tables(app_db: URL) -> None:
     assert {"sessions", "messages", "alembic_version"} <= _tables(app_db, "hermes_b")
     with SessionDB(url, schema="hermes_a", version_table="hermes_alembic_version") as again:
         assert again.get_session("s1")["input_tokens"] == 7  # type: ignore[index]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_callers_engine_and_the_async_store_write_in_their_schema(app_db: URL) -> None:
+    """A caller's Engine with ``schema=``, and ``AsyncSessionDB(url, schema=)`` (whose sync
+    store is handed its engine's twin), wrote into ``public``: the placement was put only on
+    engines the store made from a URL. The caller's Engine itself stays in ``public``."""
+    before = _public(app_db)
+    url = url_string(app_db)
+    engine = sa.create_engine(url, poolclass=NullPool)
+    try:
+        with SessionDB(engine, schema="hermes_a") as db:
+            db.create_session("engine-s", "cli")
+            db.append_message("engine-s", "user", "the okapi hides in schema a")
+            with db.transaction():
+                db.update_token_counts("engine-s", input_tokens=3)
+            assert [h["session_id"] for h in db.search_messages("okapi")] == ["engine-s"]
+        with engine.connect() as conn:  # the caller's own statements: still public's table
+            assert conn.exec_driver_sql("SELECT who FROM sessions").scalars().all() == ["app user"]
+    finally:
+        engine.dispose()
+
+    async def in_schema_b() -> list[str]:
+        async with AsyncSessionDB(url, schema="hermes_b") as adb:
+            await adb.create_session("async-s", "cli")
+            await adb.append_message("async-s", "user", "the tapir naps in schema b")
+            async with adb.transaction():
+                await adb.update_token_counts("async-s", output_tokens=4)
+            return [h["session_id"] for h in await adb.search_messages("tapir")]
+
+    assert asyncio.run(in_schema_b()) == ["async-s"]
+    assert _public(app_db) == before
+    with SessionDB(url, schema="hermes_a") as a, SessionDB(url, schema="hermes_b") as b:
+        assert [s["id"] for s in a.list_sessions_rich()] == ["engine-s"]
+        assert a.get_session("engine-s")["input_tokens"] == 3  # type: ignore[index]
+        assert [s["id"] for s in b.list_sessions_rich()] == ["async-s"]
+        assert b.get_session("async-s")["output_tokens"] == 4  # type: ignore[index]
 
 
 @pytest.mark.parametrize("backend", SERVERS)
