@@ -613,12 +613,19 @@ class AsyncSessionDB:
 
             def begin() -> None:
                 cm.__enter__()
+                try:
+                    if not nested:
+                        # A store closed while this block waited for the writer raises here
+                        # (its uow is gone): the unit just begun is ended at once, never
+                        # left holding the writer (SQLite's lock) for good.
+                        unit = db.uow.current()
+                        if unit is not None:
+                            unit.body_thread = body_thread
+                        tx.unit, tx.cm = unit, cm
+                except BaseException as error:
+                    cm.__exit__(type(error), error, error.__traceback__)
+                    raise
                 entered.append(True)
-                if not nested:
-                    tx.unit = db.uow.current()
-                    if tx.unit is not None:
-                        tx.unit.body_thread = body_thread
-                    tx.cm = cm
 
             def ending(error: BaseException | None) -> Callable[[], object]:
                 return _exit_call(cm, error) if nested else tx.end(error)

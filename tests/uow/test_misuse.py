@@ -30,6 +30,8 @@ from sqlalchemy.engine import URL
 
 from hermes_store import (
     AsyncSessionDB,
+    HermesStoreError,
+    RetryPolicy,
     SessionDB,
     StoreMisuseError,
     TransactionMisuseError,
@@ -384,6 +386,58 @@ def test_a_new_database_creates_owner_only_parent_folders(
     with SessionDB(tmp_path / "a" / "b" / "state.db") as db:
         db.create_session("s", "cli")
     assert _mode(tmp_path / "a") == 0o700 and _mode(tmp_path / "a" / "b") == 0o700
+
+
+def test_closing_while_blocks_wait_for_the_writer_leaves_it_free(tmp_path: Path) -> None:
+    """close() while other tasks' transaction() blocks waited for the writer: the first of
+    them began (BEGIN IMMEDIATE) once the holder's block ended, then failed on the closed
+    store and was never ended, so SQLite's lock stayed held (another process failed after its
+    24 s of retries) and the waiters behind it, close() among them, waited for good. Each
+    block now fails saying the store is closed, and the file is free at once."""
+    path = tmp_path / "state.db"
+
+    async def scenario() -> list[str]:
+        adb = AsyncSessionDB(path, max_threads=4)
+        await adb.create_session("s", "cli")
+        uow = adb.sync.uow
+        inside, leave = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> None:
+            async with adb.transaction():
+                await adb.append_message("s", "user", "held")
+                inside.set()
+                await leave.wait()
+
+        async def waiter(n: int) -> str:
+            await inside.wait()
+            try:
+                async with adb.transaction():
+                    await adb.append_message("s", "user", f"waiter {n}")
+            except HermesStoreError as error:
+                return str(error)
+            return "landed"
+
+        held = asyncio.create_task(holder())
+        await inside.wait()
+        waiting = [asyncio.create_task(waiter(n)) for n in range(2)]
+        assert await asyncio.to_thread(uow.wait_for_waiting_writers, 2, STUCK)
+        closing = asyncio.create_task(adb.close())  # the blocks are other tasks'
+        # close() lets go of the writer in its turn, behind the two blocks: all three wait.
+        assert await asyncio.to_thread(uow.wait_for_waiting_writers, 3, STUCK / 2)
+        leave.set()
+        await asyncio.wait_for(asyncio.gather(held, closing), STUCK / 2)
+        return list(await asyncio.wait_for(asyncio.gather(*waiting), STUCK / 2))
+
+    outcomes, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert len(outcomes) == 2
+    assert all("this SessionDB is closed" in outcome for outcome in outcomes), outcomes
+    other = SessionDB(path, retry=RetryPolicy(attempts=1))  # no patience: the lock is free
+    try:
+        other.append_message("s", "user", "after")
+        assert [m["content"] for m in other.get_messages("s")] == ["held", "after"]
+    finally:
+        other.close()
 
 
 def test_a_closed_store_refuses_every_call(db_url: URL) -> None:
