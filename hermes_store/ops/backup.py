@@ -21,6 +21,8 @@ PostgreSQL: these functions refuse and name the server's own tools (``pg_dump``/
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import secrets
 import sqlite3
@@ -45,7 +47,11 @@ from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
     SchemaError,
+    StorageFullError,
+    StorageIOError,
     UnsafePathError,
+    map_driver_error,
+    mapped_driver_errors,
     open_errors,
 )
 from hermes_store.schema import ddl, fulltext, migrate
@@ -140,7 +146,8 @@ def backup(
     :class:`SnapshotError` raised. An existing destination is refused unless ``overwrite``.
     The copy is flushed to disk every ``sync_bytes`` (0: once, at the end) and ``pause``
     seconds are slept after each flush, so writers' own fsyncs never wait behind a backlog of
-    the copy's dirty pages.
+    the copy's dirty pages. A full disk raises :class:`StorageFullError`, another failed write
+    or flush :class:`StorageIOError`; nothing of the copy is left beside ``destination``.
     """
     source = _live_file(engine, "back up")
     if method not in ("backup", "vacuum"):
@@ -204,10 +211,31 @@ def backup(
             os.replace(partial, target)
         else:
             os.link(partial, target)  # fails rather than replace a file that appeared meanwhile
+    except (StorageFullError, StorageIOError) as error:
+        raise _stopped(error, f"the backup to {target} was not written") from error
     finally:
         partial.unlink(missing_ok=True)
+        # A VACUUM INTO that failed leaves the copy's -journal (a -wal, a -shm) beside it.
+        for sidecar in files.sidecars(partial):
+            sidecar.unlink(missing_ok=True)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _stopped(error: StorageFullError | StorageIOError, what: str) -> HermesStoreError:
+    """The same kind of error, saying which operation it stopped: the driver's words name only
+    "the database", which would have a reader believe the live file is the one in trouble."""
+    kind = StorageFullError if isinstance(error, StorageFullError) else StorageIOError
+    return kind(f"{what}: {error}")
+
+
+def _flush_error(error: OSError) -> HermesStoreError:
+    """The package error for a failed flush of the copy (a full disk often says so only at
+    ``fsync``, a failing one with ``EIO``)."""
+    reason = error.strerror or str(error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return StorageFullError(f"no space left for the copy: {reason}")
+    return StorageIOError(f"the operating system failed to flush the copy to disk: {reason}")
 
 
 class _Flusher:
@@ -217,21 +245,40 @@ class _Flusher:
         self.every, self.pause = every, pause
         self.fd = -1
         self.flushed = 0
+        #: A flush that failed inside SQLite's callback, which can only stop the copy: raised
+        #: by :meth:`check` once SQLite has returned.
+        self.failed: HermesStoreError | None = None
 
     def __call__(self, *_: object) -> int:
-        """Also the ``VACUUM INTO`` progress handler: returning 0 lets the statement go on."""
+        """Also the ``VACUUM INTO`` progress handler: returning 0 lets the statement go on,
+        1 (a flush failed) interrupts it, since an exception raised there would be lost."""
+        if self.failed is not None:
+            return 1
         if self.every and self.fd >= 0:
             size = os.fstat(self.fd).st_size
             if size - self.flushed >= self.every:
-                os.fdatasync(self.fd)
+                try:
+                    os.fdatasync(self.fd)
+                except OSError as error:
+                    self.failed = _flush_error(error)
+                    self.failed.__cause__ = error
+                    return 1
                 self.flushed = size
                 if self.pause:
                     time.sleep(self.pause)  # not synchronisation: leaves the disk to writers
         return 0
 
+    def check(self) -> None:
+        """Raise the error of a flush that failed inside SQLite's callback, if one did."""
+        if self.failed is not None:
+            raise self.failed
+
     def finish(self) -> None:
         if self.fd >= 0:
-            os.fsync(self.fd)
+            try:
+                os.fsync(self.fd)
+            except OSError as error:
+                raise _flush_error(error) from error
 
 
 def _copy(
@@ -242,7 +289,20 @@ def _copy(
     step: int,
     flusher: _Flusher,
 ) -> int:
-    """Copy ``source`` into the empty file ``partial``; returns the pages copied."""
+    """Copy ``source`` into the empty file ``partial``; returns the pages copied. SQLite's
+    errors (a full disk, a failed write) come out as the package names them."""
+    with mapped_driver_errors(dbapi_error=sqlite3.Error):
+        return _copy_pages(source, partial, method, progress, step, flusher)
+
+
+def _copy_pages(
+    source: Path,
+    partial: Path,
+    method: Method,
+    progress: Progress | None,
+    step: int,
+    flusher: _Flusher,
+) -> int:
     # A file in a folder this process cannot write is read as the stores read it: immutable.
     live = files.connect_sqlite(source, immutable=unreadable_in_wal(source))
     # Our own descriptor on our own private copy, only to flush it: closed after the copy's
@@ -253,7 +313,11 @@ def _copy(
             # One statement, one read transaction: a consistent, compacted copy. The progress
             # handler flushes what it has written so far.
             live.set_progress_handler(flusher, VACUUM_CHECK_OPS)
-            live.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
+            try:
+                live.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
+            except sqlite3.Error:
+                flusher.check()  # a failed flush interrupted it: that is the error to tell
+                raise
             live.set_progress_handler(None, 0)
             flusher.finish()
             pages = int(live.execute("PRAGMA page_count").fetchone()[0])
@@ -275,6 +339,7 @@ def _copy(
                 nonlocal total
                 total = pages
                 flusher()
+                flusher.check()  # raised here, SQLite stops the copy and passes it on
                 if progress is not None:
                     progress(pages - remaining, pages)
 
@@ -308,7 +373,8 @@ def check_snapshot(path: Path) -> list[str]:
             problems.append("not a hermes-store database at head (tables are missing)")
             return problems
         try:  # the checks that refuse to open a newer release's file: no upgrade helps
-            state = migrate.preflight_sqlite(path)
+            with open_errors(path):  # a failed read is the disk's fault, not the file's
+                state = migrate.preflight_sqlite(path)
         except SchemaError as error:
             problems.append(str(error))
             return problems
@@ -321,6 +387,9 @@ def check_snapshot(path: Path) -> list[str]:
             )
         problems += fulltext.index_damage(connection)
     except sqlite3.DatabaseError as error:
+        mapped = map_driver_error(None, None, error, None, sqlite3.Error)
+        if isinstance(mapped, StorageFullError | StorageIOError):
+            raise mapped from error  # the disk failed (or is full): the file may be sound
         problems.append(f"not a readable SQLite database: {error}")
     finally:
         connection.close()
@@ -354,6 +423,8 @@ def restore(
     A live file named by its path need only be a SQLite database: its schema may be one this
     release refuses to open (a newer release's, a damaged one), since restoring a snapshot is
     how such a file is put back. A missing file, or one that is no SQLite database, is refused.
+    A full disk raises :class:`StorageFullError`, another failed write :class:`StorageIOError`:
+    the copy is one transaction, so the live database keeps its content.
     """
     live = _live_file(engine, "restore")
     source = Path(os.fspath(snapshot)).expanduser()
@@ -367,31 +438,48 @@ def restore(
     if not isinstance(engine, Engine):
         _check_live(live)
     started = time.monotonic()
-    reader = files.connect_sqlite(source)
-    writer = files.connect_sqlite(live, timeout=30.0)
     try:
-        theirs = reader.execute("PRAGMA page_size").fetchone()[0]
-        ours = writer.execute("PRAGMA page_size").fetchone()[0]
-        if theirs != ours:
-            raise SnapshotError(
-                f"refusing to restore {source}: its page size is {theirs} bytes, the live "
-                f"database's {ours}; SQLite cannot restore across page sizes in WAL mode"
+        with mapped_driver_errors(dbapi_error=sqlite3.Error), contextlib.ExitStack() as stack:
+            reader = stack.enter_context(contextlib.closing(files.connect_sqlite(source)))
+            writer = stack.enter_context(
+                contextlib.closing(files.connect_sqlite(live, timeout=30.0))
             )
-        total = 0
-
-        def report(status: int, remaining: int, pages: int) -> None:
-            nonlocal total
-            total = pages
-            if progress is not None:
-                progress(pages - remaining, pages)
-
-        # The destination's write lock is taken by the first step and held to the last.
-        reader.backup(writer, pages=pages_per_step if pages_per_step > 0 else -1, progress=report)
-        sessions = writer.execute("SELECT count(*) FROM sessions").fetchone()[0]
-        messages = writer.execute("SELECT count(*) FROM messages").fetchone()[0]
-    finally:
-        reader.close()
-        writer.close()
+            total, sessions, messages = _restore_pages(
+                reader, writer, source, progress, pages_per_step
+            )
+    except (StorageFullError, StorageIOError) as error:
+        raise _stopped(error, f"restoring {source} into {live} failed") from error
     return RestoreReport(
         str(live), str(source), total, time.monotonic() - started, sessions, messages
     )
+
+
+def _restore_pages(
+    reader: sqlite3.Connection,
+    writer: sqlite3.Connection,
+    source: Path,
+    progress: Progress | None,
+    pages_per_step: int,
+) -> tuple[int, int, int]:
+    """Copy the snapshot ``reader`` opens into ``writer``'s database; returns the pages
+    copied and the sessions and messages the live database then holds."""
+    theirs = reader.execute("PRAGMA page_size").fetchone()[0]
+    ours = writer.execute("PRAGMA page_size").fetchone()[0]
+    if theirs != ours:
+        raise SnapshotError(
+            f"refusing to restore {source}: its page size is {theirs} bytes, the live "
+            f"database's {ours}; SQLite cannot restore across page sizes in WAL mode"
+        )
+    total = 0
+
+    def report(status: int, remaining: int, pages: int) -> None:
+        nonlocal total
+        total = pages
+        if progress is not None:
+            progress(pages - remaining, pages)
+
+    # The destination's write lock is taken by the first step and held to the last.
+    reader.backup(writer, pages=pages_per_step if pages_per_step > 0 else -1, progress=report)
+    sessions = writer.execute("SELECT count(*) FROM sessions").fetchone()[0]
+    messages = writer.execute("SELECT count(*) FROM messages").fetchone()[0]
+    return total, int(sessions), int(messages)
