@@ -7,13 +7,14 @@ Only click is imported here: SQLAlchemy, Alembic and rich load when a command ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -79,6 +80,8 @@ class FiniteFloat(click.FloatRange):
 
 
 def stderr_is_terminal() -> bool:
+    if sys.stderr is None:  # closed by the caller (``2>&-``) and the CLI run without main()
+        return False
     try:
         return sys.stderr.isatty()
     except ValueError:
@@ -144,25 +147,46 @@ def boundary_error(error: Exception) -> click.ClickException | None:
 class HermesGroup(click.Group):
     """The error boundary: every error of a subcommand becomes one line and an exit code."""
 
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        """Parsing runs the eager options, which print (``--help``, ``--version``) before any
+        command is invoked: a failed write of theirs (stdout on a full disk, a reader gone)
+        meets the same boundary as a command's, not click's traceback."""
+        with _error_boundary(None):
+            return super().make_context(info_name, args, parent, **extra)
+
     def invoke(self, ctx: click.Context) -> Any:
-        try:
+        with _error_boundary(ctx):
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            app = ctx.find_object(App)
-            landed = app.landed() if app is not None and app.landed is not None else None
-            echo_err(f"Interrupted. {landed or 'Nothing was written.'}")
-            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
-        except BrokenPipeError:
-            # A reader that stopped early (``| head``) is not an error: end quietly, and point
-            # stdout at /dev/null so the interpreter's last flush cannot complain either.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            raise click.exceptions.Exit(EXIT_OK) from None
-        except Exception as error:
-            mapped = boundary_error(error)
-            if mapped is None:
-                raise
-            raise mapped from error
+
+
+@contextlib.contextmanager
+def _error_boundary(ctx: click.Context | None) -> Iterator[None]:
+    """Every error of the block becomes one line and an exit code (``ctx``: the command's
+    context, which knows what an interrupted command had written; None while parsing)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        app = ctx.find_object(App) if ctx is not None else None
+        landed = app.landed() if app is not None and app.landed is not None else None
+        echo_err(f"Interrupted. {landed or 'Nothing was written.'}")
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:
+        # A reader that stopped early (``| head``) is not an error: end quietly, and point
+        # stdout at /dev/null so the interpreter's last flush cannot complain either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise click.exceptions.Exit(EXIT_OK) from None
+    except Exception as error:
+        mapped = boundary_error(error)
+        if mapped is None:
+            raise
+        raise mapped from error
 
 
 class App:
@@ -373,6 +397,8 @@ def sources_option(
 
 
 def stdin_is_terminal() -> bool:
+    if sys.stdin is None:  # closed by the caller (``<&-``) and the CLI run without main()
+        return False
     try:
         return sys.stdin.isatty()
     except ValueError:  # closed
@@ -470,7 +496,25 @@ def _tolerant_streams() -> None:
             reconfigure(errors="replace")
 
 
+def _closed_streams_to_devnull() -> None:
+    """A standard stream the caller closed (``>&-``, ``<&-``, ``2>&-``) becomes /dev/null:
+    reading it finds nothing and what is written to it is dropped, as if the caller had said
+    ``>/dev/null``. Python leaves such a stream None, which ``print`` and ``click.echo``
+    tolerate but every other use of it does not (a traceback); and its free descriptor would go
+    to the next file this process opens, where a stray write to fd 1 or 2 would land."""
+    for name, flags in (("stdin", os.O_RDONLY), ("stdout", os.O_WRONLY), ("stderr", os.O_WRONLY)):
+        if getattr(sys, name) is not None:
+            continue
+        fd = os.open(os.devnull, flags)  # the lowest free descriptor: the closed one itself
+        if fd <= 2:  # a standard descriptor again, which a child process (the pager) inherits
+            os.set_inheritable(fd, True)
+        mode = "r" if flags == os.O_RDONLY else "w"
+        # Open for the rest of the process, as Python's own standard streams are.
+        setattr(sys, name, open(fd, mode, encoding="utf-8"))  # noqa: SIM115
+
+
 def main() -> None:
     """Console-script entry point (``hermes-store`` and ``python -m hermes_store``)."""
+    _closed_streams_to_devnull()
     _tolerant_streams()
     cli(prog_name="hermes-store")

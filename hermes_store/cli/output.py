@@ -20,7 +20,7 @@ import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
@@ -54,8 +54,17 @@ def format_option(func: F) -> F:
 
 
 def stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal: not when it was closed (``>&-``: Python's ``sys.stdout``
+    is then None, and a closed file object raises ``ValueError``)."""
+    return is_terminal(sys.stdout)
+
+
+def is_terminal(stream: IO[str] | None) -> bool:
+    """Whether ``stream`` is a terminal; a stream that is absent (None) or closed is not."""
+    if stream is None:
+        return False
     try:
-        return sys.stdout.isatty()
+        return stream.isatty()
     except ValueError:
         return False
 
@@ -477,7 +486,7 @@ def _plain(value: Any) -> Any:
 def progress(total: int | None, description: str, *, bytes_: bool = False) -> Any:
     """A progress bar on stderr when it is a terminal (rich, imported only then); elsewhere a
     do-nothing stand-in, so pipes and logs stay clean."""
-    if not sys.stderr.isatty():
+    if not is_terminal(sys.stderr):
         return _NoProgress()
     from rich.console import Console
     from rich.progress import (
