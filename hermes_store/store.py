@@ -111,8 +111,14 @@ def _check_text(name: str, value: object, *, required: bool = False, nul_ok: boo
 def _to_json(name: str, value: Any) -> str | None:
     """JSON text when truthy, NULL when falsy, as the original store writes it; fails before
     writing."""
-    if not value:
-        return None
+    try:
+        if not value:
+            return None
+    except Exception as error:  # no truth value (a numpy array): not the list or dict meant
+        raise InvalidInputError(
+            f"{name} must be JSON data (a list, a dict ...), not a {type(value).__name__} "
+            f"without a truth value ({type(error).__name__}: {error})"
+        ) from None
     try:
         # No NaN or Infinity: not JSON (jq and most readers refuse the whole text).
         text = json.dumps(value, allow_nan=False)
@@ -449,10 +455,9 @@ class SessionDB:
         with self._read() as conn:
             if statements.exists(conn, session_id_or_prefix):
                 return session_id_or_prefix
-            pattern = titles.escape_like(session_id_or_prefix) + "%"
             ids = conn.scalars(
                 select(S.c.id)
-                .where(S.c.id.like(pattern, escape="\\"))
+                .where(listing.starts_with(S.c.id, session_id_or_prefix))
                 .order_by(S.c.started_at.desc())
                 .limit(2)
             ).all()
@@ -539,7 +544,7 @@ class SessionDB:
         with self._read() as conn:
             candidates = conn.execute(
                 select(S.c.id, S.c.title)
-                .where(S.c.title.like(titles.escape_like(title) + " #%", escape="\\"))
+                .where(listing.starts_with(S.c.title, f"{title} #"))
                 .order_by(S.c.started_at.desc())
             ).all()
             for session_id, held in candidates:
@@ -555,10 +560,7 @@ class SessionDB:
         with self._read() as conn:
             held = conn.scalars(
                 select(S.c.title).where(
-                    or_(
-                        S.c.title == base,
-                        S.c.title.like(titles.escape_like(base) + " #%", escape="\\"),
-                    )
+                    or_(S.c.title == base, listing.starts_with(S.c.title, f"{base} #"))
                 )
             ).all()
         numbers = [n for t in held if (n := titles.lineage_number(base, t)) is not None]
@@ -737,15 +739,16 @@ class SessionDB:
             ):
                 if value is not None:
                     _check_text(name, value, nul_ok=nul_ok)
-        # JSON text when truthy, NULL when falsy (the original store's rule).
-        calls_json = _to_json("tool_calls", tool_calls) if tool_calls else None
+        # JSON text when truthy, NULL when falsy (the original store's rule, in _to_json: a
+        # value without a truth value is refused there, not met here as a raw error).
+        calls_json = None if tool_calls is None else _to_json("tool_calls", tool_calls)
         details_json = (
-            _to_json("reasoning_details", reasoning_details) if reasoning_details else None
+            None if reasoning_details is None else _to_json("reasoning_details", reasoning_details)
         )
         codex_json = (
-            _to_json("codex_reasoning_items", codex_reasoning_items)
-            if codex_reasoning_items
-            else None
+            None
+            if codex_reasoning_items is None
+            else _to_json("codex_reasoning_items", codex_reasoning_items)
         )
         no_json = calls_json is None and details_json is None and codex_json is None
         if not no_json:
@@ -939,6 +942,7 @@ class SessionDB:
         exclude_sources = validate.names("exclude_sources", exclude_sources)
         role_filter = validate.names("role_filter", role_filter)
         validate.lenient_page(limit, offset)
+        validate.text("sort", sort)  # before `sort in SORTS` compares an array element-wise
         return self.uow.read(
             lambda conn: cast(
                 list[SearchHit],

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import BigInteger, Integer, bindparam, func, select
+from sqlalchemy import BigInteger, Integer, and_, bindparam, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnElement
@@ -20,6 +20,10 @@ from hermes_store.titles import escape_like
 
 MAX_COMPRESSION_HOPS = 100
 PREVIEW_CHARS = 60
+#: The longest prefix :func:`starts_with` matches with LIKE alone. SQLite refuses a LIKE
+#: pattern over 50,000 bytes ("LIKE or GLOB pattern too complex"); 10,000 characters escape
+#: to at most 40,001 (4 bytes a character, 2 for an escaped wildcard, 1 for the ``%``).
+LIKE_PREFIX_CHARS = 10_000
 #: The fields a compression root shows from its tip (the root keeps its started_at and the rest).
 TIP_FIELDS = (
     "id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
@@ -317,6 +321,20 @@ def children_of(conn: Connection, session_id: str) -> list[dict[str, Any]]:
     return [dict(row._mapping) for row in conn.execute(statement)]
 
 
+def starts_with(column: ColumnElement[str], prefix: str) -> ColumnElement[bool]:
+    """``column`` starts with ``prefix`` taken literally (``LIKE 'prefix%'``, wildcards escaped),
+    for a prefix of any length: a longer one than :data:`LIKE_PREFIX_CHARS` is matched by LIKE
+    on that many characters and by ``substr`` on the rest, so SQLite's pattern limit never
+    turns a long lookup into a database error. The rest compares exactly on both backends
+    (SQLite's LIKE would ignore its ASCII case)."""
+    head = prefix[:LIKE_PREFIX_CHARS]
+    match = column.like(escape_like(head) + "%", escape="\\")
+    if len(prefix) == len(head):
+        return match
+    rest = prefix[len(head) :]
+    return and_(match, func.substr(column, len(head) + 1, len(rest)) == rest)
+
+
 def unique_id_prefixes(
     conn: Connection, session_ids: Iterable[str], minimum: int = 8
 ) -> dict[str, str]:
@@ -324,26 +342,49 @@ def unique_id_prefixes(
     session in the whole database starts with, so a shortened id always resolves.
 
     The id's neighbours in index order give the length; a prefix count confirms it (a
-    collation that does not sort by bytes only makes the first guess short).
+    collation that does not sort by bytes only makes the first guess short). Past the guess,
+    a binary search finds the length: fewer sessions share a longer prefix, so a handful of
+    counts settle even an id of a million characters (one count per character did not).
     """
     below = select(S.c.id).where(S.c.id < bindparam("id")).order_by(S.c.id.desc()).limit(1)
     above = select(S.c.id).where(S.c.id > bindparam("id")).order_by(S.c.id).limit(1)
-    sharing = (
-        select(func.count()).select_from(S).where(S.c.id.like(bindparam("pattern"), escape="\\"))
-    )
     shortened: dict[str, str] = {}
     for session_id in dict.fromkeys(session_ids):
         found = (conn.scalar(query, {"id": session_id}) for query in (below, above))
         neighbours = [n for n in found if n is not None]
         shared = max((_common_prefix(session_id, n) for n in neighbours), default=0)
         length = max(minimum, shared + 1)
-        while length < len(session_id):
-            pattern = escape_like(session_id[:length]) + "%"
-            if conn.scalar(sharing, {"pattern": pattern}) == 1:
-                break
-            length += 1
+        if length < len(session_id):
+            length = _unique_length(conn, session_id, length)
         shortened[session_id] = session_id[:length]
     return shortened
+
+
+def _sharing(conn: Connection, prefix: str) -> int:
+    """How many sessions start with ``prefix``, counted up to 2: all the search needs."""
+    matching = select(S.c.id).where(starts_with(S.c.id, prefix)).limit(2).subquery()
+    return int(conn.scalar(select(func.count()).select_from(matching)) or 0)
+
+
+def _unique_length(conn: Connection, session_id: str, guess: int) -> int:
+    """The shortest length from ``guess`` on whose prefix of ``session_id`` exactly one
+    session starts with, else the whole id's length: what counting each length in turn gave.
+
+    Sharing only shrinks as the prefix grows, so the first length that at most one session
+    shares is found by bisection: it is the answer when one session shares it, and when none
+    does (an id not in the database) no longer one can be. The guess is counted first: for an
+    id in the database and a collation that sorts by bytes, it is the answer.
+    """
+    low, high, sharing_high = guess, len(session_id), 2  # high: no such length yet
+    middle = guess
+    while low < high:
+        count = _sharing(conn, session_id[:middle])
+        if count <= 1:
+            high, sharing_high = middle, count
+        else:
+            low = middle + 1
+        middle = (low + high) // 2
+    return high if sharing_high == 1 else len(session_id)
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -199,6 +199,22 @@ def _nested(depth: int) -> list[Any]:
     return value
 
 
+class _NoTruth:
+    """A value whose truth value is undefined, as a numpy array's is."""
+
+    def __bool__(self) -> bool:
+        raise RuntimeError("no truth value")
+
+
+class _ComparedElementwise:
+    """Compares to anything with a result that has no truth value, as a numpy array does."""
+
+    def __eq__(self, other: object) -> _NoTruth:  # type: ignore[override]
+        return _NoTruth()
+
+    __hash__ = object.__hash__
+
+
 BAD_CALLS: dict[str, Callable[[SessionDB], object]] = {
     "input_tokens >= 2**63": lambda db: db.update_token_counts("base", input_tokens=HUGE),
     "reasoning_tokens < -2**63": lambda db: db.update_token_counts(
@@ -246,6 +262,27 @@ BAD_CALLS: dict[str, Callable[[SessionDB], object]] = {
     "exclude_sources [None]": lambda db: db.list_sessions_rich(exclude_sources=[None]),  # type: ignore[list-item]
     "messages not mappings": lambda db: db.append_messages("base", [1, 2]),  # type: ignore[list-item]
     "message key not text": lambda db: db.append_messages("base", [{1: "user"}]),  # type: ignore[dict-item]
+    "tool_calls without a truth value": lambda db: db.append_message(
+        "base", "assistant", "x", tool_calls=_NoTruth()
+    ),
+    "reasoning_details without a truth value": lambda db: db.append_message(
+        "base", "assistant", "x", reasoning_details=_NoTruth()
+    ),
+    "codex_reasoning_items without a truth value": lambda db: db.append_message(
+        "base", "assistant", "x", codex_reasoning_items=_NoTruth()
+    ),
+    "batched tool_calls without a truth value": lambda db: db.append_messages(
+        "base", [{"role": "user", "content": "ok"}, {"role": "assistant", "tool_calls": _NoTruth()}]
+    ),
+    "model_config without a truth value": lambda db: db.create_session(
+        "new",
+        "cli",
+        model_config=_NoTruth(),  # type: ignore[arg-type]
+    ),
+    "sort compared element-wise": lambda db: db.search_messages(
+        "hello",
+        sort=_ComparedElementwise(),  # type: ignore[arg-type]
+    ),
 }
 
 
