@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
 from hermes_store.errors import InvalidInputError
@@ -132,11 +133,29 @@ def install(engine: Engine, placement: Placement) -> None:
         return
     statement = f'SET LOCAL search_path TO "{placement.schema}"'
 
+    dialect = engine.dialect
+    driver_error = dialect.loaded_dbapi.Error
+
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         # On the driver: the transaction begins with this statement (psycopg's implicit BEGIN).
-        with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+        # SQLAlchemy runs this hook outside its own error handling, so a connection the server
+        # dropped (a restart, a failover) is handled here as SQLAlchemy would: invalidated,
+        # and raised as its DBAPIError, which the Unit of Work retries or maps like any other.
+        dbapi_connection = conn.connection.dbapi_connection
+        cursor = dbapi_connection.cursor()  # type: ignore[union-attr]
+        try:
             cursor.execute(statement)
+        except driver_error as error:
+            gone = dialect.is_disconnect(error, dbapi_connection, cursor)
+            if gone:
+                conn.invalidate(error)
+            raise sa_exc.DBAPIError.instance(
+                statement, None, error, driver_error, connection_invalidated=gone, dialect=dialect
+            ) from error
+        finally:
+            with suppress(driver_error):  # a cursor of a dead connection may refuse to close
+                cursor.close()
 
 
 def placed(engine: Engine, placement: Placement) -> Engine:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -14,7 +15,7 @@ from alembic import command
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB, transfer
+from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB, WriteNotLandedError, transfer
 from hermes_store.engine.factory import create_engine
 from hermes_store.engine.placement import Placement
 from hermes_store.schema import migrate
@@ -141,6 +142,43 @@ def test_a_callers_engine_and_the_async_store_write_in_their_schema(app_db: URL)
         assert a.get_session("engine-s")["input_tokens"] == 3  # type: ignore[index]
         assert [s["id"] for s in b.list_sessions_rich()] == ["async-s"]
         assert b.get_session("async-s")["output_tokens"] == 4  # type: ignore[index]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_connection_lost_as_a_placed_transaction_begins_is_the_stores_error(
+    app_db: URL,
+) -> None:
+    """The server ends the connection right after the pool handed it out (a restart or a
+    failover racing a checkout): the placement's ``SET LOCAL search_path`` meets it first, in
+    a hook SQLAlchemy runs outside its error handling, and the raw psycopg error escaped every
+    write of a store with a schema (without one: WriteNotLandedError). Now it is the same."""
+    admin = _admin(app_db)
+    armed: list[bool] = []
+    with SessionDB(url_string(app_db), schema="hermes_a") as db:
+        db.create_session("s", "cli")
+
+        @sa.event.listens_for(db.engine, "checkout")
+        def _kill(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+            if armed:
+                armed.clear()
+                with admin.connect() as conn:
+                    conn.exec_driver_sql(
+                        "SELECT pg_terminate_backend(%s)", (dbapi_connection.info.backend_pid,)
+                    )
+
+        writes: list[Callable[[], object]] = [
+            lambda: db.append_messages("s", [{"role": "user", "content": "lost"}]),
+            lambda: db.clear_messages("s"),
+            db.transaction().__enter__,
+        ]
+        for write in writes:
+            armed.append(True)
+            with pytest.raises(WriteNotLandedError):
+                write()
+            assert db.uow.current() is None  # nothing left open
+        db.append_message("s", "user", "after")  # the pool gave the dead connection up
+        assert [m["content"] for m in db.get_messages("s")] == ["after"]
+    admin.dispose()
 
 
 @pytest.mark.parametrize("backend", SERVERS)
