@@ -286,6 +286,8 @@ FILE_ACCESS_ALLOWED = {
     ("backup.py", "os.replace"): "backup --force: renames its own finished temp copy onto a "
     "destination checked not to be the database, a sidecar, or a file with -wal/-shm beside it",
     ("app.py", "os.open"): "the CLI: os.devnull, standing in for a stdout whose reader left",
+    ("app.py", "open"): "the CLI: a file object on its own os.devnull descriptor, standing in "
+    "for a standard stream the caller closed (>&-); never a path",
     ("files.py", "read_text"): "/proc/locks, the kernel's list of locks: whom a writer waits for",
     ("maintenance.py", "os.open"): "vacuum_swap: a read-only descriptor on its own compacted "
     "copy (0600, not yet the database) to give it the database's mode and owner before any "
