@@ -194,9 +194,11 @@ def backup(
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
     started = time.monotonic()
     try:
-        pages = _copy(
-            source, partial, method, progress, pages_per_step, _Flusher(sync_bytes, pause)
-        )
+        # SQLite's errors (a full disk, a failed write) come out as the package names them.
+        with mapped_driver_errors(dbapi_error=sqlite3.Error):
+            pages = _copy(
+                source, partial, method, progress, pages_per_step, _Flusher(sync_bytes, pause)
+            )
         report = BackupReport(str(source), str(target), method, partial.stat().st_size, pages, 0.0)
         if verify:
             report.problems = check_snapshot(partial)
@@ -289,20 +291,7 @@ def _copy(
     step: int,
     flusher: _Flusher,
 ) -> int:
-    """Copy ``source`` into the empty file ``partial``; returns the pages copied. SQLite's
-    errors (a full disk, a failed write) come out as the package names them."""
-    with mapped_driver_errors(dbapi_error=sqlite3.Error):
-        return _copy_pages(source, partial, method, progress, step, flusher)
-
-
-def _copy_pages(
-    source: Path,
-    partial: Path,
-    method: Method,
-    progress: Progress | None,
-    step: int,
-    flusher: _Flusher,
-) -> int:
+    """Copy ``source`` into the empty file ``partial``; returns the pages copied."""
     # A file in a folder this process cannot write is read as the stores read it: immutable.
     live = files.connect_sqlite(source, immutable=unreadable_in_wal(source))
     # Our own descriptor on our own private copy, only to flush it: closed after the copy's

@@ -83,15 +83,20 @@ else:
 """
 
 
-def _call_limited(what: str, live: Path, other: Path, method: str = "backup") -> dict[str, str]:
-    done = subprocess.run(
-        [sys.executable, "-c", _CALL, what, str(live), str(other), method],
+def _run_limited(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -c argv...`` in a child whose files stop growing at LIMIT."""
+    return subprocess.run(
+        [sys.executable, "-c", *argv],
         preexec_fn=_limited,
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
         check=False,
     )
+
+
+def _call_limited(what: str, live: Path, other: Path, method: str = "backup") -> dict[str, str]:
+    done = _run_limited(_CALL, what, str(live), str(other), method)
     assert done.returncode == 0, done.stderr
     result: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
@@ -133,14 +138,7 @@ def test_the_backup_command_on_a_full_disk_is_one_line_exit_3(
     folder.mkdir()
 
     argv = ["--db", str(large_live), "backup", str(folder / "copy.db"), "--method", method]
-    done = subprocess.run(
-        [sys.executable, "-c", RUN_CLI, *argv],
-        preexec_fn=_limited,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    done = _run_limited(RUN_CLI, *argv)
 
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr
