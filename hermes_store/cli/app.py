@@ -517,4 +517,31 @@ def main() -> None:
     """Console-script entry point (``hermes-store`` and ``python -m hermes_store``)."""
     _closed_streams_to_devnull()
     _tolerant_streams()
-    cli(prog_name="hermes-store")
+    code: int | str | None = EXIT_OK
+    try:
+        cli(prog_name="hermes-store")
+    except SystemExit as done:
+        code = done.code
+    failed = _unflushed_output()
+    if failed is not None and code in (None, EXIT_OK):
+        echo_err(f"Error: {failed.strerror or failed}")
+        code = EXIT_DATABASE  # as the error boundary says a failed write of the output
+    raise SystemExit(code)
+
+
+def _unflushed_output() -> OSError | None:
+    """Flush stdout; what it could not write (a full device) is dropped, pointing it at
+    /dev/null, so the interpreter's own last flush cannot fail once more ("Exception
+    ignored", exit 120, whatever the command said). The error, for the caller to tell."""
+    try:
+        sys.stdout.flush()
+    except ValueError:  # closed by the command itself (an export to "-"): nothing is left
+        return None
+    except OSError as error:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+        return error
+    return None

@@ -55,11 +55,11 @@ def _cli(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.PIPE)
     kwargs.setdefault("stdin", subprocess.DEVNULL)
+    kwargs.setdefault("env", _env())
     return subprocess.run(
         [sys.executable, "-c", RUN_CLI, *args],
         text=True,
         timeout=TIMEOUT,
-        env=_env(),
         check=False,
         **kwargs,
     )
@@ -146,6 +146,18 @@ def test_top_level_help_and_version_on_a_full_device_answer_as_a_subcommand_does
 
     assert "Traceback" not in done.stderr, done.stderr
     assert (done.returncode, done.stderr) == (subcommand.returncode, subcommand.stderr)
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full on this system")
+@pytest.mark.parametrize("args", [("--help",), ("stats", "--help"), ("--version",)])
+def test_output_left_in_a_buffer_on_a_full_device_is_one_error(args: tuple[str, ...]) -> None:
+    """With stdout block-buffered (no ``PYTHONUNBUFFERED``, as in CI), click's write leaves the
+    text in the buffer and the failure came at the interpreter's last flush: "Exception
+    ignored ... OSError" and exit 120, after the error boundary had said its line."""
+    env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
+    with FULL.open("w") as full:
+        done = _cli(*args, stdout=full, env=env)
+    assert (done.returncode, done.stderr) == (3, "Error: No space left on device\n")
 
 
 @pytest.mark.parametrize("option", ["--help", "--version"])
