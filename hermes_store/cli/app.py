@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from hermes_store.cli.streams import is_terminal
+
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
 
@@ -80,12 +82,7 @@ class FiniteFloat(click.FloatRange):
 
 
 def stderr_is_terminal() -> bool:
-    if sys.stderr is None:  # closed by the caller (``2>&-``) and the CLI run without main()
-        return False
-    try:
-        return sys.stderr.isatty()
-    except ValueError:
-        return False
+    return is_terminal(sys.stderr)
 
 
 def echo_err(text: str) -> None:
@@ -397,12 +394,7 @@ def sources_option(
 
 
 def stdin_is_terminal() -> bool:
-    if sys.stdin is None:  # closed by the caller (``<&-``) and the CLI run without main()
-        return False
-    try:
-        return sys.stdin.isatty()
-    except ValueError:  # closed
-        return False
+    return is_terminal(sys.stdin)
 
 
 def confirm(question: str, *, yes: bool, what: str) -> None:

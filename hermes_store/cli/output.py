@@ -20,11 +20,12 @@ import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
 from hermes_store import jsontext, timestamps
+from hermes_store.cli.streams import is_terminal
 
 if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
     from hermes_store.ops.pacing import StepTally
@@ -54,19 +55,7 @@ def format_option(func: F) -> F:
 
 
 def stdout_is_terminal() -> bool:
-    """Whether stdout is a terminal: not when it was closed (``>&-``: Python's ``sys.stdout``
-    is then None, and a closed file object raises ``ValueError``)."""
     return is_terminal(sys.stdout)
-
-
-def is_terminal(stream: IO[str] | None) -> bool:
-    """Whether ``stream`` is a terminal; a stream that is absent (None) or closed is not."""
-    if stream is None:
-        return False
-    try:
-        return stream.isatty()
-    except ValueError:
-        return False
 
 
 def chosen_format(fmt: str | None, as_json: bool, *, piped: str = "tsv") -> str:
