@@ -942,7 +942,6 @@ class SessionDB:
         exclude_sources = validate.names("exclude_sources", exclude_sources)
         role_filter = validate.names("role_filter", role_filter)
         validate.lenient_page(limit, offset)
-        validate.text("sort", sort)  # before `sort in SORTS` compares an array element-wise
         return self.uow.read(
             lambda conn: cast(
                 list[SearchHit],

@@ -85,7 +85,7 @@ class Searcher:
         finds nothing at all, a substring match takes over where it may
         (:meth:`substring_may_answer`), and always for terms without letters or digits (``->``).
         """
-        if sort not in SORTS:
+        if type(sort) is not str or sort not in SORTS:  # `in` would compare an array per item
             raise InvalidInputError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
         limit, offset = max(0, int(limit)), max(0, int(offset))
         limit = min(limit, _INT64_MAX - offset)  # the rank window is limit + offset: a 64-bit bind
