@@ -363,8 +363,8 @@ def create_engine(
     Connecting does not create a missing file owner-only: open databases through
     :class:`~hermes_store.SessionDB` or :mod:`hermes_store.schema.migrate`, which do.
     """
+    where = placement_mod.current() if placement is None else placement
     if isinstance(target, Engine):
-        where = placement_mod.current() if placement is None else placement
         where.check_dialect(target.dialect.name)
         if target.dialect.name == "sqlite":
             refuse_sqlite_aliases(target.url, None)
@@ -382,7 +382,6 @@ def create_engine(
             install_pooler_guard(target)
         return placement_mod.placed(target, where)
     url = to_url(target)
-    where = placement_mod.current() if placement is None else placement
     where.check_dialect(url.get_backend_name())
     if not where.is_default:
         engine_kwargs["execution_options"] = {
