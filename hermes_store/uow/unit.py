@@ -37,7 +37,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql import ClauseElement
 
-from hermes_store.engine import fastpath
+from hermes_store.engine import fastpath, placement
 from hermes_store.engine.factory import (
     SqliteSettings,
     autocommit_engine,
@@ -96,6 +96,19 @@ _Straight = tuple[
     Callable[[Callable[[Any], Any], bool], Any], Callable[[Callable[[Any], Any]], Any]
 ]
 
+#: Open write blocks on PostgreSQL of every Unit of Work in this process, each with the
+#: database whose rows it may hold locked (see :meth:`UnitOfWork._refuse_other_store`).
+_SERVER_BLOCKS: dict[Unit, tuple[object, ...]] = {}
+os.register_at_fork(after_in_child=_SERVER_BLOCKS.clear)  # the parent's blocks, not the child's
+
+
+def _database_of(engine: Engine) -> tuple[object, ...]:
+    """Which tables a PostgreSQL engine writes: server, database and schema."""
+    url = engine.url
+    placed = engine.get_execution_options().get(placement.OPTION)
+    return (url.host, url.port, url.database, getattr(placed, "schema", None))
+
+
 #: Frames that can be suspended and resumed in another thread: generators and coroutines.
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
@@ -152,6 +165,9 @@ class UnitOfWork:
         #: An asyncio engine's sync side (AsyncSessionDB on PostgreSQL): usable only in the
         #: greenlet SQLAlchemy runs it in.
         self._asyncio = engine.dialect.is_async
+        #: PostgreSQL: the database this Unit of Work writes (None: a SQLite file, whose stores
+        #: in a process share one Unit of Work, so a block of one is joined by the others).
+        self._database = None if self.is_sqlite else _database_of(engine)
         self.settings: SqliteSettings | None = None
         if self.is_sqlite:
             self.settings = sqlite_settings(engine) or install_sqlite_hooks(engine)
@@ -321,7 +337,7 @@ class UnitOfWork:
                 )
             yield open_unit
             return
-        if self._blocks or self._asyncio:
+        if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(write)
         taking = self._own_unit(write, self.retry.waits())
         try:
@@ -340,6 +356,7 @@ class UnitOfWork:
                 finally:
                     with self._blocks_lock:
                         self._blocks.discard(unit)
+                    _SERVER_BLOCKS.pop(unit, None)
                     unit.closed = True
                     unit.frames = ()
         except BaseException:
@@ -360,6 +377,8 @@ class UnitOfWork:
         unit.opener = threading.current_thread()
         with self._blocks_lock:
             self._blocks.add(unit)
+        if self._database is not None:
+            _SERVER_BLOCKS[unit] = self._database
 
     def _refuse_foreign_block(self, write: bool) -> None:
         """Refuse, before it waits, a call that could only wait forever: one made inside a
@@ -375,6 +394,8 @@ class UnitOfWork:
             # its body's ``try`` stays registered, its unit closed.
             self._blocks.difference_update([block for block in self._blocks if block.closed])
             blocks = list(self._blocks)
+        if write and _SERVER_BLOCKS:
+            self._refuse_other_store()
         if not blocks:
             return
         frame: FrameType | None = sys._getframe(1)
@@ -411,6 +432,28 @@ class UnitOfWork:
                 "an async block), or after it"
             )
 
+    def _refuse_other_store(self) -> None:
+        """Refuse, before it waits, a write through this store from a thread whose open block
+        on another store (a second ``SessionDB`` or an ``AsyncSessionDB``) writes the same
+        PostgreSQL tables: it cannot join that block (another engine, another connection),
+        and a row the block changed would keep it waiting for the block, which waits for it.
+        On SQLite the stores of a file share one Unit of Work, so such a write joins the block.
+        An ``AsyncSessionDB`` write waits without blocking its event loop: not refused here."""
+        database = self._database
+        if database is None or self._asyncio:
+            return
+        me = threading.get_ident()
+        for block, where in list(_SERVER_BLOCKS.items()):
+            if where != database or block.closed or block in self._blocks:
+                continue
+            if me in (block.owner, block.body_thread):
+                raise TransactionMisuseError(
+                    "a write through a second store on the same PostgreSQL database from the "
+                    "thread that runs an open transaction() block of another store: it cannot "
+                    "join that block, and could wait forever for a row the block changed. Make "
+                    "the call through the store that opened the block, or after the block"
+                )
+
     def _refuse_foreign_exit(self, unit: Unit, error: BaseException | None) -> None:
         """A block ended by another thread or context (a generator closed elsewhere) is
         rolled back and refused, never committed from there."""
@@ -432,7 +475,7 @@ class UnitOfWork:
         if open_unit is not None:
             yield open_unit.conn
             return
-        if self._blocks or self._asyncio:
+        if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(False)
         yield from self._connection_of(self._own_unit(False, self.retry.waits(), publish=False))
 
@@ -526,7 +569,7 @@ class UnitOfWork:
         if self._current.get() is not None:
             with self.unit(write=write) as unit:
                 return fn(unit.conn)
-        if self._blocks or self._asyncio:
+        if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(write)
         if driver_only and write:
             return self.backend.hot_write(self, fn)
@@ -555,7 +598,12 @@ class UnitOfWork:
         (the SQLite hot path's units): a write that goes straight in hands it over as it is,
         with no Connection to look it up from. ``fn`` wraps the driver errors it lets out as
         SQLAlchemy wraps them (:meth:`driver_error`), or lets them out raw."""
-        if self._current.get() is None and not self._blocks and not self._asyncio:
+        if (
+            self._current.get() is None
+            and not self._blocks
+            and not self._asyncio
+            and not _SERVER_BLOCKS
+        ):
             straight = self._straight
             if straight is not None:  # the backend's hot_driver_write, one frame less
                 result = straight[0](fn, True)
@@ -676,7 +724,7 @@ class UnitOfWork:
         """
         if self._current.get() is not None:
             return self.run(fn)
-        if self._blocks or self._asyncio:
+        if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(True)
         return self.backend.statement(self, fn, idempotent=idempotent, grouped=grouped)
 
@@ -690,7 +738,7 @@ class UnitOfWork:
         if self._current.get() is not None:
             with self.unit(write=False) as unit:
                 return fn(unit.conn)
-        if self._blocks or self._asyncio:
+        if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(False)
         return self.backend.read(self, fn)
 

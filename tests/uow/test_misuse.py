@@ -5,7 +5,9 @@ resumed in another thread is refused (and its block rolled back); an AsyncSessio
 a sync block on the same file, and a sync write inside an async block, are refused instead of
 waiting for themselves; an event loop closed with an async block open releases SQLite's write
 lock (another process writes afterwards); AsyncSessionDB's sync store on PostgreSQL outside
-``run_sync`` says what to do instead of MissingGreenlet. A nested ``transaction()`` is a
+``run_sync`` says what to do instead of MissingGreenlet; a write through a second store on the
+same PostgreSQL database from the thread running another store's open block is refused (it
+cannot join the block, and waited for its row forever). A nested ``transaction()`` is a
 SAVEPOINT. Folders the package creates are owner-only whatever the umask.
 
 The would-be hangs run in a thread joined with a generous timeout: a regression fails.
@@ -228,6 +230,113 @@ def test_the_sync_store_of_a_postgresql_adb_says_what_to_do(pg_url: URL) -> None
     assert error is None, error
     assert result == ["StoreMisuseError"] * 4 + ["1"]
     assert _messages(pg_url) == ["in run_sync"]
+
+
+# -- two stores on one PostgreSQL database --------------------------------------------------------
+
+SECOND_STORE = "second store on the same PostgreSQL database"
+
+
+def test_a_second_postgresql_store_is_refused_a_write_inside_a_block_of_the_first(
+    pg_url: URL,
+) -> None:
+    """On SQLite the stores of a file share one Unit of Work, so the second store's write
+    joins the block; on PostgreSQL it cannot (another connection) and waited for the
+    session row the block had changed, forever. It is refused before it waits."""
+    first, second = SessionDB(url_string(pg_url)), SessionDB(url_string(pg_url))
+    first.create_session("s", "cli")
+
+    def scenario() -> BaseException | None:
+        refused: BaseException | None = None
+        with first.transaction():
+            first.append_message("s", "user", "first")
+            try:
+                second.append_message("s", "user", "never")
+            except TransactionMisuseError as error:
+                refused = error
+            first.append_message("s", "user", "the block goes on")
+        second.append_message("s", "user", "after the block")
+        return refused
+
+    result, error = _outcome(scenario)
+    assert error is None, error
+    assert isinstance(result, TransactionMisuseError) and SECOND_STORE in str(result)
+    assert _messages(pg_url) == ["first", "the block goes on", "after the block"]
+    first.close()
+    second.close()
+
+
+def test_another_threads_write_through_a_second_store_waits_for_the_block(pg_url: URL) -> None:
+    """Only the thread running the block is refused: another thread's write is an ordinary
+    wait for the row's lock, and lands once the block commits."""
+    first, second = SessionDB(url_string(pg_url)), SessionDB(url_string(pg_url))
+    first.create_session("s", "cli")
+    inside = threading.Event()
+
+    def other_thread() -> None:
+        inside.wait()
+        second.append_message("s", "user", "other thread")
+
+    def scenario() -> None:
+        writer = threading.Thread(target=other_thread)
+        with first.transaction():
+            first.append_message("s", "user", "block")
+            writer.start()
+            inside.set()
+        writer.join()
+
+    _result, error = _outcome(scenario)
+    assert error is None, error
+    assert sorted(_messages(pg_url)) == ["block", "other thread"]
+    first.close()
+    second.close()
+
+
+def test_a_sync_write_from_the_loop_of_another_stores_async_block_is_refused(pg_url: URL) -> None:
+    db = SessionDB(url_string(pg_url))
+    db.create_session("s", "cli")
+
+    async def scenario() -> None:
+        async with AsyncSessionDB(url_string(pg_url)) as adb:
+            async with adb.transaction():
+                await adb.append_message("s", "user", "async")
+                with pytest.raises(TransactionMisuseError, match=SECOND_STORE):
+                    db.append_message("s", "user", "sync")
+            db.append_message("s", "user", "after the block")
+
+    _result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert _messages(pg_url) == ["async", "after the block"]
+    db.close()
+
+
+def test_two_async_stores_tasks_wait_for_each_others_blocks(pg_url: URL) -> None:
+    """An ``AsyncSessionDB`` write waits without blocking its loop: a task writing through a
+    second async store while another task's block holds the row waits, then lands."""
+
+    async def scenario() -> None:
+        async with (
+            AsyncSessionDB(url_string(pg_url)) as first,
+            AsyncSessionDB(url_string(pg_url)) as second,
+        ):
+            await first.create_session("s", "cli")
+            inside = asyncio.Event()
+
+            async def holder() -> None:
+                async with first.transaction():
+                    await first.append_message("s", "user", "block")
+                    inside.set()
+                    await asyncio.sleep(0)  # the other task's write starts meanwhile
+
+            async def writer() -> None:
+                await inside.wait()
+                await second.append_message("s", "user", "other task")
+
+            await asyncio.gather(holder(), writer())
+
+    _result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert sorted(_messages(pg_url)) == ["block", "other task"]
 
 
 # -- an event loop closed with a block open -----------------------------------------------------
