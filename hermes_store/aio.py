@@ -468,7 +468,7 @@ class AsyncSessionDB:
         max_threads: int = DEFAULT_THREADS,
         **options: Any,
     ) -> None:
-        validate.integer("max_threads", max_threads, minimum=1)
+        max_threads = validate.integer("max_threads", max_threads, minimum=1)
         if not _is_async_engine(db_path):
             validate.target(db_path)
         self._target = db_path

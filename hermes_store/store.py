@@ -470,7 +470,7 @@ class SessionDB:
         ids = validate.names("session_ids", session_ids)
         if ids is None:
             raise InvalidInputError("session_ids must be a list of session ids, not None")
-        validate.integer("minimum", minimum, minimum=1, maximum=1 << 16)
+        minimum = validate.integer("minimum", minimum, minimum=1, maximum=1 << 16)
         with self._read() as conn:
             return listing.unique_id_prefixes(conn, ids, minimum)
 
@@ -794,8 +794,8 @@ class SessionDB:
         id of one page as ``after_id`` of the next.
         """
         validate.text("session_id", session_id)
-        validate.integer("limit", limit, optional=True, minimum=0)
-        validate.integer("after_id", after_id, optional=True)
+        limit = validate.integer("limit", limit, optional=True, minimum=0)
+        after_id = validate.integer("after_id", after_id, optional=True)
         statement = messages_statement(after_id is not None, limit is not None)
         params = messages_params(session_id, limit=limit, after_id=after_id)
         return cast(list[MessageRow], decode_tool_calls(self.uow.read_rows(statement, params)))
@@ -803,7 +803,7 @@ class SessionDB:
     def iter_messages(self, session_id: str, *, page_size: int = 1000) -> Iterator[MessageRow]:
         """Every message of a session, fetched ``page_size`` at a time (flat memory)."""
         validate.text("session_id", session_id)
-        validate.integer("page_size", page_size, minimum=1)
+        page_size = validate.integer("page_size", page_size, minimum=1)
         after: int | None = None
         while True:
             page = self.get_messages(session_id, limit=page_size, after_id=after)
@@ -1025,7 +1025,7 @@ class SessionDB:
         of the page); stop iterating early and the generator's close releases it.
         """
         validate.text("source", source, optional=True)
-        validate.integer("page_size", page_size, minimum=1)
+        page_size = validate.integer("page_size", page_size, minimum=1)
         yield from self._statements.iter_export(self.uow, source, page_size)
 
 

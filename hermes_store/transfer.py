@@ -232,7 +232,7 @@ def _python_types(column: sa.Column[Any]) -> tuple[type, ...]:
 #: its other real numbers, and its integers.
 _MOMENTS = frozenset({"started_at", "ended_at", "timestamp"})
 _COSTS = frozenset({"estimated_cost_usd", "actual_cost_usd"})
-_Check = Callable[[str, object], None]
+_Check = Callable[[str, object], object]  # raises on a bad value; what it returns is unused
 
 
 def _number_rule(column: sa.Column[Any]) -> tuple[_Check, float, float] | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import ArgumentError
@@ -104,6 +104,19 @@ def idempotency_key(value: object) -> None:
         raise InvalidInputError(f"idempotency_key is not valid Unicode: {error.reason}") from None
 
 
+@overload
+def integer(
+    name: str,
+    value: object,
+    *,
+    optional: Literal[False] = False,
+    minimum: int = INT64_MIN,
+    maximum: int = INT64_MAX,
+) -> int: ...
+@overload
+def integer(
+    name: str, value: object, *, optional: bool, minimum: int = INT64_MIN, maximum: int = INT64_MAX
+) -> int | None: ...
 def integer(
     name: str,
     value: object,
@@ -111,14 +124,18 @@ def integer(
     optional: bool = False,
     minimum: int = INT64_MIN,
     maximum: int = INT64_MAX,
-) -> None:
-    """An ``int`` (not ``bool``) within ``minimum .. maximum`` (64-bit by default)."""
+) -> int | None:
+    """An ``int`` (not ``bool``) within ``minimum .. maximum`` (64-bit by default), returned as
+    a plain ``int``: a subclass's own comparisons (which may say anything) neither decide the
+    range check nor reach the caller's arithmetic."""
     if value is None and optional:
-        return
+        return None
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an integer, not {_kind(value)}")
-    if not minimum <= value <= maximum:
-        raise InvalidInputError(f"{name} must be between {minimum} and {maximum}, not {value}")
+    number = int.__index__(value)  # int's own slot: the value itself, whatever the subclass says
+    if not minimum <= number <= maximum:
+        raise InvalidInputError(f"{name} must be between {minimum} and {maximum}, not {number}")
+    return number
 
 
 def real(name: str, value: object, *, optional: bool = False, scale: float = 1.0) -> None:

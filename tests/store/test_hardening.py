@@ -206,6 +206,22 @@ class _NoTruth:
         raise RuntimeError("no truth value")
 
 
+class _LyingInt(int):
+    """An int whose comparisons say it is inside any range and smaller than nothing."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+
 class _ComparedElementwise:
     """Compares to anything with a result that has no truth value, as a numpy array does."""
 
@@ -259,6 +275,16 @@ BAD_CALLS: dict[str, Callable[[SessionDB], object]] = {
     "after_id 'abc'": lambda db: db.get_messages("base", after_id="abc"),  # type: ignore[arg-type]
     "absolute 'yes'": lambda db: db.update_token_counts("base", absolute="yes"),  # type: ignore[arg-type]
     "iter_messages page_size 0": lambda db: list(db.iter_messages("base", page_size=0)),
+    "iter_messages page_size 0 that says it is in range": lambda db: list(
+        db.iter_messages("base", page_size=_LyingInt(0))
+    ),
+    "export page_size -1 that says it is in range": lambda db: list(
+        db.iter_export(page_size=_LyingInt(-1))
+    ),
+    "limit -1 that says it is in range": lambda db: db.get_messages("base", limit=_LyingInt(-1)),
+    "prefix minimum 0 that says it is in range": lambda db: db.unique_id_prefixes(
+        ["base"], minimum=_LyingInt(0)
+    ),
     "exclude_sources [None]": lambda db: db.list_sessions_rich(exclude_sources=[None]),  # type: ignore[list-item]
     "messages not mappings": lambda db: db.append_messages("base", [1, 2]),  # type: ignore[list-item]
     "message key not text": lambda db: db.append_messages("base", [{1: "user"}]),  # type: ignore[dict-item]
@@ -303,6 +329,17 @@ def test_bad_arguments_raise_invalid_input_and_write_nothing(
 ) -> None:
     with pytest.raises(InvalidInputError):
         BAD_CALLS[case](baseline)
+
+
+def test_an_int_subclass_is_taken_by_its_value_not_its_comparisons(store: SessionDB) -> None:
+    """Ranges are checked on the number itself, and the store's own arithmetic uses it: a
+    page size whose comparisons lie pages through the session as its value says (it ended
+    in an IndexError after the first page)."""
+    store.create_session("s", "cli")
+    for n in range(5):
+        store.append_message("s", "user", f"message {n}")
+    paged = list(store.iter_messages("s", page_size=_LyingInt(2)))
+    assert [row["content"] for row in paged] == [f"message {n}" for n in range(5)]
 
 
 def test_counter_overflow_is_refused_not_turned_into_a_float(baseline: SessionDB) -> None:
