@@ -28,6 +28,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
+from hermes_store.echo import echoed
 from hermes_store.errors import InvalidInputError, extras_named
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
@@ -82,7 +83,7 @@ def _dimension(name: Dimension) -> ColumnElement[Any]:
         return utc_day(S.c.started_at).label("day")
     if name in ("model", "source"):
         return S.c[name].label(name)
-    raise ValueError(f"unknown dimension {name!r}; use 'day', 'model' or 'source'")
+    raise ValueError(f"unknown dimension {echoed(name)}; use 'day', 'model' or 'source'")
 
 
 def _source_filter(source: Sources) -> ColumnElement[bool] | None:

@@ -24,6 +24,7 @@ from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import Connection, Engine, Row
 
 from hermes_store import search, titles, validate
+from hermes_store.echo import echoed
 from hermes_store.engine import files, placement
 from hermes_store.engine.factory import (
     READER_BUSY_TIMEOUT_S,
@@ -201,7 +202,9 @@ class SessionDB:
     ) -> None:
         validate.target(db_path)
         if retention is not None and not isinstance(retention, _RetentionPolicy):
-            raise InvalidInputError(f"retention must be a retention Policy, not {retention!r}")
+            raise InvalidInputError(
+                f"retention must be a retention Policy, not {echoed(retention)}"
+            )
         validate.max_message_bytes(max_message_bytes)
         #: The most UTF-8 bytes of text one message may hold (None: no limit); see
         #: :data:`hermes_store.validate.DEFAULT_MAX_MESSAGE_BYTES`.
@@ -209,13 +212,15 @@ class SessionDB:
         #: Where the tables live (:mod:`hermes_store.engine.placement`): checked before anything.
         self.placement = placement.Placement.resolve(schema, version_table)
         if not callable(clock):
-            raise InvalidInputError(f"clock must be a callable returning seconds, not {clock!r}")
+            raise InvalidInputError(
+                f"clock must be a callable returning seconds, not {echoed(clock)}"
+            )
         #: Every timestamp the store writes (started_at, ended_at, message timestamps) and the
         #: prune cutoff; injectable so tests order events without sleeping.
         self.clock = clock
         if migrate not in MIGRATE_MODES:
             raise InvalidInputError(
-                f"migrate must be one of {', '.join(MIGRATE_MODES)}, not {migrate!r}"
+                f"migrate must be one of {', '.join(MIGRATE_MODES)}, not {echoed(migrate)}"
             )
         validate.open_options(retry, checkpoint_every, writer_busy_timeout)
         target: Target = default_db_path() if db_path is None else db_path

@@ -32,6 +32,7 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
 from hermes_store import jsontext, redact, timestamps, validate
+from hermes_store.echo import echoed
 from hermes_store.engine import fastpath, files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url
 from hermes_store.errors import (
@@ -333,7 +334,7 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
         record, _SESSION_SHAPE, where, _REQUIRED_SESSION, extra=_SESSION_EXTRA, nul_ok=nul_ok
     )
     if session["parent_session_id"] == session["id"]:
-        raise InvalidInputError(f"{where}: session {session['id']!r} is its own parent")
+        raise InvalidInputError(f"{where}: session {echoed(session['id'])} is its own parent")
     raw_messages = record.get("messages") or []
     if not isinstance(raw_messages, list):
         raise InvalidInputError(f"{where}: messages must be a list")
@@ -766,7 +767,7 @@ def import_new_file(
     was built (then left as it was, the built file kept and named).
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise InvalidInputError(f"path must be a file path, not {path!r}")
+        raise InvalidInputError(f"path must be a file path, not {echoed(path)}")
     real = Path(path)
     if os.path.lexists(real):
         raise DatabaseTargetError(
@@ -1046,7 +1047,7 @@ def write_records(
     from hermes_store.engine.factory import make_private_dirs
 
     if fmt not in ("jsonl", "md"):
-        raise InvalidInputError(f"fmt must be 'jsonl' or 'md', not {fmt!r}")
+        raise InvalidInputError(f"fmt must be 'jsonl' or 'md', not {echoed(fmt)}")
     if split and (fmt != "md" or output == "-"):
         raise InvalidInputError("split writes Markdown files (fmt='md') into a folder")
     report = ExportReport()

@@ -36,6 +36,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import ArgumentError
 
 from hermes_store import timestamps
+from hermes_store.echo import echoed
 from hermes_store.engine.factory import to_url
 from hermes_store.errors import InvalidInputError
 
@@ -203,7 +204,7 @@ def messages(value: object) -> list[Mapping[str, Any]]:
             raise InvalidInputError(f"message {index} must be a mapping, not {_kind(message)}")
         for key in message:
             if not isinstance(key, str):
-                raise InvalidInputError(f"message {index}: keys must be strings, not {key!r}")
+                raise InvalidInputError(f"message {index}: keys must be strings, not {echoed(key)}")
     return batch
 
 
@@ -265,7 +266,7 @@ def target(value: object) -> None:
     if not isinstance(value, str):
         raise InvalidInputError(f"db_path must be a path, a URL or an Engine, not {_kind(value)}")
     if "\x00" in value or not value.strip():
-        raise InvalidInputError(f"db_path is not a usable path: {value!r}")
+        raise InvalidInputError(f"db_path is not a usable path: {echoed(value)}")
     if "://" in value:
         try:
             to_url(value).get_dialect()

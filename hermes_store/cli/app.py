@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from hermes_store.cli.streams import is_terminal
+from hermes_store.echo import echoed
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -75,9 +76,9 @@ class FiniteFloat(click.FloatRange):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
+            self.fail(f"{echoed(value)} is not a finite number.", param, ctx)
         if not math.isfinite(number * self.scale):
-            self.fail(f"{value!r} is too large.", param, ctx)
+            self.fail(f"{echoed(value)} is too large.", param, ctx)
         return number
 
 
@@ -300,7 +301,7 @@ def retry_from_environment() -> RetryPolicy | None:
     except ValueError:
         seconds = -1.0
     if not 0 <= seconds < float("inf"):
-        raise BadArgument(f"{UNAVAILABLE_TIMEOUT_ENV}={raw!r}: give a number of seconds >= 0")
+        raise BadArgument(f"{UNAVAILABLE_TIMEOUT_ENV}={echoed(raw)}: give a number of seconds >= 0")
     return RetryPolicy(unavailable_timeout=seconds)
 
 
@@ -382,7 +383,7 @@ def resolve_session(db: SessionDB, ref: str) -> str:
         return str(row["id"])
     found = db.resolve_session_id(ref) or db.resolve_session_by_title(ref)
     if found is None:
-        raise Problem(f"no single session matches {ref!r} (by id, id prefix or title)")
+        raise Problem(f"no single session matches {echoed(ref)} (by id, id prefix or title)")
     return found
 
 

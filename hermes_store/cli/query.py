@@ -16,6 +16,7 @@ from hermes_store.cli.output import (
     paged,
     print_rows,
 )
+from hermes_store.echo import echoed
 
 
 @click.command("query", short_help="Run read-only SQL; print the rows.")
@@ -56,7 +57,7 @@ def query(
     for item in params:
         name, equals, value = item.partition("=")
         if not equals or not name:
-            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--param")
+            raise click.BadParameter(f"{echoed(item)} is not NAME=VALUE", param_hint="--param")
         bound[name] = value
     result = read_only_query(app.url, sql, bound, max_rows=limit)
     rows: list[RowDict] = [dict(zip(result.columns, row, strict=True)) for row in result.rows]

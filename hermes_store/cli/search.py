@@ -21,6 +21,7 @@ from hermes_store.cli.output import (
     when,
     wrapped,
 )
+from hermes_store.echo import echoed
 
 
 @click.command(short_help="Full-text search over every message.")
@@ -88,4 +89,5 @@ def search(
         )
         echo(header)
         echo(wrapped(highlight(hit["snippet"] or ""), indent="   "))
-    echo(f"{len(hits)} result(s) for {query!r}" if hits else f"No results for {query!r}.")
+    shown = echoed(query)
+    echo(f"{len(hits)} result(s) for {shown}" if hits else f"No results for {shown}.")

@@ -34,6 +34,7 @@ from typing import Literal
 
 from sqlalchemy.engine import Engine
 
+from hermes_store.echo import echoed
 from hermes_store.engine import files
 from hermes_store.engine.factory import (
     Target,
@@ -151,7 +152,7 @@ def backup(
     """
     source = _live_file(engine, "back up")
     if method not in ("backup", "vacuum"):
-        raise InvalidInputError(f"method must be 'backup' or 'vacuum', not {method!r}")
+        raise InvalidInputError(f"method must be 'backup' or 'vacuum', not {echoed(method)}")
     if isinstance(pages_per_step, bool) or not isinstance(pages_per_step, int):
         raise InvalidInputError("pages_per_step must be a whole number")
     if isinstance(sync_bytes, bool) or not isinstance(sync_bytes, int) or sync_bytes < 0:

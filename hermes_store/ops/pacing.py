@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from sqlalchemy.engine import Connection
 
+from hermes_store.echo import echoed
 from hermes_store.errors import InvalidInputError
 from hermes_store.uow.unit import UnitOfWork
 
@@ -49,7 +50,7 @@ MAX_PAUSE_S = 0.16
 def check_bound(seconds: float) -> float:
     """A step bound from a caller: seconds, more than 1 ms and at most 10 s."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds != seconds:
-        raise InvalidInputError(f"step_seconds must be a number of seconds, not {seconds!r}")
+        raise InvalidInputError(f"step_seconds must be a number of seconds, not {echoed(seconds)}")
     if not 0.001 <= seconds <= 10:
         raise InvalidInputError("step_seconds must be from 0.001 to 10")
     return float(seconds)

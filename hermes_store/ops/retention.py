@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import CompoundSelect, Select
 
 from hermes_store import jsontext
+from hermes_store.echo import echoed
 from hermes_store.engine import placement
 from hermes_store.engine.factory import default_db_path, make_private_dirs, sqlite_file
 from hermes_store.errors import InvalidInputError, UnsafePathError
@@ -70,9 +71,9 @@ class Policy:
     def __post_init__(self) -> None:
         days = self.older_than_days
         if isinstance(days, bool) or not isinstance(days, int | float) or days != days:
-            raise InvalidInputError(f"older_than_days must be a number, not {days!r}")
+            raise InvalidInputError(f"older_than_days must be a number, not {echoed(days)}")
         if not math.isfinite(float(days) * 86400):  # as prune_sessions: inf would pass cutoff()
-            raise InvalidInputError(f"older_than_days must be a finite number, not {days!r}")
+            raise InvalidInputError(f"older_than_days must be a finite number, not {echoed(days)}")
         if isinstance(self.sources, str) or not all(isinstance(s, str) for s in self.sources):
             raise InvalidInputError("sources must be a sequence of strings")
 

@@ -24,6 +24,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 
+from hermes_store.echo import echoed
 from hermes_store.errors import InvalidInputError, TitleInUseError, UnknownSessionError
 from hermes_store.repo import listing
 from hermes_store.repo.messages import fetch_messages
@@ -239,11 +240,11 @@ def title_holder(session_id: str, title: str | None) -> sa.Select[Any]:
 
 
 def missing_parent(parent_session_id: str) -> UnknownSessionError:
-    return UnknownSessionError(f"parent session {parent_session_id!r} does not exist")
+    return UnknownSessionError(f"parent session {echoed(parent_session_id)} does not exist")
 
 
 def missing_session(session_id: str) -> UnknownSessionError:
-    return UnknownSessionError(f"session {session_id!r} does not exist")
+    return UnknownSessionError(f"session {echoed(session_id)} does not exist")
 
 
 class Statements(abc.ABC):

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.engine import Connection
 
+from hermes_store.echo import echoed
 from hermes_store.errors import InvalidInputError
 from hermes_store.schema import fulltext
 from hermes_store.search.cjk import CjkTrigram
@@ -86,7 +87,7 @@ class Searcher:
         (:meth:`substring_may_answer`), and always for terms without letters or digits (``->``).
         """
         if type(sort) is not str or sort not in SORTS:  # `in` would compare an array per item
-            raise InvalidInputError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
+            raise InvalidInputError(f"sort must be one of {', '.join(SORTS)}, not {echoed(sort)}")
         limit, offset = max(0, int(limit)), max(0, int(offset))
         limit = min(limit, _INT64_MAX - offset)  # the rank window is limit + offset: a 64-bit bind
         if not query or not query.strip() or limit == 0:

@@ -186,6 +186,22 @@ def test_lookups_longer_than_a_like_pattern_may_be_are_not_found(db_url: URL) ->
     shown = CliRunner().invoke(cli, ["--db", url_string(db_url), "sessions", "show", text])
     assert shown.exit_code == 1, shown.output  # not found, not a database error (3)
     assert "no single session matches" in shown.output
+    assert len(shown.output) < 400, len(shown.output)  # the reference quoted, its middle elided
+    assert "..." in shown.output
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda db: db.append_messages("s", [{b"k" * 60_000: "user"}]),
+        lambda db: db.search_messages("hello", sort="s" * 60_000),
+    ],
+    ids=["a huge non-text key", "a huge sort"],
+)
+def test_an_error_quotes_a_huge_argument_elided(db: SessionDB, call: Any) -> None:
+    with pytest.raises(InvalidInputError) as refused:
+        call(db)
+    assert len(str(refused.value)) < 400, len(str(refused.value))
 
 
 def test_long_ids_resolve_by_long_literal_prefixes(db: SessionDB) -> None:
