@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
-from hermes_store import jsontext, redact, timestamps, validate
+from hermes_store import jsontext, redact, timestamps, titles, validate
 from hermes_store.echo import echoed
 from hermes_store.engine import fastpath, files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url
@@ -39,6 +39,7 @@ from hermes_store.errors import (
     HermesStoreError,
     InvalidInputError,
     StoreConfigError,
+    TitleTooLongError,
     mapped_driver_errors,
 )
 from hermes_store.ops import maintenance
@@ -319,6 +320,23 @@ def _checked(
     return row
 
 
+def _check_title(title: str | None, where: str) -> None:
+    """A title as the store keeps one (``set_session_title``'s rule): at most
+    ``MAX_TITLE_LENGTH`` characters, no control or invisible characters, no runs of
+    whitespace. Kept exactly or refused, never changed on the way in."""
+    if title is None:
+        return
+    try:
+        kept = titles.sanitize_title(title)
+    except TitleTooLongError as error:
+        raise InvalidInputError(f"{where}: {error}") from None
+    if kept != title:
+        raise InvalidInputError(
+            f"{where}: title {echoed(title)} holds characters the store does not keep in a title "
+            f"(control or invisible characters, or whitespace it collapses: {echoed(kept)})"
+        )
+
+
 def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False) -> _Prepared:
     """Validate one exported session (as :meth:`SessionDB.export_session` writes it)."""
     where = f"line {line}"
@@ -335,6 +353,7 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
     )
     if session["parent_session_id"] == session["id"]:
         raise InvalidInputError(f"{where}: session {echoed(session['id'])} is its own parent")
+    _check_title(session["title"], where)
     raw_messages = record.get("messages") or []
     if not isinstance(raw_messages, list):
         raise InvalidInputError(f"{where}: messages must be a list")

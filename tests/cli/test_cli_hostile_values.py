@@ -91,6 +91,14 @@ BAD_LINES = {
         '{"id": "x", "source": "cli", "started_at": 1.0, "parent_session_id": "x"}',
         "its own parent",
     ),
+    "a title of 10,000 characters": (
+        '{"id": "x", "source": "cli", "started_at": 1.0, "title": "' + "T" * 10_000 + '"}',
+        "Title too long (10000 chars, max 100)",
+    ),
+    "a title with an invisible character": (
+        '{"id": "x", "source": "cli", "started_at": 1.0, "title": "a\\u200bb"}',
+        "characters the store does not keep in a title",
+    ),
 }
 
 
