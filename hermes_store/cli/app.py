@@ -8,6 +8,7 @@ Only click is imported here: SQLAlchemy, Alembic and rich load when a command ne
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -136,10 +137,23 @@ def boundary_error(error: Exception) -> click.ClickException | None:
         return DatabaseProblem(f"database error: {one_line(error.orig)}")
     if isinstance(error, CommandError):
         return BadArgument(one_line(error))
-    if isinstance(error, OSError):  # the database's folder cannot be made, read or written
+    if isinstance(error, OSError):
+        if error.filename is None and error.errno in _FULL:  # a write of the output, no file
+            return DatabaseProblem(output_failed(error))
+        # the database's folder cannot be made, read or written
         where = f": {error.filename}" if error.filename else ""
         return DatabaseProblem(f"{error.strerror or error}{where}")
     return None
+
+
+#: A device or quota that took no more: what a failed write of the output (``>/dev/full``) says.
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def output_failed(error: OSError) -> str:
+    """The one line for output that could not be written (stdout on a full device): not the
+    database, which is what exit 3's other causes are about."""
+    return f"could not write the output: {error.strerror or error}"
 
 
 class HermesGroup(click.Group):
@@ -517,7 +531,7 @@ def main() -> None:
         code = done.code
     failed = _unflushed_output()
     if failed is not None and code in (None, EXIT_OK):
-        echo_err(f"Error: {failed.strerror or failed}")
+        echo_err(f"Error: {output_failed(failed)}")
         code = EXIT_DATABASE  # as the error boundary says a failed write of the output
     raise SystemExit(code)
 

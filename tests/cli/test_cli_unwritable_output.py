@@ -24,6 +24,8 @@ from tests.support.cli_process import RUN_CLI
 
 TIMEOUT = 120  # a hang guard only
 FULL = Path("/dev/full")
+#: What a failed write of the output says: the output, not the database, is what failed.
+OUTPUT_FULL = "Error: could not write the output: No space left on device"
 
 
 @pytest.fixture
@@ -140,7 +142,7 @@ def test_top_level_help_and_version_on_a_full_device_answer_as_a_subcommand_does
 ) -> None:
     subcommand = _to_full("stats", "--help")  # the error boundary's answer, for comparison
     assert subcommand.returncode == 3
-    assert subcommand.stderr.strip() == "Error: No space left on device"
+    assert subcommand.stderr.strip() == OUTPUT_FULL
 
     done = _to_full(option)
 
@@ -157,7 +159,24 @@ def test_output_left_in_a_buffer_on_a_full_device_is_one_error(args: tuple[str, 
     env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
     with FULL.open("w") as full:
         done = _cli(*args, stdout=full, env=env)
-    assert (done.returncode, done.stderr) == (3, "Error: No space left on device\n")
+    assert (done.returncode, done.stderr) == (3, OUTPUT_FULL + "\n")
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="no /dev/full on this system")
+@pytest.mark.parametrize(
+    "args", [("sessions", "list"), ("export", "-o", "-"), ("sessions", "show", "s1")]
+)
+def test_a_command_whose_output_meets_a_full_device_says_so(
+    path: Path, args: tuple[str, ...]
+) -> None:
+    """One line naming the output, exit 3, whether the write failed as the command ran or at
+    the last flush (block-buffered stdout, as in CI); the database is untouched."""
+    for env in (_env(), {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}):
+        with FULL.open("w") as full:
+            done = _cli("--db", str(path), *args, stdout=full, env=env)
+        assert (done.returncode, done.stderr) == (3, OUTPUT_FULL + "\n"), done.stderr
+    with SessionDB(path) as db:
+        assert db.message_count("s1") == 1
 
 
 @pytest.mark.parametrize("option", ["--help", "--version"])
