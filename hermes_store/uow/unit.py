@@ -446,7 +446,8 @@ class UnitOfWork:
         for block, where in list(_SERVER_BLOCKS.items()):
             if where != database or block.closed or block in self._blocks:
                 continue
-            if me in (block.owner, block.body_thread):
+            opener = block.opener  # ended: its ident may be another thread's by now
+            if me in (block.owner, block.body_thread) and (opener is None or opener.is_alive()):
                 raise TransactionMisuseError(
                     "a write through a second store on the same PostgreSQL database from the "
                     "thread that runs an open transaction() block of another store: it cannot "
