@@ -58,7 +58,7 @@ from hermes_store.errors import (
     extras_named,
 )
 from hermes_store.store import SessionDB
-from hermes_store.uow.unit import Unit
+from hermes_store.uow.unit import CALLING_TASK, Unit
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -247,8 +247,8 @@ class _Tx:
     def submit(self, call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
         if self.thread is not None:
             return _on_thread(self.thread, call)
-        context = self.context
-        return _on_greenlet(lambda: context.run(call))
+        context, called = self.context, _as_caller(call)
+        return _on_greenlet(lambda: context.run(called))
 
     async def run(self, call: Callable[[], T]) -> T:
         return await self.owner._settle(*self.submit(call))
@@ -847,9 +847,25 @@ def _on_thread(
     return asyncio.wrap_future(done), done.cancel
 
 
+def _as_caller(call: Callable[[], T]) -> Callable[[], T]:
+    """``call``, told the task it was made in (:data:`CALLING_TASK`) wherever it runs: the
+    store refuses a write that task's own open block would keep waiting."""
+    caller = asyncio.current_task()
+
+    def called() -> T:
+        token = CALLING_TASK.set(caller)
+        try:
+            return call()
+        finally:
+            CALLING_TASK.reset(token)
+
+    return called
+
+
 def _on_greenlet(call: Callable[[], T]) -> tuple[asyncio.Future[T], Callable[[], bool]]:
     from sqlalchemy.util.concurrency import greenlet_spawn
 
+    call = _as_caller(call)
     started = False
 
     async def body() -> T:

@@ -20,6 +20,7 @@ its own transaction on the autocommit twin.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -37,7 +38,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql import ClauseElement
 
-from hermes_store.engine import fastpath, placement
+from hermes_store.engine import fastpath
 from hermes_store.engine.factory import (
     SqliteSettings,
     autocommit_engine,
@@ -98,15 +99,36 @@ _Straight = tuple[
 
 #: Open write blocks on PostgreSQL of every Unit of Work in this process, each with the
 #: database whose rows it may hold locked (see :meth:`UnitOfWork._refuse_other_store`).
-_SERVER_BLOCKS: dict[Unit, tuple[object, ...]] = {}
+_SERVER_BLOCKS: dict[Unit, UnitOfWork] = {}
 os.register_at_fork(after_in_child=_SERVER_BLOCKS.clear)  # the parent's blocks, not the child's
+#: Which tables a PostgreSQL connection writes, asked of the server (an address can be spelled
+#: many ways, PgBouncer in front of it too): the server by its start time and port, then the
+#: database, then the schema (inside a unit: the placement's ``search_path``).
+_TABLES_SQL = (
+    "SELECT pg_postmaster_start_time()::text, current_setting('port'), current_database(), "
+    "current_schema()"
+)
 
 
-def _database_of(engine: Engine) -> tuple[object, ...]:
-    """Which tables a PostgreSQL engine writes: server, database and schema."""
-    url = engine.url
-    placed = engine.get_execution_options().get(placement.OPTION)
-    return (url.host, url.port, url.database, getattr(placed, "schema", None))
+def _tables_of(conn: Connection) -> tuple[object, ...]:
+    """The identity of the tables ``conn`` writes (one round trip)."""
+    return tuple(conn.exec_driver_sql(_TABLES_SQL).one())
+
+
+#: The task an ``AsyncSessionDB`` call was made in: the call itself runs in a task (and
+#: SQLAlchemy's greenlet) of its own, so that task is not the caller's.
+CALLING_TASK: ContextVar[asyncio.Task[Any] | None] = ContextVar("hermes_calling_task", default=None)
+
+
+def _running_task() -> asyncio.Task[Any] | None:
+    """The asyncio task this code was called from, if any."""
+    task = CALLING_TASK.get()
+    if task is not None:
+        return task
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no event loop runs in this thread
+        return None
 
 
 #: Frames that can be suspended and resumed in another thread: generators and coroutines.
@@ -123,7 +145,7 @@ class Unit:
     inside a block that thread cannot join); ``closed``: ended, perhaps by another thread.
     """
 
-    __slots__ = ("body_thread", "closed", "conn", "frames", "opener", "owner", "write")
+    __slots__ = ("body_thread", "closed", "conn", "frames", "opener", "owner", "task", "write")
 
     def __init__(self, conn: Connection, write: bool) -> None:
         self.conn = conn
@@ -133,6 +155,8 @@ class Unit:
         self.closed = False
         #: A write block's: the thread that opened it (an ident may be reused once it ends).
         self.opener: threading.Thread | None = None
+        #: A PostgreSQL write block's: the asyncio task it was opened in, if any.
+        self.task: asyncio.Task[Any] | None = None
 
 
 def driver_cursor(conn: Connection) -> Any:
@@ -165,9 +189,10 @@ class UnitOfWork:
         #: An asyncio engine's sync side (AsyncSessionDB on PostgreSQL): usable only in the
         #: greenlet SQLAlchemy runs it in.
         self._asyncio = engine.dialect.is_async
-        #: PostgreSQL: the database this Unit of Work writes (None: a SQLite file, whose stores
-        #: in a process share one Unit of Work, so a block of one is joined by the others).
-        self._database = None if self.is_sqlite else _database_of(engine)
+        #: PostgreSQL: the tables this Unit of Work writes (:func:`_tables_of`), asked once,
+        #: when a block opens or a write meets another store's block. SQLite needs none: the
+        #: stores of a file in a process share one Unit of Work, so one's block is joined.
+        self._tables: tuple[object, ...] | None = None
         self.settings: SqliteSettings | None = None
         if self.is_sqlite:
             self.settings = sqlite_settings(engine) or install_sqlite_hooks(engine)
@@ -377,8 +402,11 @@ class UnitOfWork:
         unit.opener = threading.current_thread()
         with self._blocks_lock:
             self._blocks.add(unit)
-        if self._database is not None:
-            _SERVER_BLOCKS[unit] = self._database
+        if not self.is_sqlite:
+            if self._asyncio:  # asked now, in SQLAlchemy's greenlet: a sync caller cannot
+                self.tables()
+            unit.task = _running_task()
+            _SERVER_BLOCKS[unit] = self
 
     def _refuse_foreign_block(self, write: bool) -> None:
         """Refuse, before it waits, a call that could only wait forever: one made inside a
@@ -433,27 +461,56 @@ class UnitOfWork:
             )
 
     def _refuse_other_store(self) -> None:
-        """Refuse, before it waits, a write through this store from a thread whose open block
-        on another store (a second ``SessionDB`` or an ``AsyncSessionDB``) writes the same
-        PostgreSQL tables: it cannot join that block (another engine, another connection),
-        and a row the block changed would keep it waiting for the block, which waits for it.
-        On SQLite the stores of a file share one Unit of Work, so such a write joins the block.
-        An ``AsyncSessionDB`` write waits without blocking its event loop: not refused here."""
-        database = self._database
-        if database is None or self._asyncio:
+        """Refuse, before it waits, a write through this store that could only wait for
+        another store's open block on the same PostgreSQL tables (a second ``SessionDB`` or an
+        ``AsyncSessionDB``): from the thread that runs that block (the write would hold the
+        thread the block needs), or awaited in the task that opened it. It cannot join that
+        block (another engine, another connection), and a row the block changed keeps it
+        waiting for the block, which waits for it. On SQLite the stores of a file share one
+        Unit of Work, so such a write joins the block. An ``AsyncSessionDB`` write awaited in
+        another task waits without blocking the loop: the block's task goes on and commits."""
+        if self.is_sqlite:
             return
-        me = threading.get_ident()
-        for block, where in list(_SERVER_BLOCKS.items()):
-            if where != database or block.closed or block in self._blocks:
-                continue
-            opener = block.opener  # ended: its ident may be another thread's by now
-            if me in (block.owner, block.body_thread) and (opener is None or opener.is_alive()):
-                raise TransactionMisuseError(
-                    "a write through a second store on the same PostgreSQL database from the "
-                    "thread that runs an open transaction() block of another store: it cannot "
-                    "join that block, and could wait forever for a row the block changed. Make "
-                    "the call through the store that opened the block, or after the block"
-                )
+        others = []
+        for block in list(_SERVER_BLOCKS):
+            if block.closed:  # one an interrupt cut short before its body: never unregistered
+                _SERVER_BLOCKS.pop(block, None)
+            elif block not in self._blocks:
+                others.append(block)
+        if not others:
+            return
+        if self._asyncio:
+            task = _running_task()
+            others = [block for block in others if task is not None and block.task is task]
+        else:
+            me = threading.get_ident()
+            others = [
+                block
+                for block in others  # an ended opener's ident may be another thread's by now
+                if me in (block.owner, block.body_thread)
+                and (block.opener is None or block.opener.is_alive())
+            ]
+        if not others:
+            return
+        mine = self.tables()
+        owners = [_SERVER_BLOCKS.get(block) for block in others]
+        if any(owner is not None and owner.tables() == mine for owner in owners):
+            raise TransactionMisuseError(
+                "a write through a second store on the same PostgreSQL database, from the "
+                "thread or task that runs an open transaction() block of another store: it "
+                "cannot join that block, and could wait forever for a row the block changed. "
+                "Make the call through the store that opened the block, or after the block"
+            )
+
+    def tables(self) -> tuple[object, ...]:
+        """PostgreSQL: which tables this Unit of Work writes (:func:`_tables_of`), asked once
+        on a connection of its own (never inside a unit: a block's first statement may have
+        to be its first, as ``SET TRANSACTION`` must)."""
+        tables = self._tables
+        if tables is None:
+            with mapped_errors(), self.engine.connect() as conn:
+                tables = self._tables = _tables_of(conn)
+        return tables
 
     def _refuse_foreign_exit(self, unit: Unit, error: BaseException | None) -> None:
         """A block ended by another thread or context (a generator closed elsewhere) is
@@ -599,19 +656,15 @@ class UnitOfWork:
         (the SQLite hot path's units): a write that goes straight in hands it over as it is,
         with no Connection to look it up from. ``fn`` wraps the driver errors it lets out as
         SQLAlchemy wraps them (:meth:`driver_error`), or lets them out raw."""
-        if (
-            self._current.get() is None
-            and not self._blocks
-            and not self._asyncio
-            and not _SERVER_BLOCKS
-        ):
+        if self._current.get() is None and not self._blocks and not self._asyncio:
             straight = self._straight
             if straight is not None:  # the backend's hot_driver_write, one frame less
                 result = straight[0](fn, True)
                 if not isinstance(result, uncontended.Missed):
                     return result  # type: ignore[no-any-return]
                 return straight[1](fn)  # type: ignore[no-any-return]
-            return self.backend.hot_driver_write(self, fn)
+            if not _SERVER_BLOCKS:  # PostgreSQL: no block open that a second store could meet
+                return self.backend.hot_driver_write(self, fn)
         return self.run(on_driver(fn), driver_only=True)
 
     @property

@@ -266,6 +266,65 @@ def test_a_second_postgresql_store_is_refused_a_write_inside_a_block_of_the_firs
     second.close()
 
 
+def test_the_same_database_is_known_however_its_address_is_spelled(pg_url: URL) -> None:
+    """The tables are identified by the server itself: ``localhost`` without a port is the
+    same database as ``127.0.0.1:5432`` (a key made of the URL missed it, and waited)."""
+    other_spelling = pg_url.set(host="localhost", port=None)
+    assert other_spelling.render_as_string() != pg_url.render_as_string()
+    first, second = SessionDB(url_string(pg_url)), SessionDB(url_string(other_spelling))
+    first.create_session("s", "cli")
+
+    def scenario() -> BaseException | None:
+        with first.transaction():
+            first.append_message("s", "user", "first")
+            try:
+                second.append_message("s", "user", "never")
+            except TransactionMisuseError as error:
+                return error
+        return None
+
+    result, error = _outcome(scenario)
+    assert error is None, error
+    assert isinstance(result, TransactionMisuseError) and SECOND_STORE in str(result)
+    assert _messages(pg_url) == ["first"]
+    first.close()
+    second.close()
+
+
+def test_a_second_async_store_awaited_inside_a_block_of_its_own_task_is_refused(
+    pg_url: URL,
+) -> None:
+    """The task that holds a block (of a sync store or of another async store) and awaits a
+    write of the same row through a second async store waits for itself: refused."""
+    db = SessionDB(url_string(pg_url))
+    db.create_session("s", "cli")
+
+    async def scenario() -> list[str]:
+        seen: list[str] = []
+        async with (
+            AsyncSessionDB(url_string(pg_url)) as first,
+            AsyncSessionDB(url_string(pg_url)) as second,
+        ):
+            async with first.transaction():
+                await first.append_message("s", "user", "async block")
+                with pytest.raises(TransactionMisuseError, match=SECOND_STORE):
+                    await second.append_message("s", "user", "never")
+                seen.append("refused in an async block")
+            with db.transaction():
+                db.append_message("s", "user", "sync block")
+                with pytest.raises(TransactionMisuseError, match=SECOND_STORE):
+                    await second.append_message("s", "user", "never")
+                seen.append("refused in a sync block")
+            await second.append_message("s", "user", "after the blocks")
+        return seen
+
+    result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    assert result == ["refused in an async block", "refused in a sync block"]
+    assert _messages(pg_url) == ["async block", "sync block", "after the blocks"]
+    db.close()
+
+
 def test_another_threads_write_through_a_second_store_waits_for_the_block(pg_url: URL) -> None:
     """Only the thread running the block is refused: another thread's write is an ordinary
     wait for the row's lock, and lands once the block commits."""
