@@ -135,7 +135,9 @@ def integer(
         raise InvalidInputError(f"{name} must be an integer, not {_kind(value)}")
     number = int.__index__(value)  # int's own slot: the value itself, whatever the subclass says
     if not minimum <= number <= maximum:
-        raise InvalidInputError(f"{name} must be between {minimum} and {maximum}, not {number}")
+        raise InvalidInputError(
+            f"{name} must be between {minimum} and {maximum}, not {echoed(number)}"
+        )
     return number
 
 

@@ -190,15 +190,37 @@ def test_lookups_longer_than_a_like_pattern_may_be_are_not_found(db_url: URL) ->
     assert "..." in shown.output
 
 
+def _nested(depth: int) -> object:
+    value: object = "x" * 1000
+    for _ in range(depth):
+        value = (value,) * 6
+    return value
+
+
+#: A tuple of tuples five deep, a 1,000-character string at the bottom: its repr is 8 MB.
+_NESTED = _nested(5)
+
+
 @pytest.mark.parametrize(
     "call",
     [
         lambda db: db.append_messages("s", [{b"k" * 60_000: "user"}]),
         lambda db: db.search_messages("hello", sort="s" * 60_000),
+        lambda db: db.append_messages("s", [{_NESTED: "user"}]),
+        lambda db: db.get_messages("s", limit=10**5000),
+        lambda db: db.append_messages("s", [{10**5000: "user"}]),
     ],
-    ids=["a huge non-text key", "a huge sort"],
+    ids=[
+        "a huge non-text key",
+        "a huge sort",
+        "a key nested five deep",
+        "an int past Python's digit limit",
+        "a key past Python's digit limit",
+    ],
 )
 def test_an_error_quotes_a_huge_argument_elided(db: SessionDB, call: Any) -> None:
+    """A huge value, a deep one, or an int Python will not print (past 4,300 digits, where
+    ``str()`` raises ValueError): the error is the package's, and a line long."""
     with pytest.raises(InvalidInputError) as refused:
         call(db)
     assert len(str(refused.value)) < 400, len(str(refused.value))
