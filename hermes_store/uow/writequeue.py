@@ -185,6 +185,18 @@ def _open_lock_file(path: Path) -> int:
     return fd
 
 
+def _mark(fd: int, value: int, at: int) -> None:
+    """Write one of the line's marks of progress (the last byte released, the head's
+    heartbeat). Only marks: one that cannot be written (a full disk on a copy-on-write file
+    system, an I/O error) is logged and the write goes on; the writers behind then see the line
+    still and fall back after their bounded wait. Raised, it failed a write that had committed
+    (the turn ends after the commit) and left the descriptor out of the pool."""
+    try:
+        os.pwrite(fd, struct.pack("<Q", value), at)
+    except OSError as error:
+        log.warning("write queue: could not write a mark of progress to the lock file: %s", error)
+
+
 def _in_range(issued: int, served: int) -> bool:
     """Whether a header can be the queue's own: below the limit, served within SLOTS behind."""
     return issued < TICKET_LIMIT and 0 <= issued - served <= SLOTS
@@ -265,7 +277,7 @@ class Turn:
         head that says so has waited: it marks the line starving too."""
         if self.queued and self.fd >= 0:
             self.beats += 1
-            os.pwrite(self.fd, struct.pack("<Q", (os.getpid() << 24) ^ self.beats), 24)
+            _mark(self.fd, (os.getpid() << 24) ^ self.beats, 24)
             self.mark_starving()
 
     def mark_starving(self) -> None:
@@ -660,7 +672,7 @@ class WriteQueue:
                 assert turn is not None
                 turn.starving = False
             for byte in own:
-                os.pwrite(descriptor.fd, struct.pack("<Q", byte), 16)  # the line moved
+                _mark(descriptor.fd, byte, 16)  # the line moved
             self._give_back(descriptor)
         if turn is not None and turn.queued:
             held = time.monotonic() - granted

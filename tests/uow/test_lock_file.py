@@ -9,6 +9,7 @@ real, in ``tmp_path``; a foreign lock holder is a real process driven over a pip
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -222,6 +223,33 @@ def test_a_damaged_header_is_repaired_and_writes_land(
     assert len(repaired) == 1 and str(lock_of(db)) in repaired[0].getMessage()
     with queue.turn() as turn:  # and the queue works on from there
         assert turn.queued
+
+
+def test_a_lock_file_that_takes_no_more_writes_fails_no_write(
+    db: str, warnings: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line's marks of progress (the byte a turn released, the head's heartbeat) cannot
+    be written (a full copy-on-write file system): each write still lands and is answered. A
+    failed mark raised after the turn's commit: an OSError for a write that had landed."""
+    write_some(db, count=0)
+    lock_file = str(lock_of(db))
+    real_pwrite = os.pwrite
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        if offset in (16, 24) and os.readlink(f"/proc/self/fd/{fd}") == lock_file:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    store = SessionDB(db)
+    for n in range(4):  # transaction() blocks: a queue turn each
+        with store.transaction():
+            store.append_message("q", "user", f"kept {n}")
+    queue = store.uow.write_queue
+    store.close()
+    assert landed(db) == [f"kept {n}" for n in range(4)]
+    assert queue is not None and queue.stats().turns >= 4
+    assert any("mark of progress" in r.getMessage() for r in warnings.records)
 
 
 # -- a foreign process holding locks on the file -----------------------------------------------
