@@ -200,6 +200,9 @@ class ImportReport:
     messages_skipped: int = 0  # they belong to a skipped session
     messages_renumbered: int = 0  # the message id was taken: stored under a new id
     titles_cleared: int = 0  # another session of the target holds the title
+    #: not a title the store keeps (over 100 characters, or holding what sanitising removes
+    #: or collapses, as a redacted export's marker can make one): left empty
+    titles_refused: int = 0
     parents_missing: int = 0  # the parent session is in neither the file nor the target
 
 
@@ -208,6 +211,7 @@ class _Prepared:
     session: RowDict
     messages: list[RowDict]
     line: int
+    title_refused: bool = False  # the record's title was not one the store keeps: left empty
 
 
 @dataclass
@@ -320,21 +324,17 @@ def _checked(
     return row
 
 
-def _check_title(title: str | None, where: str) -> None:
-    """A title as the store keeps one (``set_session_title``'s rule): at most
-    ``MAX_TITLE_LENGTH`` characters, no control or invisible characters, no runs of
-    whitespace. Kept exactly or refused, never changed on the way in."""
+def _keeps_title(title: str | None) -> bool:
+    """Whether ``title`` is one the store keeps (``set_session_title``'s rule: at most
+    ``MAX_TITLE_LENGTH`` characters, nothing sanitising would remove or collapse). One that is
+    not is left empty and counted (``titles_refused``), never changed into another title: the
+    rest of the session imports as it was exported."""
     if title is None:
-        return
+        return True
     try:
-        kept = titles.sanitize_title(title)
-    except TitleTooLongError as error:
-        raise InvalidInputError(f"{where}: {error}") from None
-    if kept != title:
-        raise InvalidInputError(
-            f"{where}: title {echoed(title)} holds characters the store does not keep in a title "
-            f"(control or invisible characters, or whitespace it collapses: {echoed(kept)})"
-        )
+        return titles.sanitize_title(title) == title
+    except TitleTooLongError:
+        return False
 
 
 def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False) -> _Prepared:
@@ -353,7 +353,9 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
     )
     if session["parent_session_id"] == session["id"]:
         raise InvalidInputError(f"{where}: session {echoed(session['id'])} is its own parent")
-    _check_title(session["title"], where)
+    title_refused = not _keeps_title(session["title"])
+    if title_refused:
+        session["title"] = None
     raw_messages = record.get("messages") or []
     if not isinstance(raw_messages, list):
         raise InvalidInputError(f"{where}: messages must be a list")
@@ -369,7 +371,7 @@ def _prepare(record: Any, line: int, nul_ok: bool, allow_redacted: bool = False)
             raise InvalidInputError(f"{where}, message {index}: belongs to another session")
         message["session_id"] = session["id"]
         messages.append(message)
-    return _Prepared(session, messages, line)
+    return _Prepared(session, messages, line, title_refused)
 
 
 def _in(column: sa.Column[Any], *what: Any) -> sa.Select[Any]:
@@ -474,7 +476,8 @@ def _write_batch(
     rows = []
     for prepared in fresh:
         row = dict(prepared.session)
-        if row["title"] in held_titles:
+        report.titles_refused += prepared.title_refused
+        if row["title"] is not None and row["title"] in held_titles:
             row["title"] = None
             report.titles_cleared += 1
         if row["parent_session_id"] is not None:

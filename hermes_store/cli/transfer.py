@@ -173,6 +173,8 @@ def import_(
             "messages_skipped": "message(s) of skipped sessions not imported",
             "messages_renumbered": "message(s) stored under a new id (the id was taken)",
             "titles_cleared": "title(s) cleared: held by another session",
+            "titles_refused": "title(s) left empty: not one the store keeps (too long, or "
+            "holding control or invisible characters)",
             "parents_missing": "parent link(s) left empty: the parent is not in the file",
         }
         for name, text in notes.items():

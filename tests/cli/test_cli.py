@@ -476,6 +476,7 @@ def test_import_skips_and_counts_collisions(
         "messages_skipped": 9,
         "messages_renumbered": 0,
         "titles_cleared": 0,
+        "titles_refused": 0,
         "parents_missing": 0,
     }
     assert export_file(runner, populated, tmp_path / "after.jsonl") == original
