@@ -205,10 +205,9 @@ class SessionDB:
             raise InvalidInputError(
                 f"retention must be a retention Policy, not {echoed(retention)}"
             )
-        validate.max_message_bytes(max_message_bytes)
         #: The most UTF-8 bytes of text one message may hold (None: no limit); see
         #: :data:`hermes_store.validate.DEFAULT_MAX_MESSAGE_BYTES`.
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = validate.max_message_bytes(max_message_bytes)
         #: Where the tables live (:mod:`hermes_store.engine.placement`): checked before anything.
         self.placement = placement.Placement.resolve(schema, version_table)
         if not callable(clock):
@@ -888,7 +887,7 @@ class SessionDB:
     ) -> list[SessionRow]:
         """Row dicts, newest first, children included, no preview."""
         validate.text("source", source, optional=True)
-        validate.page(limit, offset)
+        limit, offset = validate.page(limit, offset)
         statement = (
             select(S).order_by(S.c.started_at.desc(), S.c.id.desc()).limit(limit).offset(offset)
         )
@@ -910,7 +909,7 @@ class SessionDB:
         """Sessions with ``preview`` and ``last_active``, newest first, in one query."""
         validate.text("source", source, optional=True)
         exclude_sources = validate.names("exclude_sources", exclude_sources)
-        validate.lenient_page(limit, offset)
+        limit, offset = validate.lenient_page(limit, offset)
         validate.flag("include_children", include_children)
         validate.flag("project_compression_tips", project_compression_tips)
         return self.uow.read(
@@ -946,7 +945,7 @@ class SessionDB:
         source_filter = validate.names("source_filter", source_filter)
         exclude_sources = validate.names("exclude_sources", exclude_sources)
         role_filter = validate.names("role_filter", role_filter)
-        validate.lenient_page(limit, offset)
+        limit, offset = validate.lenient_page(limit, offset)
         return self.uow.read(
             lambda conn: cast(
                 list[SearchHit],

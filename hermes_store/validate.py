@@ -183,16 +183,15 @@ def names(name: str, value: object) -> list[str] | None:
     return listed
 
 
-def page(limit: object, offset: object) -> None:
-    """``limit`` and ``offset`` of a page: integers >= 0."""
-    integer("limit", limit, minimum=0)
-    integer("offset", offset, minimum=0)
+def page(limit: object, offset: object) -> tuple[int, int]:
+    """``limit`` and ``offset`` of a page: integers >= 0 (as plain ints)."""
+    return integer("limit", limit, minimum=0), integer("offset", offset, minimum=0)
 
 
-def lenient_page(limit: object, offset: object) -> None:
-    """For the calls that always read a negative ``limit``/``offset`` as 0: integers only."""
-    integer("limit", limit)
-    integer("offset", offset)
+def lenient_page(limit: object, offset: object) -> tuple[int, int]:
+    """For the calls that always read a negative ``limit``/``offset`` as 0: integers only (as
+    plain ints)."""
+    return integer("limit", limit), integer("offset", offset)
 
 
 def messages(value: object) -> list[Mapping[str, Any]]:
@@ -291,9 +290,9 @@ def open_options(retry: object, checkpoint_every: object, writer_busy_timeout: o
         raise InvalidInputError(f"writer_busy_timeout must be between 0 and {_MAX_BUSY_S} s")
 
 
-def max_message_bytes(value: object) -> None:
+def max_message_bytes(value: object) -> int | None:
     """The store's per-message text limit: a positive byte count, or ``None`` (no limit)."""
-    integer("max_message_bytes", value, optional=True, minimum=1)
+    return integer("max_message_bytes", value, optional=True, minimum=1)
 
 
 def message_size(row: Mapping[str, Any], limit: int | None) -> None:

@@ -340,6 +340,19 @@ def test_an_int_subclass_is_taken_by_its_value_not_its_comparisons(store: Sessio
         store.append_message("s", "user", f"message {n}")
     paged = list(store.iter_messages("s", page_size=_LyingInt(2)))
     assert [row["content"] for row in paged] == [f"message {n}" for n in range(5)]
+    assert len(store.list_sessions_rich(limit=_LyingInt(1))) == 1
+    assert len(store.search_sessions(limit=_LyingInt(1))) == 1
+
+
+def test_a_message_limit_given_as_an_int_subclass_holds_by_its_value(tmp_path: Path) -> None:
+    """The limit kept is the plain number: a subclass whose comparisons lie let a message of
+    any size through."""
+    with SessionDB(tmp_path / "state.db", max_message_bytes=_LyingInt(10)) as db:
+        assert type(db.max_message_bytes) is int and db.max_message_bytes == 10
+        db.create_session("s", "cli")
+        with pytest.raises(InvalidInputError):
+            db.append_message("s", "user", "x" * 100)
+        assert db.message_count("s") == 0
 
 
 def test_counter_overflow_is_refused_not_turned_into_a_float(baseline: SessionDB) -> None:
