@@ -35,7 +35,7 @@ COMMAND_PAGES = sorted({README, *PYTHON_PAGES, *(ROOT / "docs").glob("*.md")})
 PG_PLACEHOLDER = "postgresql+psycopg://hermes@localhost/hermes"
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 QUICKSTART = (
-    "python -m venv .venv && . .venv/bin/activate && pip install -e . "
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -e . "
     "&& hermes-store db upgrade && hermes-store doctor"
 )
 TEST_COMMAND = "pip install -e '.[test]' && pytest -n auto"
