@@ -33,6 +33,8 @@ class StoreStats:
     group_reruns: int = 0  #: units re-run alone after their group was lost
     uncontended_writes: int = 0  #: single-call writes that found no one writing: straight in
     queue_turns: int = 0  #: write turns taken in the fair writer queue (see writequeue)
+    #: queued turns whose head let a back-to-back holder finish its share first (see writer)
+    patient_heads: int = 0
 
 
 def _no_checkpoint() -> bool:

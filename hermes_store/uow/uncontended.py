@@ -98,6 +98,13 @@ class Uncontended:
         self._settings = writer.settings
         self._dbapi_error = writer.dbapi_error
         self._dialect = writer.engine.dialect
+        writer.goes_straight_in = self.goes_straight_in
+
+    def goes_straight_in(self) -> bool:
+        """A write of this process may go straight in past a line (its threads never met:
+        once they did, its writes wait for the next group while anyone is in line)."""
+        group = self._group
+        return group is None or not group.met
 
     def run(self, fn: Callable[[Any], T], on_driver: bool = False) -> T | Missed:
         """``fn(writer_connection)`` committed as its own transaction, or :data:`MISSED` when

@@ -55,6 +55,12 @@ newcomers queue behind it, so the head takes SQLite's lock at the next commit an
 the line waits more than its share per writer ahead. The mark is a lock, so a head that dies
 drops it with its other locks; it goes with the head's turn.
 
+A writer that ends its turn tells the next head whether it goes on writing straight in, back
+to back (:data:`GOES_ON` in its released mark, read with :meth:`Turn.holder_goes_on`): a head
+that writes back to back itself then lets it keep SQLite's lock for a share
+(the patient head of :mod:`~hermes_store.uow.writer`) instead of catching the lock
+between two of its writes.
+
 Writers outside the line (those going straight in, the original store, a ``sqlite3`` shell)
 meet the head in SQLite's lock, and it keeps its place: it polls ``BEGIN IMMEDIATE`` with a
 busy timeout of 0 every 0.5 ms (0.1 ms once it marked the line starving: the lock is free at
@@ -133,6 +139,8 @@ MAX_DESCRIPTORS = 64
 #: The byte a starving head locks (see :meth:`Turn.mark_starving`): outside the header and the
 #: slots, so no ticket ever owns it.
 STARVING_AT = 64
+#: In the released mark (bytes 16..23): the writer that released goes on writing straight in.
+GOES_ON = 1 << 62
 ENV_SWITCH = "HERMES_STORE_WRITE_QUEUE"
 ENV_WAIT = "HERMES_STORE_WRITE_QUEUE_WAIT"
 
@@ -269,16 +277,38 @@ class Turn:
     beats: int = 0
     starving: bool = False  #: this head holds the starving mark (released with the turn)
     since: float = 0.0  #: when the writer asked for its turn (``time.monotonic()``)
+    #: Set by the writer before the turn ends: it goes on writing straight in, back to back
+    #: (said to the next head with the released mark, see :meth:`holder_goes_on`).
+    goes_on: bool = False
+    #: It waited for its predecessor's byte: the writer before it in line just released it
+    #: (so :meth:`holder_goes_on` reads that writer's own word).
+    followed: bool = False
 
     def still_trying(self) -> None:
         """Tell the writers behind that the head is alive and retrying (it met another
         writer in SQLite's lock): the line counts as moving, so they stay blocked in the
         kernel instead of falling back to SQLite's busy handler after the bounded wait. A
         head that says so has waited: it marks the line starving too."""
+        self.beat()
+        self.mark_starving()
+
+    def beat(self) -> None:
+        """Tell the writers behind that the head is alive (the line counts as moving), without
+        asking newcomers to queue: a patient head waiting out a holder's share."""
         if self.queued and self.fd >= 0:
             self.beats += 1
             _mark(self.fd, (os.getpid() << 24) ^ self.beats, 24)
-            self.mark_starving()
+
+    def holder_goes_on(self) -> bool:
+        """The writer that released the line last said it goes on writing back to back
+        (its mark of progress at byte 16 carries :data:`GOES_ON`)."""
+        if not self.queued or self.fd < 0 or not self.followed:
+            return False
+        try:
+            raw = os.pread(self.fd, 8, 16)
+        except OSError:
+            return False
+        return len(raw) == 8 and bool(struct.unpack("<Q", raw)[0] & GOES_ON)
 
     def mark_starving(self) -> None:
         """Ask newcomers to stop trying SQLite's lock before the line (see
@@ -671,8 +701,9 @@ class WriteQueue:
             if starved:
                 assert turn is not None
                 turn.starving = False
+            goes_on = GOES_ON if turn is not None and turn.goes_on else 0
             for byte in own:
-                _mark(descriptor.fd, byte, 16)  # the line moved
+                _mark(descriptor.fd, byte | goes_on, 16)  # the line moved
             self._give_back(descriptor)
         if turn is not None and turn.queued:
             held = time.monotonic() - granted
@@ -716,12 +747,15 @@ class WriteQueue:
                 return os.pread(fd, 24, 8)
 
             let_go = _flock(fcntl.F_UNLCK, predecessor, 1)
+            blocked, descriptor.blocked = descriptor.blocked, False
             try:  # the predecessor's byte, once had, only says it has gone: let go at once
                 if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
                     turn.queued, turn.reason = False, "wait timed out"
                     return turn  # still holding my byte: the writers behind me stay in order
             finally:
                 fcntl.fcntl(fd, F_OFD_SETLK, let_go)
+                turn.followed = descriptor.blocked
+                descriptor.blocked = descriptor.blocked or blocked
         os.pwrite(fd, struct.pack("<Q", ticket), 8)
         return turn
 

@@ -5,8 +5,9 @@ writer queue across processes, :mod:`hermes_store.uow.writequeue`, then an in-pr
 shared by every store on the file), then begin on the one writer connection the process keeps
 for that file. The head of the queue polls SQLite's lock without waiting (:class:`_Head`),
 marks the line starving once it has waited its share (writers going straight in then queue
-behind it), and keeps its place while a foreign writer holds SQLite's lock. After each
-commit the WAL the writer wrote into must still be the file's
+behind it), and keeps its place while a foreign writer holds SQLite's lock; a head that writes
+back to back, behind a holder that does too, waits out a longer share first (the patient
+head). After each commit the WAL the writer wrote into must still be the file's
 (:meth:`SqliteWriter.acknowledge`); the PASSIVE checkpoints run here too.
 
 Group commit (:mod:`hermes_store.uow.groupcommit`) drives a writer through its public methods:
@@ -62,12 +63,26 @@ HEAD_FAST_S = 0.1
 STARVE_IN_LINE_S = 0.1
 #: While it polls, the head beats (the line counts as moving) at most this often.
 HEAD_BEAT_EVERY_S = 0.05
+#: A unit that asks within this of the process's previous commit on the file follows it back
+#: to back; after PATIENT_AFTER such units in a row the process is a back-to-back writer.
+BACK_TO_BACK_S = 0.01
+PATIENT_AFTER = 12
+#: A back-to-back writer at the head of a short line lets the holder (going straight in) keep
+#: the lock for up to PATIENT_SHARE_S, as long as its own wait since it asked stays within
+#: PATIENT_WAIT_S (PATIENT_LONG_LINE_WAIT_S with PATIENT_LONG_LINE or more writers ahead of it
+#: when it took its ticket). Meanwhile it asks SQLite only when no commit landed for a look.
+PATIENT_SHARE_S = 0.07
+PATIENT_WAIT_S = 0.17
+PATIENT_LONG_LINE = 3
+PATIENT_LONG_LINE_WAIT_S = 0.12
+PATIENT_STILL_LOOKS = 2
 #: Past the fast polls (a foreign writer, the original store or a sqlite3 shell, holds the lock
 #: long), the head asks with this busy timeout, then pauses (jittered) and asks again, keeping
 #: its place; its heartbeat keeps the line waiting.
 QUEUE_HEAD_BUSY_TIMEOUT_S = 0.2
 #: How often (seconds) a writer's commits check that its WAL is still the file's.
 WAL_CHECK_EVERY_S = 0.1
+_monotonic = time.monotonic
 #: ``wal_id`` of a writer that found no WAL at its first commit (not in WAL mode).
 _NO_WAL = (-1, -1)
 #: Whether a pooled writer connection is in WAL mode (its ``info``; see ``in_wal``).
@@ -134,6 +149,14 @@ class SqliteWriter:
         self._wal_id: tuple[int, int] | None = None  # the WAL the writer connection writes into
         self._wal_check_due = 0.0  # when the next commit stats the WAL (see acknowledge)
         self._queue: writequeue.WriteQueue | None = None  # attached at the first turn
+        #: When this process last committed on the file, and how many units in a row asked
+        #: within BACK_TO_BACK_S of the commit before them (see :attr:`back_to_back`).
+        self.committed_at = 0.0
+        self.asked_at = 0.0  #: when the unit in hand asked for a queued turn (0: straight in)
+        self.streak = 0
+        #: Whether this process's next write may go straight in past a line (set by the
+        #: straight-in path: off for a process whose threads met, which then waits in line).
+        self.goes_straight_in: Callable[[], bool] = _never
 
     # -- the turn ----------------------------------------------------------------------------
 
@@ -181,6 +204,8 @@ class SqliteWriter:
                             waiting = False
                             self._waited(started)
                         yield turn
+                        if turn is not None and turn.queued:
+                            turn.goes_on = self.back_to_back and self.goes_straight_in()
                 finally:
                     if waiting:  # interrupted while it waited
                         self._waited(started)
@@ -234,6 +259,26 @@ class SqliteWriter:
         return bool(known)
 
     @property
+    def back_to_back(self) -> bool:
+        """This process writes the file back to back (its last PATIENT_AFTER units each asked
+        right after the commit before them): a head that may wait out a holder's share."""
+        return self.streak >= PATIENT_AFTER
+
+    def data_version(self) -> int | None:
+        """SQLite's count of commits by other connections (``PRAGMA data_version``), asked on
+        the writer connection outside a transaction: a patient head's look at the holder.
+        None when it cannot tell (no connection, or the question failed: logged)."""
+        driver = self.driver
+        if driver is None:
+            return None
+        try:
+            row = driver.execute("PRAGMA data_version").fetchone()
+        except self.dbapi_error as error:
+            log.debug("%s: cannot read data_version: %s", self.where, error)
+            return None
+        return int(row[0]) if row else None
+
+    @property
     def head_busy_ms(self) -> int:
         """The head's busy timeout: short, and never longer than the writer's own."""
         return min(int(QUEUE_HEAD_BUSY_TIMEOUT_S * 1000), self.settings.writer_ms)
@@ -243,6 +288,8 @@ class SqliteWriter:
         the writer's turn: the head retries here, keeping its place; others pause between
         attempts (``waits``)."""
         head = _Head(self, turn) if turn is not None and turn.queued else None
+        if head is not None:
+            head.first_look()
         while True:
             conn = self.connect()
             conn.execution_options(**{BUSY_OPTION: head.busy_ms if head is not None else None})
@@ -268,6 +315,8 @@ class SqliteWriter:
         error for the caller's retry (a new turn after a jittered pause)."""
         settings = self.settings
         head = _Head(self, turn) if turn is not None and turn.queued else None
+        if head is not None:
+            head.first_look()
         while True:
             conn = self.connect()
             pooled = conn.connection
@@ -411,10 +460,16 @@ class SqliteWriter:
         (a fifth of a lone writer's whole write), so a writer going back to back checks ten
         times a second. The fork handling keeps the WAL from being deleted in the first place;
         this check bounds how long a process that lost its locks anyway goes unnoticed."""
+        now = _monotonic()
+        asked, self.asked_at = self.asked_at, 0.0
+        if (asked or now) - self.committed_at < BACK_TO_BACK_S:
+            self.streak += 1
+        else:
+            self.streak >>= 1  # one slow gap (a busy machine) halves it, a pause ends it
+        self.committed_at = now
         path = self.wal_path
         if path is None:
             return
-        now = time.monotonic()
         if self._wal_id is not None and now < self._wal_check_due:
             return
         self._wal_check_due = now + self.wal_check_every
@@ -530,17 +585,46 @@ class _Head:
     :data:`HEAD_FAST_S` (a foreign writer holds the lock long) it asks with
     :data:`QUEUE_HEAD_BUSY_TIMEOUT_S` and jittered pauses, within the fallback path's budget:
     ``attempts`` x (writer's busy timeout / head's), so a foreign writer costs it no more
-    waiting than before. All along it beats, keeping its place."""
+    waiting than before. All along it beats, keeping its place.
 
-    __slots__ = ("_beat_due", "_fast_until", "_left", "_polling", "_starve_at", "_turn", "_writer")
+    A *patient* head lets the holder keep the lock for a share: it writes back to back itself
+    (:attr:`SqliteWriter.back_to_back`), and the writer it followed in line said it goes on
+    writing straight in (:meth:`~hermes_store.uow.writequeue.Turn.holder_goes_on`). Until
+    :data:`PATIENT_SHARE_S` has passed (and within :data:`PATIENT_WAIT_S` of asking, or
+    :data:`PATIENT_LONG_LINE_WAIT_S` in a long line) it asks SQLite nothing while commits keep
+    landing (``PRAGMA data_version`` moves between its looks); it asks as soon as two looks saw
+    none (the holder stopped), and marks the line starving when the share is over. Why: a head
+    that polls from the start often finds the lock free between two of the holder's writes,
+    so the lock changes process every few writes, each change a wake-up; with processes that
+    all write back to back, fewer and longer shares keep the original store's throughput,
+    and a share bounded per line keeps every wait within the budget."""
+
+    __slots__ = (
+        "_beat_due",
+        "_fast_until",
+        "_left",
+        "_patient",
+        "_polling",
+        "_starve_at",
+        "_turn",
+        "_writer",
+    )
 
     def __init__(self, writer: SqliteWriter, turn: writequeue.Turn) -> None:
         self._writer = writer
         self._turn = turn
         self._polling = True  #: asks without waiting (in WAL mode, within HEAD_FAST_S)
         now = time.monotonic()
-        self._starve_at = min(now + STARVE_AFTER_S, turn.since + STARVE_IN_LINE_S)
-        self._fast_until = now + HEAD_FAST_S
+        writer.asked_at = turn.since
+        self._patient = writer.back_to_back and turn.holder_goes_on()
+        if self._patient:
+            with writer.counters.lock:
+                writer.counters.stats.patient_heads += 1
+            budget = PATIENT_LONG_LINE_WAIT_S if turn.depth >= PATIENT_LONG_LINE else PATIENT_WAIT_S
+            self._starve_at = min(now + PATIENT_SHARE_S, turn.since + budget)
+        else:
+            self._starve_at = min(now + STARVE_AFTER_S, turn.since + STARVE_IN_LINE_S)
+        self._fast_until = max(now, self._starve_at) + HEAD_FAST_S
         self._beat_due = now + HEAD_BEAT_EVERY_S
         self._left = float(
             writer.policy.attempts * -(-writer.settings.writer_ms // max(1, writer.head_busy_ms))
@@ -559,6 +643,9 @@ class _Head:
         turn = self._turn
         now = time.monotonic()
         if self._polling and now < self._fast_until:
+            if self._patient and now < self._starve_at:
+                self._wait_patiently()
+                return
             starving = now >= self._starve_at
             if starving:
                 turn.mark_starving()
@@ -583,6 +670,45 @@ class _Head:
                   delay * 1000)  # fmt: skip
         retry.sleep(delay)
         turn.still_trying()
+
+    def first_look(self) -> None:
+        """Before the first attempt: a patient head waits out the holder's share first (the
+        writer before it in line has just committed and is about to write again: asked at
+        once, the lock would often be free between its two writes, ending its share after
+        one write)."""
+        if self._patient:
+            self._wait_patiently()
+
+    def _wait_patiently(self) -> None:
+        """Until the holder's share is over: look every HEAD_POLL_S, and return (to ask
+        SQLite for the lock) once PATIENT_STILL_LOOKS looks in a row saw no commit land: the
+        holder has stopped or paused. A look that cannot tell ends the patience."""
+        writer, turn = self._writer, self._turn
+        seen = writer.data_version()
+        now = time.monotonic()
+        still = 0
+        while seen is not None and now < self._starve_at:
+            if now >= self._beat_due:
+                self._beat_due = now + HEAD_BEAT_EVERY_S
+                turn.beat()
+            time.sleep(HEAD_POLL_S)
+            now = time.monotonic()
+            version = writer.data_version()
+            if version is None:
+                seen = None
+            elif version != seen:
+                seen, still = version, 0
+            else:
+                still += 1
+                if still >= PATIENT_STILL_LOOKS:
+                    return
+        self._patient = False  # its share is over (or it cannot tell): the ordinary head
+        if seen is None:
+            self._starve_at = min(self._starve_at, now + STARVE_AFTER_S)
+
+
+def _never() -> bool:
+    return False
 
 
 def _holds_deleted_wal(wal_path: str | None) -> bool:
