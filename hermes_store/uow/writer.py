@@ -75,7 +75,8 @@ PATIENT_SHARE_S = 0.07
 PATIENT_WAIT_S = 0.17
 PATIENT_LONG_LINE = 3
 PATIENT_LONG_LINE_WAIT_S = 0.12
-PATIENT_STILL_LOOKS = 2
+PATIENT_LOOK_S = 0.002
+PATIENT_STILL_LOOKS = 1
 #: Past the fast polls (a foreign writer, the original store or a sqlite3 shell, holds the lock
 #: long), the head asks with this busy timeout, then pauses (jittered) and asks again, keeping
 #: its place; its heartbeat keeps the line waiting.
@@ -691,7 +692,7 @@ class _Head:
             if now >= self._beat_due:
                 self._beat_due = now + HEAD_BEAT_EVERY_S
                 turn.beat()
-            time.sleep(HEAD_POLL_S)
+            time.sleep(PATIENT_LOOK_S)
             now = time.monotonic()
             version = writer.data_version()
             if version is None:
