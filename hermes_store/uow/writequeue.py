@@ -9,8 +9,9 @@ How: a ticket queue of byte-range locks on a sidecar file ``<db>-writer.lock`` (
 database or its ``-wal``/``-shm``: opening those with a plain handle would drop this process's
 SQLite locks). Bytes 0..7 hold the next ticket, bytes 8..15 the last ticket served, bytes
 16..23 the last byte released, bytes 24..31 the head's heartbeat (the last three only mark
-progress); byte range [0, 8) is the ticket mutex, byte 64 the starving head's mark (a lock
-only, nothing is written there). Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
+progress), bytes 32..39 the word of a writer whose turn ends (:meth:`Turn.say_goes_on`); byte
+range [0, 8) is the ticket mutex, byte 64 the starving head's mark (a lock only, nothing is
+written there). Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
 
 1. under the mutex: read ``t``, write-lock my own byte, write ``t + 1``, drop the mutex;
 2. wait for a lock on my predecessor's byte (``t - 1``): it is free once that writer is done
@@ -56,7 +57,7 @@ the line waits more than its share per writer ahead. The mark is a lock, so a he
 drops it with its other locks; it goes with the head's turn.
 
 A writer that ends its turn tells the next head whether it goes on writing straight in, back
-to back (:data:`GOES_ON` in its released mark, read with :meth:`Turn.holder_goes_on`): a head
+to back (its word, :meth:`Turn.say_goes_on`, read with :meth:`Turn.holder_goes_on`): a head
 that writes back to back itself then lets it keep SQLite's lock for a share
 (the patient head of :mod:`~hermes_store.uow.writer`) instead of catching the lock
 between two of its writes.
@@ -139,7 +140,9 @@ MAX_DESCRIPTORS = 64
 #: The byte a starving head locks (see :meth:`Turn.mark_starving`): outside the header and the
 #: slots, so no ticket ever owns it.
 STARVING_AT = 64
-#: In the released mark (bytes 16..23): the writer that released goes on writing straight in.
+#: The word of the writer whose turn ends (bytes 32..39, see :meth:`Turn.say_goes_on`): its
+#: byte, with GOES_ON when it goes on writing straight in.
+WORD_AT = 32
 GOES_ON = 1 << 62
 ENV_SWITCH = "HERMES_STORE_WRITE_QUEUE"
 ENV_WAIT = "HERMES_STORE_WRITE_QUEUE_WAIT"
@@ -277,12 +280,10 @@ class Turn:
     beats: int = 0
     starving: bool = False  #: this head holds the starving mark (released with the turn)
     since: float = 0.0  #: when the writer asked for its turn (``time.monotonic()``)
-    #: Set by the writer before the turn ends: it goes on writing straight in, back to back
-    #: (said to the next head with the released mark, see :meth:`holder_goes_on`).
-    goes_on: bool = False
-    #: It waited for its predecessor's byte: the writer before it in line just released it
-    #: (so :meth:`holder_goes_on` reads that writer's own word).
-    followed: bool = False
+    slot: int = -1  #: this turn's byte (queued turns)
+    #: The byte of the writer before it in line, when it had to wait for that writer to let
+    #: go (-1: it found no one ahead): whose word :meth:`holder_goes_on` reads.
+    followed: int = -1
 
     def still_trying(self) -> None:
         """Tell the writers behind that the head is alive and retrying (it met another
@@ -299,16 +300,25 @@ class Turn:
             self.beats += 1
             _mark(self.fd, (os.getpid() << 24) ^ self.beats, 24)
 
+    def say_goes_on(self) -> None:
+        """Tell the next head, before this turn ends, that this writer goes on writing
+        straight in, back to back: its byte with :data:`GOES_ON` in bytes 32..39 (the word).
+        Written while the turn is held, so the next head finds it once it may go; a word
+        that cannot be written is logged, and the next head takes the ordinary share."""
+        if self.queued and self.fd >= 0 and self.slot >= 0:
+            _mark(self.fd, self.slot | GOES_ON, WORD_AT)
+
     def holder_goes_on(self) -> bool:
-        """The writer that released the line last said it goes on writing back to back
-        (its mark of progress at byte 16 carries :data:`GOES_ON`)."""
-        if not self.queued or self.fd < 0 or not self.followed:
+        """The writer this head waited for said it goes on writing back to back (its word,
+        see :meth:`say_goes_on`, names its byte): False when the head found no one ahead, or
+        that writer said nothing."""
+        if not self.queued or self.fd < 0 or self.followed < 0:
             return False
         try:
-            raw = os.pread(self.fd, 8, 16)
+            raw = os.pread(self.fd, 8, WORD_AT)
         except OSError:
             return False
-        return len(raw) == 8 and bool(struct.unpack("<Q", raw)[0] & GOES_ON)
+        return len(raw) == 8 and struct.unpack("<Q", raw)[0] == self.followed | GOES_ON
 
     def mark_starving(self) -> None:
         """Ask newcomers to stop trying SQLite's lock before the line (see
@@ -701,9 +711,8 @@ class WriteQueue:
             if starved:
                 assert turn is not None
                 turn.starving = False
-            goes_on = GOES_ON if turn is not None and turn.goes_on else 0
             for byte in own:
-                _mark(descriptor.fd, byte | goes_on, 16)  # the line moved
+                _mark(descriptor.fd, byte, 16)  # the line moved
             self._give_back(descriptor)
         if turn is not None and turn.queued:
             held = time.monotonic() - granted
@@ -739,7 +748,7 @@ class WriteQueue:
             os.pwrite(fd, struct.pack("<Q", ticket + 1), 0)
         finally:
             fcntl.fcntl(fd, F_OFD_SETLK, _LET_GO_OF_THE_MUTEX)
-        turn = Turn(queued=True, depth=max(0, issued - served - 1) if issued else 0)
+        turn = Turn(queued=True, depth=max(0, issued - served - 1) if issued else 0, slot=own[-1])
         if issued:
             predecessor = self._slot(issued - 1)
 
@@ -754,7 +763,7 @@ class WriteQueue:
                     return turn  # still holding my byte: the writers behind me stay in order
             finally:
                 fcntl.fcntl(fd, F_OFD_SETLK, let_go)
-                turn.followed = descriptor.blocked
+                turn.followed = predecessor if descriptor.blocked else -1
                 descriptor.blocked = descriptor.blocked or blocked
         os.pwrite(fd, struct.pack("<Q", ticket), 8)
         return turn

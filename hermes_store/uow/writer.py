@@ -205,8 +205,8 @@ class SqliteWriter:
                             waiting = False
                             self._waited(started)
                         yield turn
-                        if turn is not None and turn.queued:
-                            turn.goes_on = self.back_to_back and self.goes_straight_in()
+                        if turn is not None and self.back_to_back and self.goes_straight_in():
+                            turn.say_goes_on()  # before the turn ends: the next head reads it
                 finally:
                     if waiting:  # interrupted while it waited
                         self._waited(started)

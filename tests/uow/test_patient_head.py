@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,9 @@ from hermes_store.uow import writequeue, writer
 from hermes_store.uow.backends import SqliteBackend
 from hermes_store.uow.writer import PATIENT_AFTER, SqliteWriter
 from tests.support.clock import FakeClock
-from tests.support.waiting import wait_until
+from tests.support.waiting import in_thread, wait_until
 
 GUARD = 120.0  # a bound on waits that only a bug reaches
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[SessionDB]:
-    store = SessionDB(tmp_path / "state.db")
-    store.create_session("s", "cli")
-    yield store
-    store.close()
 
 
 def _writer(store: SessionDB) -> SqliteWriter:
@@ -45,20 +36,6 @@ def _writer(store: SessionDB) -> SqliteWriter:
 
 def _path(store: SessionDB) -> Path:
     return Path(store.engine.url.database or "")
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[list[Any], threading.Thread]:
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(("ok", call()))
-        except BaseException as error:
-            outcome.append(("error", error))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return outcome, thread
 
 
 def _helpers() -> set[threading.Thread]:
@@ -108,7 +85,7 @@ def _followed(path: Path, goes_on: bool) -> tuple[bool, bool]:
     def follow() -> None:
         with follower.turn() as turn:
             assert turn.queued
-            given.append((turn.followed, turn.holder_goes_on()))
+            given.append((turn.followed >= 0, turn.holder_goes_on()))
         taken.set()
 
     with holder.turn() as turn:
@@ -117,19 +94,20 @@ def _followed(path: Path, goes_on: bool) -> tuple[bool, bool]:
         thread = threading.Thread(target=follow)
         thread.start()
         _wait_blocked(helpers)
-        turn.goes_on = goes_on
+        if goes_on:
+            turn.say_goes_on()
     assert taken.wait(GUARD)
     thread.join(GUARD)
     return given[0]
 
 
-@pytest.mark.parametrize("goes_on", [True, False])
-def test_the_next_head_reads_whether_the_writer_it_followed_goes_on(
-    tmp_path: Path, goes_on: bool
-) -> None:
+def test_the_next_head_reads_whether_the_writer_it_followed_goes_on(tmp_path: Path) -> None:
+    """The word names the writer that said it: once it is in the file, a head that followed
+    another writer, one that said nothing, is not told "goes on"."""
     path = tmp_path / "state.db"
     sqlite3.connect(path).close()
-    assert _followed(path, goes_on) == (True, goes_on)
+    assert _followed(path, goes_on=True) == (True, True)
+    assert _followed(path, goes_on=False) == (True, False)
 
 
 def test_a_head_that_found_the_line_empty_knows_nothing_of_the_holder(tmp_path: Path) -> None:
@@ -139,7 +117,7 @@ def test_a_head_that_found_the_line_empty_knows_nothing_of_the_holder(tmp_path: 
     sqlite3.connect(path).close()
     _followed(path, goes_on=True)  # the last word in the file: "goes on"
     with writequeue.WriteQueue(path).turn() as turn:
-        assert turn.queued and not turn.followed
+        assert turn.queued and turn.followed == -1
         assert not turn.holder_goes_on()
 
 
@@ -203,9 +181,9 @@ def _patient_head_behind_a_holder(
     assert queue is not None
     with member.turn() as turn:
         helpers = _helpers()
-        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "patient"))
+        outcome, thread = in_thread(lambda: db.append_message("s", "user", "patient"))
         _wait_blocked(helpers)
-        turn.goes_on = True
+        turn.say_goes_on()
     wait_until(lambda: db.stats().patient_heads == 1, "the write to be a patient head")
     return commits, attempts, holder, queue, outcome, thread
 

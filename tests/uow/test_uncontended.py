@@ -12,7 +12,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +24,9 @@ from hermes_store.uow import uncontended, writequeue
 from hermes_store.uow.writer import STARVE_AFTER_S
 from tests.support.clock import FakeClock
 from tests.support.queue_workers import starve
-from tests.support.waiting import wait_until
+from tests.support.waiting import in_thread, wait_until
 
 GUARD = 120.0  # a bound on waits that only a bug reaches
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[SessionDB]:
-    store = SessionDB(tmp_path / "state.db")
-    store.create_session("s", "cli")
-    yield store
-    store.close()
 
 
 def _path(store: SessionDB) -> Path:
@@ -45,20 +37,6 @@ def _queue(store: SessionDB) -> writequeue.WriteQueue:
     queue = store.uow.write_queue
     assert queue is not None and queue.enabled
     return queue
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[list[Any], threading.Thread]:
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(("ok", call()))
-        except BaseException as error:
-            outcome.append(("error", error))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return outcome, thread
 
 
 def _contents(store: SessionDB) -> list[str]:
@@ -164,7 +142,7 @@ def test_a_starving_head_is_never_overtaken(db: SessionDB) -> None:
         starve(turn)
         assert queue.starving()
         issued = queue.tickets()[0]
-        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
+        outcome, thread = in_thread(lambda: db.append_message("s", "user", "behind"))
         wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome  # waiting in line, not written
         assert _contents(db) == ["alone before"]
@@ -189,9 +167,9 @@ def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> No
     with other.turn() as turn:  # a starving head: both writes queue, in one group
         starve(turn)
         issued = queue.tickets()[0]
-        first = _in_thread(lambda: db.append_message("s", "user", "one"))
+        first = in_thread(lambda: db.append_message("s", "user", "one"))
         wait_until(lambda: queue.tickets()[0] > issued, "the leader to take a ticket")
-        second = _in_thread(lambda: db.append_message("s", "user", "two"))
+        second = in_thread(lambda: db.append_message("s", "user", "two"))
         assert db.uow.wait_for_queued_units(1, GUARD)
     for outcome, thread in (first, second):
         thread.join(GUARD)
@@ -201,7 +179,7 @@ def test_threads_that_meet_group_rather_than_go_past_a_line(db: SessionDB) -> No
     with other.turn() as turn:  # not starving, SQLite's lock free: still, the write queues
         assert turn.queued and not queue.starving()
         issued = queue.tickets()[0]
-        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "three"))
+        outcome, thread = in_thread(lambda: db.append_message("s", "user", "three"))
         wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome
     thread.join(GUARD)
@@ -223,7 +201,7 @@ def test_a_head_that_waits_marks_the_line_starving(db: SessionDB) -> None:
     foreign = sqlite3.connect(_path(db), timeout=0, isolation_level=None, check_same_thread=False)
     try:
         foreign.execute("BEGIN IMMEDIATE")
-        outcome, thread = _in_thread(lambda: db.update_token_counts("s", input_tokens=5))
+        outcome, thread = in_thread(lambda: db.update_token_counts("s", input_tokens=5))
         wait_until(queue.starving, "the head to mark the line starving")
         assert thread.is_alive() and not outcome
         foreign.execute("COMMIT")
@@ -244,7 +222,7 @@ def test_a_foreign_writer_holding_the_lock_sends_the_write_to_the_line(db: Sessi
     try:
         foreign.execute("BEGIN IMMEDIATE")
         issued = queue.tickets()[0]
-        outcome, thread = _in_thread(lambda: db.update_token_counts("s", input_tokens=5))
+        outcome, thread = in_thread(lambda: db.update_token_counts("s", input_tokens=5))
         wait_until(lambda: queue.tickets()[0] > issued, "the write to join the line")
         assert thread.is_alive() and not outcome
         foreign.execute("COMMIT")
@@ -275,7 +253,7 @@ def test_another_thread_writing_sends_the_write_to_its_group(db: SessionDB) -> N
     holder.start()
     try:
         assert opened.wait(GUARD)
-        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "after the block"))
+        outcome, thread = in_thread(lambda: db.append_message("s", "user", "after the block"))
         assert db.uow.wait_for_queued_units(1, GUARD)  # queued for a group, not written
     finally:
         release.set()
@@ -396,7 +374,7 @@ def test_a_head_that_waited_its_share_is_seen_by_a_writer_that_found_the_line_em
         clock.advance(STARVE_AFTER_S)  # the head waited its share at the head
         turn.mark_starving()
         issued = queue.tickets()[0]
-        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
+        outcome, thread = in_thread(lambda: db.append_message("s", "user", "behind"))
         wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome
         assert _contents(db) == ["alone"]
@@ -422,7 +400,7 @@ def test_while_anyone_is_in_line_every_write_asks_whether_its_head_starves(
         assert db.stats().uncontended_writes == before.uncontended_writes + 3
         turn.mark_starving()
         issued = queue.tickets()[0]
-        outcome, thread = _in_thread(lambda: db.append_message("s", "user", "behind"))
+        outcome, thread = in_thread(lambda: db.append_message("s", "user", "behind"))
         wait_until(lambda: queue.tickets()[0] > issued, "the write to take a ticket")
         assert thread.is_alive() and not outcome
     thread.join(GUARD)
