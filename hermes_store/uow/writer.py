@@ -70,7 +70,8 @@ PATIENT_AFTER = 12
 #: A back-to-back writer at the head of a short line lets the holder (going straight in) keep
 #: the lock for up to PATIENT_SHARE_S, as long as its own wait since it asked stays within
 #: PATIENT_WAIT_S (PATIENT_LONG_LINE_WAIT_S with PATIENT_LONG_LINE or more writers ahead of it
-#: when it took its ticket). Meanwhile it asks SQLite only when no commit landed for a look.
+#: when it took its ticket). Meanwhile it looks every PATIENT_LOOK_S (``PRAGMA data_version``)
+#: and asks SQLite once PATIENT_STILL_LOOKS looks in a row saw no commit land.
 PATIENT_SHARE_S = 0.07
 PATIENT_WAIT_S = 0.17
 PATIENT_LONG_LINE = 3
@@ -83,6 +84,7 @@ PATIENT_STILL_LOOKS = 1
 QUEUE_HEAD_BUSY_TIMEOUT_S = 0.2
 #: How often (seconds) a writer's commits check that its WAL is still the file's.
 WAL_CHECK_EVERY_S = 0.1
+#: The clock of the back-to-back count (a test moves it).
 _monotonic = time.monotonic
 #: ``wal_id`` of a writer that found no WAL at its first commit (not in WAL mode).
 _NO_WAL = (-1, -1)
@@ -593,8 +595,9 @@ class _Head:
     writing straight in (:meth:`~hermes_store.uow.writequeue.Turn.holder_goes_on`). Until
     :data:`PATIENT_SHARE_S` has passed (and within :data:`PATIENT_WAIT_S` of asking, or
     :data:`PATIENT_LONG_LINE_WAIT_S` in a long line) it asks SQLite nothing while commits keep
-    landing (``PRAGMA data_version`` moves between its looks); it asks as soon as two looks saw
-    none (the holder stopped), and marks the line starving when the share is over. Why: a head
+    landing (``PRAGMA data_version`` moves between its looks, every :data:`PATIENT_LOOK_S`); it
+    asks as soon as a look saw none (the holder stopped), and marks the line starving when the
+    share is over. Why: a head
     that polls from the start often finds the lock free between two of the holder's writes,
     so the lock changes process every few writes, each change a wake-up; with processes that
     all write back to back, fewer and longer shares keep the original store's throughput,
@@ -681,7 +684,7 @@ class _Head:
             self._wait_patiently()
 
     def _wait_patiently(self) -> None:
-        """Until the holder's share is over: look every HEAD_POLL_S, and return (to ask
+        """Until the holder's share is over: look every PATIENT_LOOK_S, and return (to ask
         SQLite for the lock) once PATIENT_STILL_LOOKS looks in a row saw no commit land: the
         holder has stopped or paused. A look that cannot tell ends the patience."""
         writer, turn = self._writer, self._turn
