@@ -290,9 +290,7 @@ class SqliteWriter:
         """``BEGIN IMMEDIATE`` through SQLAlchemy (a unit that uses the Connection), inside
         the writer's turn: the head retries here, keeping its place; others pause between
         attempts (``waits``)."""
-        head = _Head(self, turn) if turn is not None and turn.queued else None
-        if head is not None:
-            head.first_look()
+        head = _Head(self, turn, hot=False) if turn is not None and turn.queued else None
         while True:
             conn = self.connect()
             conn.execution_options(**{BUSY_OPTION: head.busy_ms if head is not None else None})
@@ -614,13 +612,16 @@ class _Head:
         "_writer",
     )
 
-    def __init__(self, writer: SqliteWriter, turn: writequeue.Turn) -> None:
+    def __init__(self, writer: SqliteWriter, turn: writequeue.Turn, *, hot: bool = True) -> None:
         self._writer = writer
         self._turn = turn
         self._polling = True  #: asks without waiting (in WAL mode, within HEAD_FAST_S)
         now = time.monotonic()
         writer.asked_at = turn.since
-        self._patient = writer.back_to_back and turn.holder_goes_on()
+        # Only the hot single-call writes wait patiently: a unit of a job (a prune or merge
+        # step, a migration, a transaction) keeps the 2 ms share, so a job's merge steps keep
+        # up with a writer appending beside it.
+        self._patient = hot and writer.back_to_back and turn.holder_goes_on()
         if self._patient:
             with writer.counters.lock:
                 writer.counters.stats.patient_heads += 1
