@@ -35,14 +35,6 @@ from tests.support.waiting import wait_until
 GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[SessionDB]:
-    store = SessionDB(tmp_path / "state.db")
-    store.create_session("s", "cli")
-    yield store
-    store.close()
-
-
 def _path(store: SessionDB) -> Path:
     return Path(store.engine.url.database or "")
 

@@ -50,14 +50,6 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[SessionDB]:
-    store = SessionDB(tmp_path / "state.db")
-    store.create_session("s", "cli")
-    yield store
-    store.close()
-
-
 class ForeignWriter:
     """SQLite's write lock held by a plain sqlite3 connection (a shell, the original store),
     let go from any thread."""
