@@ -221,3 +221,12 @@ def sqlite_store(tmp_path: Path, clock: FakeClock) -> Iterator[SessionDB]:
     db = SessionDB(tmp_path / "state.db", clock=clock)
     yield db
     db.close()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[SessionDB]:
+    """A store on a fresh SQLite file with session "s" (a module may define its own)."""
+    store = SessionDB(tmp_path / "state.db")
+    store.create_session("s", "cli")
+    yield store
+    store.close()

@@ -11,8 +11,6 @@ other writes, as they were until the block decides.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -22,14 +20,6 @@ pytestmark = pytest.mark.unit
 
 TOP = 2**63 - 1
 BOTTOM = -(2**63)
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[SessionDB]:
-    store = SessionDB(tmp_path / "state.db")
-    store.create_session("s", "cli")
-    yield store
-    store.close()
 
 
 def _counters(db: SessionDB, session_id: str = "s") -> tuple[object, ...]:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.pool import NullPool
-
-from hermes_store import SessionDB
 
 
 @pytest.fixture
@@ -22,12 +19,3 @@ def admin(pg_worker_url: URL | None, db_url: URL) -> Iterator[Connection]:
     with engine.connect() as conn:
         yield conn
     engine.dispose()
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[SessionDB]:
-    """A store on a fresh SQLite file with session "s" (modules may define their own)."""
-    store = SessionDB(tmp_path / "state.db")
-    store.create_session("s", "cli")
-    yield store
-    store.close()
