@@ -197,10 +197,11 @@ def _open_lock_file(path: Path) -> int:
 
 
 def _mark(fd: int, value: int, at: int) -> None:
-    """Write one of the line's marks of progress (the last byte released, the head's
-    heartbeat). Only marks: one that cannot be written (a full disk on a copy-on-write file
-    system, an I/O error) is logged and the write goes on; the writers behind then see the line
-    still and fall back after their bounded wait. Raised, it failed a write that had committed
+    """Write one of the line's marks (the last byte released, the head's heartbeat, the word
+    of a writer whose turn ends). Only marks: one that cannot be written (a full disk on a
+    copy-on-write file system, an I/O error) is logged and the write goes on; the writers
+    behind then see the line still and fall back after their bounded wait, and a next head
+    without the word takes the ordinary share. Raised, it failed a write that had committed
     (the turn ends after the commit) and left the descriptor out of the pool."""
     try:
         os.pwrite(fd, struct.pack("<Q", value), at)

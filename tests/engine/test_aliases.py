@@ -25,9 +25,9 @@ from hermes_store import SessionDB
 from hermes_store.cli import cli
 from hermes_store.engine import files
 from hermes_store.errors import DatabaseAliasError, StoreConfigError
+from tests.support.waiting import GUARD
 
 ROOT = Path(__file__).resolve().parents[2]
-GUARD = 120.0  # a hang guard only
 
 
 @pytest.fixture

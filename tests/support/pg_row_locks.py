@@ -22,8 +22,7 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store import SessionDB
 from tests.support.backends import url_string
-
-GUARD = 120.0  # a hang guard only
+from tests.support.waiting import GUARD
 
 
 class RowLock:

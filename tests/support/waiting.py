@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: A bound on waits that only a bug reaches (a hang guard, generous for a loaded machine).
 GUARD = 120.0
 
 

@@ -12,9 +12,9 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB, UnknownSessionError
 from tests.support.backends import url_string
+from tests.support.waiting import GUARD
 
 ROUNDS = 40
-GUARD = 120.0  # a hang guard only: every wait is on a barrier or a join
 
 
 def _append(

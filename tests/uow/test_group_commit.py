@@ -30,9 +30,7 @@ from hermes_store.uow import writequeue
 from hermes_store.uow.groupcommit import MAX_GROUP
 from tests.support import disks, legacy
 from tests.support.queue_workers import starve
-from tests.support.waiting import wait_until
-
-GUARD = 120.0  # a bound on waits that only a bug reaches, generous for a loaded machine
+from tests.support.waiting import GUARD, wait_until
 
 
 def _path(store: SessionDB) -> Path:

@@ -36,11 +36,11 @@ from hermes_store.repo import postgresql as pg_statements
 from hermes_store.uow.unit import driver_cursor
 from tests.support.pg_row_locks import queued_behind_a_locked_write
 from tests.support.readable import readable
+from tests.support.waiting import GUARD
 
 INTERRUPTS = 120
 THREADS = 2
 ROOT = Path(__file__).resolve().parents[2]
-GUARD = 120.0  # a bound on waits that only a bug reaches
 ANSWER = 30.0  # seconds for the child's answer to an interrupt, which only a bug never gives
 
 

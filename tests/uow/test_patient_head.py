@@ -23,9 +23,7 @@ from hermes_store.uow import writequeue, writer
 from hermes_store.uow.backends import SqliteBackend
 from hermes_store.uow.writer import PATIENT_AFTER, SqliteWriter
 from tests.support.clock import FakeClock
-from tests.support.waiting import in_thread, wait_until
-
-GUARD = 120.0  # a bound on waits that only a bug reaches
+from tests.support.waiting import GUARD, in_thread, wait_until
 
 
 def _writer(store: SessionDB) -> SqliteWriter:

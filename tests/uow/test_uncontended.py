@@ -24,9 +24,7 @@ from hermes_store.uow import uncontended, writequeue
 from hermes_store.uow.writer import STARVE_AFTER_S
 from tests.support.clock import FakeClock
 from tests.support.queue_workers import starve
-from tests.support.waiting import in_thread, wait_until
-
-GUARD = 120.0  # a bound on waits that only a bug reaches
+from tests.support.waiting import GUARD, in_thread, wait_until
 
 
 def _path(store: SessionDB) -> Path:
