@@ -121,7 +121,7 @@ class GroupCommit(LeaderQueue[Pending[Any]]):
         waits = writer.waits()
         while True:
             self._stage = _OPEN
-            taking = writer.turn()
+            taking = writer.turn(hot=True)
             try:
                 with taking as turn:
                     try:

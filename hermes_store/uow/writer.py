@@ -157,6 +157,10 @@ class SqliteWriter:
         self.committed_at = 0.0
         self.asked_at = 0.0  #: when the unit in hand asked for a queued turn (0: straight in)
         self.streak = 0
+        #: Whether the unit in hand is a hot single-call write's (set as its turn is given):
+        #: a unit of a job (a prune or merge step, a migration, a transaction) is not, and
+        #: keeps the 2 ms share, so a job's merge steps keep up with a writer appending beside it.
+        self.hot = False
         #: Whether this process's next write may go straight in past a line (set by the
         #: straight-in path: off for a process whose threads met, which then waits in line).
         self.goes_straight_in: Callable[[], bool] = _never
@@ -176,12 +180,15 @@ class SqliteWriter:
         return queue
 
     @holding
-    def turn(self, *, queued: bool = True) -> Iterator[writequeue.Turn | None]:
+    def turn(self, *, queued: bool = True, hot: bool = False) -> Iterator[writequeue.Turn | None]:
         """Wait for this unit's turn as the file's writer; held from before BEGIN IMMEDIATE
         until after COMMIT/ROLLBACK: first a place in the fair writer queue across processes
         and threads (``queued=False`` skips it), then the in-process lock. A caller that
         catches an interrupt (Ctrl-C) lets the turn go with ``release()``: one raised as the
-        turn is given, or as its ``with`` ends, leaves it held otherwise."""
+        turn is given, or as its ``with`` ends, leaves it held otherwise.
+
+        ``hot``: the turn is a hot single-call write's (or a group of them): only such a turn
+        says "goes on" as it ends, and only such a head waits patiently (:attr:`hot`)."""
         lock = self.lock
         queue = self.write_queue if queued else None
         place = queue.turn() if queue is not None else NOTHING_HELD
@@ -206,8 +213,14 @@ class SqliteWriter:
                         if waiting:
                             waiting = False
                             self._waited(started)
+                        self.hot = hot
                         yield turn
-                        if turn is not None and self.back_to_back and self.goes_straight_in():
+                        if (
+                            hot
+                            and turn is not None
+                            and self.back_to_back
+                            and self.goes_straight_in()
+                        ):
                             turn.say_goes_on()  # before the turn ends: the next head reads it
                 finally:
                     if waiting:  # interrupted while it waited
@@ -290,7 +303,7 @@ class SqliteWriter:
         """``BEGIN IMMEDIATE`` through SQLAlchemy (a unit that uses the Connection), inside
         the writer's turn: the head retries here, keeping its place; others pause between
         attempts (``waits``)."""
-        head = _Head(self, turn, hot=False) if turn is not None and turn.queued else None
+        head = _Head(self, turn) if turn is not None and turn.queued else None
         while True:
             conn = self.connect()
             conn.execution_options(**{BUSY_OPTION: head.busy_ms if head is not None else None})
@@ -360,7 +373,7 @@ class SqliteWriter:
         cadence as every unit. ``fn`` gets the writer Connection, which stays idle in
         SQLAlchemy's eyes: it only ever uses its DB-API cursor."""
         dbapi_error = self.dbapi_error
-        taking = self.turn()
+        taking = self.turn(hot=True)
         try:
             with taking as turn, mapped_errors():
                 result = self._run_once(fn, turn, dbapi_error)
@@ -612,16 +625,13 @@ class _Head:
         "_writer",
     )
 
-    def __init__(self, writer: SqliteWriter, turn: writequeue.Turn, *, hot: bool = True) -> None:
+    def __init__(self, writer: SqliteWriter, turn: writequeue.Turn) -> None:
         self._writer = writer
         self._turn = turn
         self._polling = True  #: asks without waiting (in WAL mode, within HEAD_FAST_S)
         now = time.monotonic()
         writer.asked_at = turn.since
-        # Only the hot single-call writes wait patiently: a unit of a job (a prune or merge
-        # step, a migration, a transaction) keeps the 2 ms share, so a job's merge steps keep
-        # up with a writer appending beside it.
-        self._patient = hot and writer.back_to_back and turn.holder_goes_on()
+        self._patient = writer.hot and writer.back_to_back and turn.holder_goes_on()
         if self._patient:
             with writer.counters.lock:
                 writer.counters.stats.patient_heads += 1

@@ -131,6 +131,28 @@ def test_a_process_whose_threads_met_does_not_go_on_past_a_line(db: SessionDB) -
     assert not found.goes_straight_in()
 
 
+@pytest.mark.unit
+def test_only_a_hot_write_says_it_goes_on(db: SessionDB, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A back-to-back writer's ``transaction()`` block (a job's unit: a prune or merge step)
+    never tells the next head it goes on, so no head waits patiently behind it; the turn of a
+    hot single-call write, taken the same way, does."""
+    clock = FakeClock(start=1_000_000.0, tick=0.0)  # every unit right after the one before
+    monkeypatch.setattr(writer, "_monotonic", clock)
+    said: list[bool] = []
+    monkeypatch.setattr(writequeue.Turn, "say_goes_on", lambda turn: said.append(turn.queued))
+    found = _writer(db)
+    db.append_message("s", "user", "before")
+    found.streak = PATIENT_AFTER
+    with db.transaction():
+        db.append_message("s", "user", "in a block")
+    assert found.back_to_back and not found.hot
+    assert said == []
+    found.run_alone(lambda conn: None, found.waits())  # a hot write's turn
+    assert found.back_to_back and found.hot
+    assert len(said) == 1
+    assert _contents(db) == ["before", "in a block"]
+
+
 class _Commits:
     """The head's look at the holder, counted: each look sees one more commit while
     ``landing`` is set (a holder writing back to back), none once it is cleared."""
