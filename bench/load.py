@@ -17,6 +17,12 @@ Contenders:
   (``HERMES_STORE_WRITE_QUEUE=0``, ``HERMES_STORE_GROUP_COMMIT=0``): every writer meets
   SQLite's busy handler;
 - ``original``: the original store (``tests/support/seed_store.py``, raw ``sqlite3``);
+- ``original, ring`` and ``ours, fifo`` (``--ring``; 1x1, 4x1, 16x1+2r): two yardsticks of a
+  strictly fair order, one write at a time in turn. The ring is the original store's own code
+  with the writers passing a token through pipes after every write: the cheapest hand-over
+  the kernel offers, no busy handler, no retry. ``ours, fifo`` is hermes_store with every write
+  taking its turn in the fair writer queue (``HERMES_STORE_UNCONTENDED=0``). Together they say
+  what the queue's hand-over costs per turn;
 - ``floor`` (one writer alone only): a raw ``sqlite3`` connection running the original's
   statements (``bench/floor.py``).
 
@@ -78,6 +84,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = "load-shared"
 #: Kinds of store a process opens (``Contender.kind``).
 OURS, NORMAL, BEFORE, ORIGINAL, FLOOR = "ours", "normal", "before", "original", "floor"
+RING, FIFO = "ring", "fifo"
 #: Mean pause of an occasional writer before each op (``hog+5``).
 OCCASIONAL_GAP_MS = 50.0
 #: Marks the child's result line on its stdout.
@@ -168,12 +175,14 @@ def _setup(kind: str) -> None:
     if kind == BEFORE:
         os.environ["HERMES_STORE_WRITE_QUEUE"] = "0"
         os.environ["HERMES_STORE_GROUP_COMMIT"] = "0"
+    if kind == FIFO:
+        os.environ["HERMES_STORE_UNCONTENDED"] = "0"
 
 
 def _open(url: str, kind: str) -> Any:
     """hermes_store, the original store's own class (``tests/support/seed_store.py``), or the
     raw floor (``bench/floor.py``)."""
-    if kind in (ORIGINAL, "seed"):
+    if kind in (ORIGINAL, RING, "seed"):
         from tests.support.seed_store import SeedSessionDB
 
         return SeedSessionDB(url)
@@ -186,10 +195,35 @@ def _open(url: str, kind: str) -> Any:
     return SessionDB(url)
 
 
+class _Token:
+    """A writer's place in a ring: it waits for the token on its own pipe before each write
+    and passes it to the next writer's after (``None``: no ring, nothing to wait for)."""
+
+    def __init__(self, pipes: Sequence[tuple[int, int]] | None, worker: int) -> None:
+        self._mine = pipes[worker][0] if pipes else -1
+        self._next = pipes[(worker + 1) % len(pipes)][1] if pipes else -1
+
+    def take(self) -> None:
+        if self._mine >= 0:
+            os.read(self._mine, 1)
+
+    def give(self) -> None:
+        if self._next >= 0:
+            os.write(self._next, b"t")
+
+
 def _writer(
-    url: str, group: Group, worker: int, start: Barrier, stop: Event, out: Any, index: int
+    url: str,
+    group: Group,
+    worker: int,
+    start: Barrier,
+    stop: Event,
+    out: Any,
+    index: int,
+    ring: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     _setup(group.kind)
+    token = _Token(ring, worker)
     threads = group.threads
     stores = [_open(url, group.kind) for _ in range(threads)]  # every thread on its own store
     latencies: list[list[float]] = [[] for _ in range(threads)]
@@ -205,9 +239,19 @@ def _writer(
                 time.sleep(gaps.expovariate(1000.0 / group.gap_ms))
             t0 = time.perf_counter()
             try:
-                store.append_message(SHARED, "user", f"load {worker} {thread} {op} {COMMON_WORD}")
+                token.take()
+                try:
+                    store.append_message(
+                        SHARED, "user", f"load {worker} {thread} {op} {COMMON_WORD}"
+                    )
+                finally:
+                    token.give()
                 t1 = time.perf_counter()
-                store.update_token_counts(SHARED, input_tokens=1, output_tokens=2)
+                token.take()
+                try:
+                    store.update_token_counts(SHARED, input_tokens=1, output_tokens=2)
+                finally:
+                    token.give()
                 t2 = time.perf_counter()
             except Exception as error:  # counted, reported, and the totals check fails
                 errors.append(f"{group.kind} writer {worker}: {error!r}")
@@ -298,8 +342,9 @@ def run_groups(
     writers = sum(g.processes for g in groups)
     start = ctx.Barrier(writers + readers + 1)
     stop = ctx.Event()
+    ring = _ring(groups)
     procs = [
-        ctx.Process(target=_writer, args=(url, g, w, start, stop, out, index))
+        ctx.Process(target=_writer, args=(url, g, w, start, stop, out, index, ring))
         for index, g in enumerate(groups)
         for w in range(g.processes)
     ]
@@ -311,6 +356,8 @@ def run_groups(
         proc.start()
     start.wait(timeout=120)
     began = time.perf_counter()
+    if ring:
+        os.write(ring[0][1], b"t")  # the first writer's token
     first = groups[0]
     result = LoadResult(label, first.processes, first.threads, first.ops, 0.0)
     pending_bounded = sum(g.processes for g in groups if not g.hog)
@@ -347,8 +394,20 @@ def run_groups(
         proc.join(timeout=60)
         if proc.exitcode != 0:
             result.errors.append(f"{proc.name} exited with {proc.exitcode}")
+    for pipe in ring or ():
+        for fd in pipe:
+            os.close(fd)
     _check_totals(url, result, sum(g.writes for g in groups) // 2 + result.hog_ops)
     return result
+
+
+def _ring(groups: Sequence[Group]) -> list[tuple[int, int]] | None:
+    """A pipe per writer of a ring (every writer writes only with the token), or None."""
+    if not any(g.kind == RING for g in groups):
+        return None
+    if len(groups) != 1 or groups[0].threads != 1 or groups[0].hog:
+        raise ValueError("a ring is one bounded group of one-thread writer processes")
+    return [os.pipe() for _ in range(groups[0].processes)]
 
 
 def run_load(
@@ -628,17 +687,30 @@ def parse_ours(values: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _contenders(
-    shape: Shape, checkouts: Sequence[tuple[str, str]], before: bool
+    shape: Shape, checkouts: Sequence[tuple[str, str]], extras: frozenset[str]
 ) -> list[Contender]:
+    """The set's contenders; ``extras``: the optional kinds asked for (BEFORE, RING)."""
     chosen: list[Contender] = []
+    groups = shape.groups(RING, 1)
+    ring = (
+        RING in extras
+        and not shape.pg
+        and len(groups) == 1
+        and groups[0].threads == 1
+        and not groups[0].hog
+    )
     for label, path in checkouts:
         chosen.append(Contender(label, OURS, path, label))
         if shape.normal:
             chosen.append(Contender(f"{label}, sync=NORMAL", NORMAL, path, label))
-        if before and not shape.pg:
+        if BEFORE in extras and not shape.pg:
             chosen.append(Contender(f"{label}, before", BEFORE, path, label))
+        if ring:
+            chosen.append(Contender(f"{label}, fifo", FIFO, path, label))
     if not shape.pg:
         chosen.append(Contender(ORIGINAL, ORIGINAL, checkouts[0][1]))
+    if ring:
+        chosen.append(Contender(f"{ORIGINAL}, ring", RING, checkouts[0][1]))
     return chosen
 
 
@@ -706,6 +778,7 @@ def compare(
     *,
     checkouts: Sequence[tuple[str, str]] = ((OURS, ""),),
     before: bool = False,
+    ring: bool = False,
     pg: str | None = None,
 ) -> Comparison:
     """Run every set's contenders interleaved for ``rounds`` rounds, each run in a fresh
@@ -715,13 +788,14 @@ def compare(
         for s in shapes(ops)
         if (only is None or s.name.split()[0] in only) and (pg is not None or not s.pg)
     ]
+    extras = frozenset({BEFORE} if before else set()) | frozenset({RING} if ring else set())
     runs: dict[tuple[str, str], list[Record]] = {}
     ratios: dict[tuple[str, str, str, str], list[float]] = {}  # (set, label, base, key)
     loads: list[float] = []
     started = time.perf_counter()
     for round_ in range(rounds):
         for shape in plan:
-            chosen = _contenders(shape, checkouts, before)
+            chosen = _contenders(shape, checkouts, extras)
             shift = round_ % len(chosen)
             this_round: dict[str, Record] = {}
             for contender in chosen[shift:] + chosen[:shift]:
@@ -734,7 +808,7 @@ def compare(
                     "label": contender.label,
                     "groups": [asdict(g) for g in groups],
                     "readers": shape.readers,
-                    "reader_kind": ORIGINAL if contender.kind == ORIGINAL else OURS,
+                    "reader_kind": ORIGINAL if contender.kind in (ORIGINAL, RING) else OURS,
                 }
                 loads.append(stamp.load_average())
                 try:
@@ -755,7 +829,7 @@ def compare(
             _round_ratios(shape, chosen, checkouts, this_round, ratios)
     seconds = time.perf_counter() - started
     comparison = Comparison(
-        _render(plan, checkouts, before, runs, ratios, rounds, ops, seconds, loads)
+        _render(plan, checkouts, extras, runs, ratios, rounds, ops, seconds, loads)
     )
     comparison.checks = _load_checks(plan, checkouts, runs, ratios)
     comparison.failures = sum(
@@ -801,7 +875,7 @@ def _round_ratios(
 def _render(
     plan: Sequence[Shape],
     checkouts: Sequence[tuple[str, str]],
-    before: bool,
+    extras: frozenset[str],
     runs: dict[tuple[str, str], list[Record]],
     ratios: dict[tuple[str, str, str, str], list[float]],
     rounds: int,
@@ -842,7 +916,7 @@ def _render(
             "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---:|---|---:|",
         ]
         for shape in steady:
-            for contender in _contenders(shape, checkouts, before):
+            for contender in _contenders(shape, checkouts, extras):
                 records = runs[(shape.name, contender.label)]
                 cells = [
                     _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in METRICS
@@ -857,9 +931,9 @@ def _render(
                     f"| {'yes' if all(r.totals_ok for r in records) else 'NO'} "
                     f"| {sum(r.fallbacks for r in records)} |"
                 )
-        lines += ["", *_ratio_table(steady, checkouts, before, ratios, ORIGINAL, RATIOS)]
+        lines += ["", *_ratio_table(steady, checkouts, extras, ratios, ORIGINAL, RATIOS)]
         if len(checkouts) > 1:
-            lines += ["", *_ratio_table(steady, checkouts[1:], before, ratios, first, RATIOS)]
+            lines += ["", *_ratio_table(steady, checkouts[1:], extras, ratios, first, RATIOS)]
     hog = [s for s in plan if s.name == "hog+5"]
     if hog:
         lines += [
@@ -877,7 +951,7 @@ def _render(
             + " | errors | totals exact |",
             "|---|" + "---:|" * (len(HOG_METRICS) + len(HOG_RATIOS) + 1) + "---|",
         ]
-        for contender in _contenders(hog[0], checkouts, before):
+        for contender in _contenders(hog[0], checkouts, extras):
             records = runs[("hog+5", contender.label)]
             cells = [
                 _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in HOG_METRICS
@@ -904,7 +978,7 @@ def _render(
             "| beside | original p99 ms | original max ms | ratio max vs all-original |",
             "|---|---:|---:|---:|",
         ]
-        for contender in _contenders(next(s for s in plan if s.name == "mixed"), checkouts, before):
+        for contender in _contenders(next(s for s in plan if s.name == "mixed"), checkouts, extras):
             records = runs[("mixed", contender.label)]
             p99 = _spread([r.summary.get("other_p99_ms") for r in records], "{:.0f}")
             top = _spread([r.summary.get("other_max_ms") for r in records], "{:.0f}")
@@ -923,7 +997,7 @@ def _render(
 def _ratio_table(
     plan: Sequence[Shape],
     checkouts: Sequence[tuple[str, str]],
-    before: bool,
+    extras: frozenset[str],
     ratios: dict[tuple[str, str, str, str], list[float]],
     base: str,
     columns: Sequence[tuple[str, str]],
@@ -936,7 +1010,7 @@ def _ratio_table(
         "|---|---|" + "---:|" * len(columns),
     ]
     for shape in plan:
-        for contender in _contenders(shape, checkouts, before):
+        for contender in _contenders(shape, checkouts, extras):
             if contender.label in (ORIGINAL, base):
                 continue
             found = [ratios.get((shape.name, contender.label, base, key), []) for _, key in columns]
@@ -1154,6 +1228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="hermes_store from this checkout (repeat to A/B checkouts; default: this one)",
     )
     parser.add_argument("--before", action="store_true", help="also queue and group commit off")
+    parser.add_argument(
+        "--ring", action="store_true", help="also the strictly fair yardsticks (ring, fifo)"
+    )
     parser.add_argument("--pg", metavar="URL", help="also 8x4+2r on this PostgreSQL server")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, few ops")
     parser.add_argument("--workdir", default="")
@@ -1183,6 +1260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sets,
                 checkouts=checkouts,
                 before=args.before,
+                ring=args.ring,
                 pg=args.pg,
             )
         )

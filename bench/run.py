@@ -1113,6 +1113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="alone/load: hermes_store from this checkout (repeat to A/B; default this one)",
     )
     parser.add_argument("--before", action="store_true", help="load: also queue and group off")
+    parser.add_argument(
+        "--ring", action="store_true", help="load: also the strictly fair yardsticks (ring, fifo)"
+    )
     parser.add_argument("--rounds", type=int, help="load rounds (3; quick 1)")
     parser.add_argument("--alone-rounds", type=int, help="alone rounds (5; quick 1)")
     parser.add_argument("--ops", type=int, help="load: ops per thread at 8x4 (50; quick 3)")
@@ -1189,6 +1192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             work,
             checkouts=checkouts,
             before=args.before,
+            ring=args.ring,
             pg=pg,
         )
         report.checks += part.checks
