@@ -15,7 +15,9 @@ written there). Ticket ``t`` owns byte ``SLOTS_AT + t % SLOTS``:
 
 1. under the mutex: read ``t``, write-lock my own byte, write ``t + 1``, drop the mutex;
 2. wait for a lock on my predecessor's byte (``t - 1``): it is free once that writer is done
-   (or dead: the kernel releases the locks of a process that dies), then drop it at once;
+   (or dead: the kernel releases the locks of a process that dies), then drop it at once. A
+   read lock: a write lock there would merge with my own byte beside it, and the kernel wakes
+   the writer waiting on my byte at that merge and again at the split, for nothing;
 3. I hold the turn until my unit commits or rolls back, then unlock my byte.
 
 The locks are open-file-description locks (``F_OFD_SETLK``/``F_OFD_SETLKW``): they belong to
@@ -218,10 +220,12 @@ def _flock(kind: int, start: int, length: int) -> bytes:
     return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)  # l_pid must be 0
 
 
-def _lock(fd: int, start: int, length: int, *, wait: bool) -> bool:
-    """Write-lock ``[start, start + length)``; False when ``wait`` is off and it is taken."""
+def _lock(fd: int, start: int, length: int, *, wait: bool, shared: bool = False) -> bool:
+    """Write-lock ``[start, start + length)`` (read-lock it with ``shared``); False when
+    ``wait`` is off and it is taken."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
     try:
-        fcntl.fcntl(fd, F_OFD_SETLKW if wait else F_OFD_SETLK, _flock(fcntl.F_WRLCK, start, length))
+        fcntl.fcntl(fd, F_OFD_SETLKW if wait else F_OFD_SETLK, _flock(kind, start, length))
     except OSError as error:
         if not wait and error.errno in _BUSY:
             return False
@@ -345,7 +349,7 @@ class _Descriptor:
         self._go.acquire()
         self._done = threading.Lock()  # released: the helper got the lock (or failed)
         self._done.acquire()
-        self._request: tuple[int, int] | None = None
+        self._request: tuple[int, int, bool] | None = None  # start, length, shared
         self._abandoned = False
         self._error: BaseException | None = None
         self._helper: threading.Thread | None = None
@@ -363,10 +367,13 @@ class _Descriptor:
         length: int,
         timeout: float,
         progress: Callable[[], object] | None = None,
+        *,
+        shared: bool = False,
     ) -> bool:
-        """Lock the range; False once ``timeout`` s pass without it. With ``progress``, the
-        clock restarts whenever ``progress()`` changes (checked every :data:`PROGRESS_TICK_S`)."""
-        if _lock(self.fd, start, length, wait=False):
+        """Lock the range (a read lock with ``shared``); False once ``timeout`` s pass without
+        it. With ``progress``, the clock restarts whenever ``progress()`` changes (checked every
+        :data:`PROGRESS_TICK_S`)."""
+        if _lock(self.fd, start, length, wait=False, shared=shared):
             return True
         self.blocked = True
         if self._helper is None:
@@ -377,7 +384,7 @@ class _Descriptor:
         granted: list[threading.Lock] = []  # the helper's grant, once taken (never lost)
         try:
             with self._state:  # no call before the last: the request is made whole or not
-                self._request = (start, length)
+                self._request = (start, length, shared)
                 self._abandoned = False
                 self._error = None
                 self._go.release()
@@ -431,9 +438,10 @@ class _Descriptor:
                 request = self._request
             if request is None:  # retired
                 return
+            start, length, shared = request
             error: BaseException | None = None
             try:
-                _lock(self.fd, *request, wait=True)
+                _lock(self.fd, start, length, wait=True, shared=shared)
             except BaseException as exc:
                 error = exc
             with self._state:
@@ -445,7 +453,7 @@ class _Descriptor:
                 self._abandoned = False
                 if error is None:
                     try:
-                        _unlock(self.fd, *request)
+                        _unlock(self.fd, start, length)
                     except OSError as exc:  # the writer behind would wait out its bound
                         log.warning("write queue: could not drop an abandoned place: %s", exc)
                 retired = self._retired
@@ -758,8 +766,15 @@ class WriteQueue:
 
             let_go = _flock(fcntl.F_UNLCK, predecessor, 1)
             blocked, descriptor.blocked = descriptor.blocked, False
-            try:  # the predecessor's byte, once had, only says it has gone: let go at once
-                if not descriptor.lock_within(predecessor, 1, self.wait_timeout, moved):
+            # The predecessor's byte, once had, only says it has gone: let go at once. A read
+            # lock waits for it as a write lock would, but never merges with this writer's own
+            # byte beside it (same-type neighbours merge, and the merge and the split that
+            # follows each wake the writer waiting on my byte for nothing: two spurious
+            # wake-ups per hand-over).
+            try:
+                if not descriptor.lock_within(
+                    predecessor, 1, self.wait_timeout, moved, shared=True
+                ):
                     turn.queued, turn.reason = False, "wait timed out"
                     return turn  # still holding my byte: the writers behind me stay in order
             finally:
