@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_ + 1} {contender:>9}: {result['writes_per_s']:.0f} w/s, "
                   f"CPU {result['cpu_us']:.0f} µs/write", flush=True)  # fmt: skip
     work.rmdir()
+    print("<!-- handover:begin -->")
     print(
         f"\n{args.processes} processes x {args.ops} ops (2 writes each), one write at a time in "
         f"turn, {args.rounds} interleaved rounds; median [min..max].\n\n"
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sum(int(r['fallbacks']) for r in runs)} | "
             f"{'yes' if all(r['exact'] for r in runs) else 'NO'} |"
         )
+    print("<!-- handover:end -->")
     wrong = any(not r["exact"] for runs in found.values() for r in runs)
     return 1 if wrong else 0
 

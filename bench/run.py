@@ -18,7 +18,8 @@ nothing in the file is older than the run. Sections, in order:
 - ``pg`` (``--pg URL``): the same on PostgreSQL, against the SQLite floor;
 - the companion benchmarks, each run as its own module in a fresh process at the sizes the
   time budget allows (``--scale``: the large sizes): ``small_reads``, ``cli_startup``,
-  ``search_scale``, ``pg_writes``, ``pg_scale``, ``async_lag``, ``ops``, ``adoption``.
+  ``search_scale``, ``pg_writes``, ``pg_scale``, ``async_lag``, ``ops``, ``adoption``,
+  ``handover``.
 
 ``--sections``/``--skip`` choose sections (a section not run is listed as such, never kept
 from an older file); ``--quick`` shrinks every section to a smoke run.
@@ -592,6 +593,7 @@ COMPANIONS = (
     "scale",
     "doctor_scale",
     "adoption",
+    "handover",
 )
 SECTIONS = ("alone", "load", "calls", "pg", *COMPANIONS)
 
@@ -793,6 +795,16 @@ def companion(
             "(rebuilds the index under the write lock) while the others wait; every round "
             "checks they all succeeded and the file is whole.",
             argv=("--rounds", rounds, "--sessions", sessions, "--openers", openers),
+        )
+    if key == "handover":
+        return Companion(
+            key,
+            "The writer's turn passed between processes, alone",
+            "`bench/handover.py`: 4 processes write with the original store's own code, one "
+            "write at a time in turn; only the hand-over differs (a pipe ring, a semaphore "
+            "ring, the fair writer queue's turn), so the difference is what a turn costs.",
+            argv=("--rounds", "1" if quick else "3") + (("--ops", "100") if quick else ()),
+            markers=("<!-- handover:begin -->", "<!-- handover:end -->"),
         )
     raise ValueError(f"unknown companion {key!r}")
 
