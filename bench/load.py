@@ -19,8 +19,8 @@ Contenders:
 - ``original``: the original store (``tests/support/seed_store.py``, raw ``sqlite3``);
 - ``original, ring`` and ``ours, fifo`` (``--ring``; 1x1, 4x1, 16x1+2r): two yardsticks of a
   strictly fair order, one write at a time in turn. The ring is the original store's own code
-  with the writers passing a token through pipes after every write: the cheapest hand-over
-  the kernel offers, no busy handler, no retry. ``ours, fifo`` is hermes_store with every write
+  with the writers passing a token through pipes after every write: a hand-over by the
+  kernel's wake-up alone, no busy handler, no retry. ``ours, fifo`` is hermes_store with every write
   taking its turn in the fair writer queue (``HERMES_STORE_UNCONTENDED=0``). Together they say
   what the queue's hand-over costs per turn;
 - ``floor`` (one writer alone only): a raw ``sqlite3`` connection running the original's
