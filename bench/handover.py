@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ if __package__ in (None, ""):  # ``python bench/handover.py``: make the checkout
 
 from bench import stamp
 from bench.load import SHARED, prepare
+from bench.timing import spread
 from hermes_store.uow.writequeue import WriteQueue
 from tests.support.seed_store import SeedSessionDB
 
@@ -136,13 +136,6 @@ def run(contender: str, processes: int, ops: int, work: Path) -> dict[str, float
     }
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    return (
-        f"{fmt.format(statistics.median(values))} "
-        f"[{fmt.format(min(values))}..{fmt.format(max(values))}]"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -173,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         per_s = [r["writes_per_s"] for r in runs]
         ratio = [mine / base for mine, base in zip(per_s, pipe, strict=True)]
         print(
-            f"| {contender} | {_spread(per_s, '{:.0f}')} | {_spread(ratio, '{:.2f}x')} | "
-            f"{_spread([r['cpu_us'] for r in runs], '{:.0f}')} | "
+            f"| {contender} | {spread(per_s, '{:.0f}')} | {spread(ratio, '{:.2f}x')} | "
+            f"{spread([r['cpu_us'] for r in runs], '{:.0f}')} | "
             f"{sum(int(r['fallbacks']) for r in runs)} | "
             f"{'yes' if all(r['exact'] for r in runs) else 'NO'} |"
         )

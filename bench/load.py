@@ -77,7 +77,7 @@ if __package__ in (None, ""):  # ``python bench/load.py``: make the checkout imp
 
 from bench import stamp
 from bench.corpus import COMMON_WORD
-from bench.timing import percentile
+from bench.timing import percentile, spread
 from hermes_store import HermesStoreError, SessionDB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -401,11 +401,16 @@ def run_groups(
     return result
 
 
+def _ringable(groups: Sequence[Group]) -> bool:
+    """Whether the writers can pass a token around: one bounded group of one-thread processes."""
+    return len(groups) == 1 and groups[0].threads == 1 and not groups[0].hog
+
+
 def _ring(groups: Sequence[Group]) -> list[tuple[int, int]] | None:
     """A pipe per writer of a ring (every writer writes only with the token), or None."""
     if not any(g.kind == RING for g in groups):
         return None
-    if len(groups) != 1 or groups[0].threads != 1 or groups[0].hog:
+    if not _ringable(groups):
         raise ValueError("a ring is one bounded group of one-thread writer processes")
     return [os.pipe() for _ in range(groups[0].processes)]
 
@@ -691,14 +696,7 @@ def _contenders(
 ) -> list[Contender]:
     """The set's contenders; ``extras``: the optional kinds asked for (BEFORE, RING)."""
     chosen: list[Contender] = []
-    groups = shape.groups(RING, 1)
-    ring = (
-        RING in extras
-        and not shape.pg
-        and len(groups) == 1
-        and groups[0].threads == 1
-        and not groups[0].hog
-    )
+    ring = RING in extras and not shape.pg and _ringable(shape.groups(RING, 1))
     for label, path in checkouts:
         chosen.append(Contender(label, OURS, path, label))
         if shape.normal:
@@ -712,16 +710,6 @@ def _contenders(
     if ring:
         chosen.append(Contender(f"{ORIGINAL}, ring", RING, checkouts[0][1]))
     return chosen
-
-
-def _spread(values: Sequence[float | None], fmt: str) -> str:
-    found = [v for v in values if v is not None and v == v]
-    if not found:
-        return "-"
-    return (
-        f"{fmt.format(statistics.median(found))} "
-        f"[{fmt.format(min(found))}..{fmt.format(max(found))}]"
-    )
 
 
 def _median(values: Sequence[float]) -> float:
@@ -788,7 +776,7 @@ def compare(
         for s in shapes(ops)
         if (only is None or s.name.split()[0] in only) and (pg is not None or not s.pg)
     ]
-    extras = frozenset({BEFORE} if before else set()) | frozenset({RING} if ring else set())
+    extras = frozenset(kind for kind, asked in ((BEFORE, before), (RING, ring)) if asked)
     runs: dict[tuple[str, str], list[Record]] = {}
     ratios: dict[tuple[str, str, str, str], list[float]] = {}  # (set, label, base, key)
     loads: list[float] = []
@@ -887,7 +875,7 @@ def _render(
     lines = [
         f"{rounds} interleaved rounds (the order rotating), {seconds:.0f} s; `--ops {ops}` "
         f"(operations per thread at 8x4; every set does about as many writes); 1-minute load "
-        f"average at the start of each run {_spread(loads, '{:.1f}')}. Each run is a fresh "
+        f"average at the start of each run {spread(loads, '{:.1f}')}. Each run is a fresh "
         "process on a fresh database; each op = `append_message` + `update_token_counts` on "
         "one shared session, both timed as writes; each writer thread has its own store; the "
         "readers (`+2r`) search and list in a loop with the contender's own store class. "
@@ -919,10 +907,10 @@ def _render(
             for contender in _contenders(shape, checkouts, extras):
                 records = runs[(shape.name, contender.label)]
                 cells = [
-                    _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in METRICS
+                    spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in METRICS
                 ]
-                per_commit = _spread([r.units_per_commit for r in records], "{:.2f}")
-                per_unit = _spread([r.turns_per_unit for r in records], "{:.2f}")
+                per_commit = spread([r.units_per_commit for r in records], "{:.2f}")
+                per_unit = spread([r.turns_per_unit for r in records], "{:.2f}")
                 writes = max((r.writes for r in records), default=0)
                 lines.append(
                     f"| {shape.name} | {contender.label} | {writes} | "
@@ -954,10 +942,10 @@ def _render(
         for contender in _contenders(hog[0], checkouts, extras):
             records = runs[("hog+5", contender.label)]
             cells = [
-                _spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in HOG_METRICS
+                spread([r.summary.get(key) for r in records], fmt) for _, key, fmt in HOG_METRICS
             ]
             versus = [
-                _spread(ratios.get(("hog+5", contender.label, ORIGINAL, key), []), "{:.2f}x")
+                spread(ratios.get(("hog+5", contender.label, ORIGINAL, key), []), "{:.2f}x")
                 if contender.label != ORIGINAL
                 else "-"
                 for _, key in HOG_RATIOS
@@ -980,12 +968,12 @@ def _render(
         ]
         for contender in _contenders(next(s for s in plan if s.name == "mixed"), checkouts, extras):
             records = runs[("mixed", contender.label)]
-            p99 = _spread([r.summary.get("other_p99_ms") for r in records], "{:.0f}")
-            top = _spread([r.summary.get("other_max_ms") for r in records], "{:.0f}")
+            p99 = spread([r.summary.get("other_p99_ms") for r in records], "{:.0f}")
+            top = spread([r.summary.get("other_max_ms") for r in records], "{:.0f}")
             against = (
                 "-"
                 if contender.label == ORIGINAL
-                else _spread(
+                else spread(
                     ratios.get(("mixed", contender.label, ORIGINAL, "other_max_ms"), []),
                     "{:.2f}x",
                 )
@@ -1018,7 +1006,7 @@ def _ratio_table(
                 continue
             lines.append(
                 f"| {shape.name} | {contender.label} | "
-                + " | ".join(_spread(values, "{:.2f}x") for values in found)
+                + " | ".join(spread(values, "{:.2f}x") for values in found)
                 + " |"
             )
     return lines
@@ -1155,7 +1143,7 @@ def alone(
         f"contender in a fresh process on a fresh file: {calls // 10} unmeasured ops, then "
         f"{calls} ops of `append_message` then `update_token_counts` on one session, every "
         "call timed; CPU = the process's CPU time over each call. 1-minute load average at "
-        f"the start of each run {_spread(loads, '{:.1f}')}. `floor` = raw `sqlite3` running "
+        f"the start of each run {spread(loads, '{:.1f}')}. `floor` = raw `sqlite3` running "
         "the original store's statements (no retry loop, no Python lock). Median [min..max] "
         "over rounds.",
         "",
@@ -1167,17 +1155,17 @@ def alone(
         for contender in chosen:
             rows = [r[op] for r in found[contender.label]]
             cells = [
-                _spread([r[key] for r in rows], "{:.0f}")
+                spread([r[key] for r in rows], "{:.0f}")
                 for key in ("p50_us", "p99_us", "max_us", "cpu_us")
             ]
             versus = [
-                _spread(ratios.get((op, contender.label, base, key), []), "{:.2f}x")
+                spread(ratios.get((op, contender.label, base, key), []), "{:.2f}x")
                 for key in ("p50_us", "cpu_us")
                 for base in (ORIGINAL, FLOOR)
             ]  # "-" for a contender against itself (and the original against nothing else)
             lines.append(f"| `{op}` | {contender.label} | " + " | ".join([*cells, *versus]) + " |")
     per_s = [
-        f"{c.label} {_spread([r['op pair']['per_s'] for r in found[c.label]], '{:.0f}')}"
+        f"{c.label} {spread([r['op pair']['per_s'] for r in found[c.label]], '{:.0f}')}"
         for c in chosen
     ]
     lines += ["", "Ops (one append + one update) per second: " + "; ".join(per_s) + "."]
@@ -1185,8 +1173,8 @@ def alone(
         first = checkouts[0][0]
         pairs = [
             f"`{op}` {label}: p50 "
-            f"{_spread(ratios.get((op, label, first, 'p50_us'), []), '{:.2f}x')}, CPU "
-            f"{_spread(ratios.get((op, label, first, 'cpu_us'), []), '{:.2f}x')}"
+            f"{spread(ratios.get((op, label, first, 'p50_us'), []), '{:.2f}x')}, CPU "
+            f"{spread(ratios.get((op, label, first, 'cpu_us'), []), '{:.2f}x')}"
             for op in ALONE_OPS
             for label, _ in checkouts[1:]
         ]

@@ -6,7 +6,7 @@ import gc
 import statistics
 import time
 import tracemalloc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -82,3 +82,15 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[index]
+
+
+def spread(values: Sequence[float | None], fmt: str) -> str:
+    """``median [min..max]`` of the values given (None and NaN left out), each through ``fmt``
+    (``"{:.0f}"``, ``"{:.2f}x"``); "-" when none is left."""
+    found = [v for v in values if v is not None and v == v]
+    if not found:
+        return "-"
+    return (
+        f"{fmt.format(statistics.median(found))} "
+        f"[{fmt.format(min(found))}..{fmt.format(max(found))}]"
+    )
