@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import sqlite3
 from typing import Any
 
 import sqlalchemy as sa
@@ -63,9 +64,10 @@ class Fts5:
         """The page of matches with snippets and context; None when no term has anything to
         index. Syntax never reaches the caller: a query FTS5 cannot parse runs again with every
         term quoted. Errors other than FTS5 syntax propagate."""
-        rows = self._page(conn, query, filters, page)
+        read: dict[int, str] = {}
+        rows = self._page(conn, query, filters, page, read)
         if rows:
-            contexts = _contexts(conn, [row["id"] for row in rows])
+            contexts = _contexts(conn, [row["id"] for row in rows], read)
             for row in rows:
                 row["context"] = contexts.get(row["id"], [])
         return rows
@@ -75,9 +77,15 @@ class Fts5:
         return bool(self._page(conn, query, filters, Page(1, 0, sort)))
 
     def _page(
-        self, conn: Connection, query: Query, filters: Filters, page: Page
+        self,
+        conn: Connection,
+        query: Query,
+        filters: Filters,
+        page: Page,
+        read: dict[int, str] | None = None,
     ) -> list[Hit] | None:
-        """:meth:`find` without the context."""
+        """:meth:`find` without the context; ``read`` gets the start of each row's content (its
+        first CONTEXT_CHARS characters), read for the snippet anyway."""
         terms = query.indexable()
         if terms is None:
             return None
@@ -90,7 +98,7 @@ class Fts5:
                 rows = dicts(conn.execute(statement, params))
             else:
                 rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
-            _add_snippets(conn, rows, params["fts_query"], patterns)
+            _add_snippets(conn, rows, params["fts_query"], patterns, read)
             return rows
 
         params = {**page.params("fts"), "fts_window": page.window()}
@@ -120,14 +128,21 @@ class Fts5:
 
 
 def _add_snippets(
-    conn: Connection, rows: list[Hit], fts_query: str, patterns: list[re.Pattern[str]]
+    conn: Connection,
+    rows: list[Hit],
+    fts_query: str,
+    patterns: list[re.Pattern[str]],
+    read: dict[int, str] | None,
 ) -> None:
     """FTS5's own snippet for the contents of at most SNIPPET_INLINE_CHARS, a bounded one
-    (:func:`bounded_snippet`) for longer ones, whose text is read only as far as it needs."""
+    (:func:`bounded_snippet`) for longer ones, whose text is read only as far as it needs.
+    The start of each content goes to ``read`` (the match's own context: no second read)."""
     raw = blobs.driver(conn)
     short: list[int] = []
     for row in rows:
         prefix, complete = blobs.read_content(raw, row["id"], patterns)
+        if read is not None:
+            read[row["id"]] = prefix[:CONTEXT_CHARS]  # read from the start, at least that far
         if complete and len(prefix) <= SNIPPET_INLINE_CHARS:
             row["snippet"] = prefix
             short.append(row["id"])
@@ -219,37 +234,45 @@ def _fts_snippet_statement() -> Select[Any]:
 # -- same-session context -------------------------------------------------------------------------
 
 
-def _contexts(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, str]]]:
+def _contexts(
+    conn: Connection, ids: list[int], read: dict[int, str]
+) -> dict[int, list[dict[str, str]]]:
     """Previous message, the match and next message of the SAME session, by (timestamp, id),
     for a whole page: the seeks (on idx_messages_session, which covers timestamp and the rowid)
-    return the neighbours' ids in one query, and the first CONTEXT_CHARS characters of each
-    content are read through a blob handle (any function of a content loads all of it)."""
+    return the neighbours' ids and roles in one query, and the first CONTEXT_CHARS characters
+    of each content are read through a blob handle (any function of a content loads all of
+    it), unless ``read`` has them already (the matches', read for their snippets)."""
     rows = fastpath.rows(conn, _neighbours_statement(), {"ids": ids}, expanding=["ids"])
-    near = {i for row in rows for i in (row["previous_id"], row["next_id"]) if i is not None}
-    roles = {row["id"]: row["role"] for row in rows}
-    missing = sorted(near - set(roles))
-    if missing:
-        found = fastpath.rows(conn, _roles_statement(), {"ids": missing}, expanding=["ids"])
-        roles.update({row["id"]: row["role"] for row in found})
     raw = blobs.driver(conn)
     out: dict[int, list[dict[str, str]]] = {}
     for row in rows:
-        context = []
-        for key in ("previous_id", "id", "next_id"):
-            message_id = row[key]
-            if message_id is not None:
-                text = blobs.content_prefix(raw, message_id, CONTEXT_CHARS)
-                context.append({"role": roles[message_id], "content": text})
-        out[row["id"]] = context
+        match = row["id"]
+        text = read.get(match)
+        if text is None:
+            text = blobs.content_prefix(raw, match, CONTEXT_CHARS)
+        context = [{"role": row["role"], "content": text}]
+        if row["previous"] is not None:
+            context.insert(0, _neighbour(raw, row["previous"]))
+        if row["next"] is not None:
+            context.append(_neighbour(raw, row["next"]))
+        out[match] = context
     return out
+
+
+def _neighbour(raw: sqlite3.Connection, packed: str) -> dict[str, str]:
+    """A neighbour's context entry from its ``<id>:<role>``."""
+    number, _, role = packed.partition(":")
+    return {"role": role, "content": blobs.content_prefix(raw, int(number), CONTEXT_CHARS)}
 
 
 @functools.cache
 def _neighbours_statement() -> Select[Any]:
-    """Per match: its role and the ids of its previous and next message of the same session."""
+    """Per match: its role and its previous and next message of the same session, each as
+    ``<id>:<role>`` (one seek gives both)."""
     near, same_session, before, after = hits.neighbours()
+    packed = sa.cast(near.c.id, sa.Text) + ":" + near.c.role
     previous = (
-        select(near.c.id)
+        select(packed)
         .where(same_session, near.c.timestamp <= M.c.timestamp, before)
         .order_by(near.c.timestamp.desc(), near.c.id.desc())
         .limit(1)
@@ -257,18 +280,13 @@ def _neighbours_statement() -> Select[Any]:
         .scalar_subquery()
     )
     following = (
-        select(near.c.id)
+        select(packed)
         .where(same_session, near.c.timestamp >= M.c.timestamp, after)
         .order_by(near.c.timestamp, near.c.id)
         .limit(1)
         .correlate(M)
         .scalar_subquery()
     )
-    return select(
-        M.c.id, M.c.role, previous.label("previous_id"), following.label("next_id")
-    ).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
-
-
-@functools.cache
-def _roles_statement() -> Select[Any]:
-    return select(M.c.id, M.c.role).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
+    return select(M.c.id, M.c.role, previous.label("previous"), following.label("next")).where(
+        M.c.id.in_(sa.bindparam("ids", expanding=True))
+    )
