@@ -24,11 +24,22 @@ from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 from hermes_store.engine import fastpath
 from hermes_store.schema import ddl
 from hermes_store.search import blobs, hits
-from hermes_store.search.hits import CONTEXT_CHARS, Filters, Hit, Page, columns, dicts
+from hermes_store.search.hits import (
+    CONTEXT_CHARS,
+    Filters,
+    Hit,
+    Page,
+    columns,
+    context_columns,
+    dicts,
+    folded_context,
+)
 from hermes_store.search.query import QUOTED_PHRASE, Item, Query
 from hermes_store.search.snippets import SNIPPET_INLINE_CHARS, bounded_snippet, term_patterns
+from hermes_store.search.substring import sqlite_octets
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
+from hermes_store.uow.interrupts import uninterrupted
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +48,10 @@ _FTS_MATCH = sa.literal_column(ddl.FTS_TABLE).op("MATCH")
 _FTS_SNIPPET: ColumnClause[Any] = sa.literal_column(
     f"snippet({ddl.FTS_TABLE}, 0, '>>>', '<<<', '...', 40)"
 )
+#: SQLite's length limit while a page's neighbours are loaded in SQL (see :func:`_contexts`).
+NEIGHBOUR_LOAD_LIMIT = 1 << 20
+#: How the sqlite3 module says a text it read is not UTF-8 (it has no error code for it).
+_NOT_UTF8 = "Could not decode to UTF-8"
 _FTS_QUERY_ERRORS = ("fts5:", "no such column", "unterminated string", "unknown special query")
 # FTS5 barewords: ASCII letters, digits, "_", 0x1A and anything beyond ASCII; plus the spaces
 # FTS5 skips and the prefix star. Anything else outside quotes is syntax (":" "-" "." ...).
@@ -238,35 +253,77 @@ def _contexts(
     conn: Connection, ids: list[int], read: dict[int, str]
 ) -> dict[int, list[dict[str, str]]]:
     """Previous message, the match and next message of the SAME session, by (timestamp, id),
-    for a whole page: the seeks (on idx_messages_session, which covers timestamp and the rowid)
-    return the neighbours' ids and roles in one query, and the first CONTEXT_CHARS characters
-    of each content are read through a blob handle (any function of a content loads all of
-    it), unless ``read`` has them already (the matches', read for their snippets)."""
-    rows = fastpath.rows(conn, _neighbours_statement(), {"ids": ids}, expanding=["ids"])
+    for a whole page, in one query: the seeks (on idx_messages_session, which covers timestamp
+    and the rowid) return each neighbour's role and the first CONTEXT_CHARS characters of its
+    content, and the match's own start comes from ``read`` (read for its snippet).
+
+    Any function of a content loads all of it (50 MB for a pasted log), so the query runs with
+    SQLite's length limit lowered to NEIGHBOUR_LOAD_LIMIT bytes: a longer neighbour (or one
+    that is not valid UTF-8) fails it at once, unread, and that page's contexts are read
+    through blob handles instead, each only as far as it needs."""
     raw = blobs.driver(conn)
+    rows = _neighbours_loaded(conn, raw, ids)
+    if rows is None:
+        rows = fastpath.rows(conn, _neighbour_ids_statement(), {"ids": ids}, expanding=["ids"])
+        for row in rows:
+            row["context_previous"] = _read_neighbour(raw, row["context_previous"])
+            row["context_next"] = _read_neighbour(raw, row["context_next"])
     out: dict[int, list[dict[str, str]]] = {}
     for row in rows:
         match = row["id"]
-        text = read.get(match)
-        if text is None:
-            text = blobs.content_prefix(raw, match, CONTEXT_CHARS)
-        context = [{"role": row["role"], "content": text}]
-        if row["previous"] is not None:
-            context.insert(0, _neighbour(raw, row["previous"]))
-        if row["next"] is not None:
-            context.append(_neighbour(raw, row["next"]))
-        out[match] = context
+        start = read.get(match)
+        row["context_content"] = (
+            start if start is not None else blobs.content_prefix(raw, match, CONTEXT_CHARS)
+        )
+        out[match] = folded_context(row)
     return out
 
 
-def _neighbour(raw: sqlite3.Connection, packed: str) -> dict[str, str]:
-    """A neighbour's context entry from its ``<id>:<role>``."""
+def _neighbours_loaded(
+    conn: Connection, raw: sqlite3.Connection, ids: list[int]
+) -> list[Hit] | None:
+    """The page's neighbours, role and start, in one query; None when one of them is longer
+    than NEIGHBOUR_LOAD_LIMIT bytes or not valid UTF-8 (refused before it is loaded)."""
+    limit = raw.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+
+    def restore() -> None:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limit)
+
+    try:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, min(limit, NEIGHBOUR_LOAD_LIMIT))
+        return fastpath.rows(conn, _neighbours_statement(), {"ids": ids}, expanding=["ids"])
+    except sa.exc.DBAPIError as error:
+        code = getattr(error.orig, "sqlite_errorcode", None)
+        if code != sqlite3.SQLITE_TOOBIG and _NOT_UTF8 not in str(error.orig):
+            raise
+        log.debug("search: a neighbour is read through a blob handle (%s)", code or "not UTF-8")
+        return None
+    finally:
+        uninterrupted(restore)  # a pooled connection never keeps the lowered limit
+
+
+def _read_neighbour(raw: sqlite3.Connection, packed: str | None) -> str | None:
+    """``<id>:<role>`` as :func:`~hermes_store.search.hits.context_columns` packs a neighbour
+    (``<bytes of role>:<role><start>``), its start read through a blob handle."""
+    if packed is None:
+        return None
     number, _, role = packed.partition(":")
-    return {"role": role, "content": blobs.content_prefix(raw, int(number), CONTEXT_CHARS)}
+    start = blobs.content_prefix(raw, int(number), CONTEXT_CHARS)
+    return f"{len(role.encode())}:{role}{start}"
 
 
 @functools.cache
 def _neighbours_statement() -> Select[Any]:
+    """Per match: its role, and its previous and next message of the same session packed as
+    :func:`~hermes_store.search.hits.context_columns` packs them (role and start)."""
+    previous, _, following = context_columns(sqlite_octets)
+    return select(M.c.id, M.c.role, previous, following).where(
+        M.c.id.in_(sa.bindparam("ids", expanding=True))
+    )
+
+
+@functools.cache
+def _neighbour_ids_statement() -> Select[Any]:
     """Per match: its role and its previous and next message of the same session, each as
     ``<id>:<role>`` (one seek gives both)."""
     near, same_session, before, after = hits.neighbours()
@@ -287,6 +344,6 @@ def _neighbours_statement() -> Select[Any]:
         .correlate(M)
         .scalar_subquery()
     )
-    return select(M.c.id, M.c.role, previous.label("previous"), following.label("next")).where(
-        M.c.id.in_(sa.bindparam("ids", expanding=True))
-    )
+    return select(
+        M.c.id, M.c.role, previous.label("context_previous"), following.label("context_next")
+    ).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))

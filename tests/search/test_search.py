@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import sqlite3
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from hermes_store import SessionDB
 from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.schema import ddl
-from hermes_store.search import pipeline, snippets
+from hermes_store.search import fts5, pipeline, snippets
 from hermes_store.search.fts5 import fts5_query
 from hermes_store.search.query import (
     contains_cjk,
@@ -281,6 +282,53 @@ def test_context_follows_timestamp_then_id_and_cuts_to_200(store: SessionDB) -> 
     ]
     [tie] = store.search_messages('"later id"')
     assert tie["context"][0] == {"role": "assistant", "content": "L" * 200}
+
+
+def test_a_neighbour_past_the_load_limit_is_read_only_as_far_as_its_context(
+    sqlite_store: SessionDB,
+) -> None:
+    """A neighbour longer than SQLite may load for the page's one query is read through a blob
+    handle instead (its first 200 characters); the connection's length limit comes back, so a
+    later read of that long message still works."""
+    store = sqlite_store
+    store.create_session("s", "cli")
+    long_text = "\u00e9" + "x" * fts5.NEIGHBOUR_LOAD_LIMIT  # past the limit in bytes
+    before, match, after = add(
+        store, "s", ("tool", long_text), ("user", "needle here"), ("assistant", "after"), t=T0
+    )
+    [row] = store.search_messages("needle")
+    assert row["id"] == match
+    assert row["context"] == [
+        {"role": "tool", "content": long_text[:200]},
+        {"role": "user", "content": "needle here"},
+        {"role": "assistant", "content": "after"},
+    ]
+    messages = {m["id"]: m for m in store.get_messages("s")}
+    assert messages[before]["content"] == long_text
+    assert messages[after]["content"] == "after"
+
+
+def test_a_neighbour_that_is_not_utf8_gets_its_context_replaced_not_a_failure(
+    sqlite_store: SessionDB,
+) -> None:
+    """Bytes that are not UTF-8, stored as text by another program, fail a SQL read: the page's
+    contexts are read through blob handles, which replace them."""
+    store = sqlite_store
+    store.create_session("s", "cli")
+    [match] = add(store, "s", ("user", "needle here"), t=T0 + 10)
+    with sqlite3.connect(store.engine.url.database or "") as raw:
+        raw.execute(
+            "INSERT INTO messages (session_id, role, content, timestamp)"
+            " VALUES ('s', 'tool', CAST(x'ff41' AS TEXT), ?)",
+            (T0,),
+        )
+    raw.close()
+    [row] = store.search_messages("needle")
+    assert row["id"] == match
+    assert row["context"] == [
+        {"role": "tool", "content": "\ufffdA"},
+        {"role": "user", "content": "needle here"},
+    ]
 
 
 def test_prefix_phrase_and_boolean_operators(store: SessionDB) -> None:
