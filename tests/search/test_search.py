@@ -21,6 +21,7 @@ from hermes_store.models import messages_table as M
 from hermes_store.models import sessions_table as S
 from hermes_store.schema import ddl
 from hermes_store.search import fts5, pipeline, snippets
+from hermes_store.search import query as query_module
 from hermes_store.search.fts5 import fts5_query
 from hermes_store.search.query import (
     contains_cjk,
@@ -119,6 +120,26 @@ def test_contains_cjk_true(text: str) -> None:
 @pytest.mark.parametrize("text", ["", "hello", "Zürich", "привет", "สวัสดี", "😀", "\u4dc0", "ｱ"])
 def test_contains_cjk_false(text: str) -> None:
     assert not contains_cjk(text)
+
+
+@pytest.mark.parametrize(
+    ("test", "ranges"),
+    [(contains_cjk, query_module._CJK_RANGES), (query_module.unsegmented, ddl.UNSEGMENTED_RANGES)],
+    ids=["contains_cjk", "unsegmented"],
+)
+def test_script_tests_hold_exactly_at_the_edges_of_their_ranges(
+    test: Any, ranges: tuple[tuple[int, int], ...]
+) -> None:
+    """Each range's first and last code point count, anywhere in a text; the code points just
+    outside count only when another range holds them."""
+
+    def inside(point: int) -> bool:
+        return any(lo <= point <= hi for lo, hi in ranges)
+
+    for lo, hi in ranges:
+        for point in (lo - 1, lo, hi, hi + 1):
+            for text in (chr(point), f"plain {chr(point)} text"):
+                assert test(text) is inside(point), (hex(point), text)
 
 
 def test_one_parse_renders_for_fts5_tsquery_and_substring() -> None:
