@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.timing import spread
+
 #: Calls per operation in one round (after a warm-up of a tenth as many).
 CALLS = {
     "append_message": 600,
@@ -100,8 +102,7 @@ _BOOT = (
 
 
 def _fmt(values: list[float], scale: float = 1e6) -> str:
-    med = statistics.median(values) * scale
-    return f"{med:.1f} [{min(values) * scale:.1f}..{max(values) * scale:.1f}]"
+    return spread(values, "{:.1f}", scale=scale)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,6 @@ import queue
 import re
 import shutil
 import sqlite3
-import statistics
 import tempfile
 import time
 from collections import Counter
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.timing import spread
 from hermes_store import current
 from hermes_store.schema import ddl, fulltext
 from hermes_store.schema.migrate import head_revision
@@ -252,11 +252,9 @@ def check_file(path: Path, sessions: int, messages: int, openers: int) -> list[s
 # -- the report -----------------------------------------------------------------------------------
 
 
-def spread(values: list[float]) -> str:
+def seconds(values: list[float]) -> str:
     """``median [min..max]`` in seconds."""
-    if not values:
-        return "n/a"
-    return f"{statistics.median(values):.2f} s [{min(values):.2f}..{max(values):.2f}]"
+    return spread(values, "{:.2f}", unit=" s")
 
 
 def burn(stop: Any) -> None:
@@ -295,8 +293,8 @@ def main() -> None:
     passed = [r for r in rounds if r.passed]
     adoption = [r.adoption for r in rounds if r.adoption == r.adoption]
     waits = [r.worst_wait for r in rounds if r.worst_wait == r.worst_wait]
-    print(f"\n**{len(passed)}/{len(rounds)} rounds passed**; adoption {spread(adoption)}, "
-          f"worst wait {spread(waits)}")  # fmt: skip
+    print(f"\n**{len(passed)}/{len(rounds)} rounds passed**; adoption {seconds(adoption)}, "
+          f"worst wait {seconds(waits)}")  # fmt: skip
 
 
 def run_rounds(args: argparse.Namespace, source: Path, rows: tuple[int, int]) -> list[Round]:

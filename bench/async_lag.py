@@ -16,7 +16,6 @@ import asyncio
 import gc
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from bench.timing import percentile
+from bench.timing import percentile, spread
 from hermes_store import AsyncSessionDB, SessionDB
 
 ROUNDS = 5
@@ -184,8 +183,7 @@ def _append_threads(target: str) -> float:
 
 
 def _spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
-    v = [x * scale for x in values]
-    return f"{statistics.median(v):.{digits}f} [{min(v):.{digits}f}..{max(v):.{digits}f}]"
+    return spread(values, f"{{:.{digits}f}}", scale=scale)
 
 
 def _scratch_pg() -> tuple[str, Callable[[], None]] | None:

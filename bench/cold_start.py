@@ -35,6 +35,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # ``python bench/cold_start.py``: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timing import spread
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED_STORE = ROOT / "tests" / "support" / "seed_store.py"
 #: hermes_store's open + first read may cost this much more than the SQLAlchemy floor.
@@ -203,9 +208,8 @@ def middle_session(db: Path) -> str:
     return str(row[0])
 
 
-def spread(values: list[float], scale: float = 1.0, unit: str = "") -> str:
-    low, mid, high = min(values) * scale, statistics.median(values) * scale, max(values) * scale
-    return f"{mid:.0f}{unit} [{low:.0f}..{high:.0f}]"
+def _spread(values: list[float], scale: float = 1.0, unit: str = "") -> str:
+    return spread(values, "{:.0f}", scale=scale, unit=unit)
 
 
 def main() -> None:
@@ -262,8 +266,8 @@ def main() -> None:
     for name in names:
         s = samples[name]
         print(
-            f"| {name} | {spread(s.wall, 1000)} | {spread(s.cpu, 1000)} | "
-            f"{spread(s.imports, 1000)} | {spread(s.rss_mb)} |"
+            f"| {name} | {_spread(s.wall, 1000)} | {_spread(s.cpu, 1000)} | "
+            f"{_spread(s.imports, 1000)} | {_spread(s.rss_mb)} |"
         )
     floor = statistics.median(samples["sqlalchemy: engine + one SELECT"].cpu)
     ours = statistics.median(samples["hermes_store: open + get_session"].cpu)

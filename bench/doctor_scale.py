@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.scale import BOUND_MS, CACHE, ROOT, Step, beside_writer, cached, sync_to_disk
+from bench.timing import spread
 
 
 @dataclass
@@ -35,8 +35,7 @@ class Contender:
 
 
 def _spread(values: list[float]) -> str:
-    ordered = sorted(values)
-    return f"{statistics.median(ordered):,.0f} [{ordered[0]:,.0f}..{ordered[-1]:,.0f}]"
+    return spread(values, "{:,.0f}")
 
 
 def main() -> None:

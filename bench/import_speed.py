@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import exports
+from bench.timing import spread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,7 +292,7 @@ def main() -> None:
 
 
 def _spread(values: list[float], spec: str = ",.0f") -> str:
-    return f"{statistics.median(values):{spec}} [{min(values):{spec}}..{max(values):{spec}}]"
+    return spread(values, "{:" + spec + "}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.floor import BUMP_COUNTERS, INSERT_MESSAGE, Floor, SeedSessionDB
+from bench.timing import spread
 from hermes_store import SessionDB
 
 #: The original store's counter update (its update_token_counts with only input tokens).
@@ -132,11 +133,7 @@ def run(rounds: int, calls: int, work: Path) -> dict[str, dict[str, list[tuple[f
 
 
 def _spread(values: list[float], scale: float = 1e6, unit: str = "") -> str:
-    digits = 2 if unit else 1
-    return (
-        f"{statistics.median(values) * scale:.{digits}f}{unit} "
-        f"[{min(values) * scale:.{digits}f}..{max(values) * scale:.{digits}f}]"
-    )
+    return spread(values, "{:.2f}" if unit else "{:.1f}", scale=scale, unit=unit)
 
 
 def report(results: dict[str, dict[str, list[tuple[float, float]]]]) -> str:

@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import sqlite3
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from bench.timing import percentile
+from bench.timing import percentile, spread
 from hermes_store import SessionDB
 from hermes_store.ops import backup, maintenance, retention
 from hermes_store.schema import migrate
@@ -193,11 +192,7 @@ BASELINE = "baseline (writers only)"
 
 
 def _spread(values: list[float], unit: str, digits: int = 0) -> str:
-    ordered = sorted(values)
-    return (
-        f"{statistics.median(ordered):.{digits}f}{' ' + unit if unit else ''} "
-        f"[{ordered[0]:.{digits}f}..{ordered[-1]:.{digits}f}]"
-    )
+    return spread(values, f"{{:.{digits}f}}", unit=f" {unit}" if unit else "")
 
 
 def backups(path: Path, folder: Path, rounds: int, writers: int, chosen: list[str]) -> None:

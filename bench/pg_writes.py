@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.timing import spread
+
 ROOT = Path(__file__).resolve().parent.parent
 #: main before one-statement writes: the code path the numbers compare against.
 BASELINE = "70ffc8a"
@@ -180,10 +182,7 @@ def _seed(url: str) -> None:
 
 
 def _spread(values: Sequence[float], scale: float = 1000.0, digits: int = 1) -> str:
-    return (
-        f"{statistics.median(values) * scale:.{digits}f} "
-        f"[{min(values) * scale:.{digits}f}..{max(values) * scale:.{digits}f}]"
-    )
+    return spread(values, f"{{:.{digits}f}}", scale=scale)
 
 
 def _latency_round(tree: Path, url: str, calls: int, tag: str) -> dict[str, float]:

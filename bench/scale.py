@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import cold_start, exports
-from bench.timing import percentile
+from bench.timing import percentile, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(tempfile.gettempdir()) / "hermes-scale-bench"
@@ -472,23 +472,17 @@ def _mb(value: float) -> str:
 
 
 def _spread(values: list[float], digits: int = 0) -> str:
-    ordered = sorted(values)
-    return (
-        f"{statistics.median(ordered):,.{digits}f} "
-        f"[{ordered[0]:,.{digits}f}..{ordered[-1]:,.{digits}f}]"
-    )
+    return spread(values, f"{{:,.{digits}f}}")
 
 
 def _seconds(values: list[float]) -> str:
     """Median [min..max] in the unit the median reads best in."""
-    ordered = sorted(values)
-    middle = statistics.median(ordered)
+    middle = statistics.median(values)
     if middle >= 1:
         scale, unit, digits = 1.0, "s", 2
     else:
         scale, unit, digits = 1000.0, "ms", 1 if middle < 0.01 else 0
-    low, mid, high = (f"{v * scale:,.{digits}f}" for v in (ordered[0], middle, ordered[-1]))
-    return f"{mid} {unit} [{low}..{high}]"
+    return spread(values, f"{{:,.{digits}f}}", scale=scale, unit=f" {unit}")
 
 
 def _sides(steps: dict[str, list[Step]], of: Callable[[Step], float]) -> str:

@@ -84,13 +84,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def spread(values: Sequence[float | None], fmt: str) -> str:
-    """``median [min..max]`` of the values given (None and NaN left out), each through ``fmt``
-    (``"{:.0f}"``, ``"{:.2f}x"``); "-" when none is left."""
-    found = [v for v in values if v is not None and v == v]
+def spread(values: Sequence[float | None], fmt: str, *, scale: float = 1.0, unit: str = "") -> str:
+    """``median [min..max]`` of the values given (None and NaN left out), each times ``scale``
+    through ``fmt`` (``"{:.0f}"``, ``"{:.2f}x"``), ``unit`` after the median (``" ms"``); "-"
+    when none is left. The one formatter of every benchmark's spreads."""
+    found = [v * scale for v in values if v is not None and v == v]
     if not found:
         return "-"
     return (
-        f"{fmt.format(statistics.median(found))} "
+        f"{fmt.format(statistics.median(found))}{unit} "
         f"[{fmt.format(min(found))}..{fmt.format(max(found))}]"
     )
