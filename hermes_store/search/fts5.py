@@ -24,16 +24,7 @@ from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 from hermes_store.engine import fastpath
 from hermes_store.schema import ddl
 from hermes_store.search import blobs, hits
-from hermes_store.search.hits import (
-    CONTEXT_CHARS,
-    Filters,
-    Hit,
-    Page,
-    columns,
-    context_columns,
-    dicts,
-    folded_context,
-)
+from hermes_store.search.hits import CONTEXT_CHARS, Filters, Hit, Page, columns, dicts
 from hermes_store.search.query import QUOTED_PHRASE, Item, Query
 from hermes_store.search.snippets import SNIPPET_INLINE_CHARS, bounded_snippet, term_patterns
 from hermes_store.search.substring import sqlite_octets
@@ -275,7 +266,7 @@ def _contexts(
         row["context_content"] = (
             start if start is not None else blobs.content_prefix(raw, match, CONTEXT_CHARS)
         )
-        out[match] = folded_context(row)
+        out[match] = hits.folded_context(row)
     return out
 
 
@@ -316,7 +307,7 @@ def _read_neighbour(raw: sqlite3.Connection, packed: str | None) -> str | None:
 def _neighbours_statement() -> Select[Any]:
     """Per match: its role, and its previous and next message of the same session packed as
     :func:`~hermes_store.search.hits.context_columns` packs them (role and start)."""
-    previous, _, following = context_columns(sqlite_octets)
+    previous, _, following = hits.context_columns(sqlite_octets)
     return select(M.c.id, M.c.role, previous, following).where(
         M.c.id.in_(sa.bindparam("ids", expanding=True))
     )
