@@ -513,9 +513,7 @@ _SAMPLE = "SELECT id, substr(content, 1, 2000) FROM messages WHERE id >= :id ORD
 _LOOKUP = f"SELECT count(*) FROM {ddl.FTS_TABLE} WHERE {ddl.FTS_TABLE} MATCH :q AND rowid = :id"
 _CJK_HOLDS = f"SELECT count(*) FROM {ddl.CJK_DOCSIZE} WHERE id = :id"
 _CJK_LOOKUP = f"SELECT count(*) FROM {ddl.CJK_TABLE} WHERE {ddl.CJK_TABLE} MATCH :q AND rowid = :id"
-_UNSEGMENTED = re.compile(
-    "[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in ddl.UNSEGMENTED_RANGES) + "]{3}"
-)
+_UNSEGMENTED = re.compile(ddl.UNSEGMENTED_CLASS + "{3}")
 _REBUILD = "run `hermes-store doctor --rebuild-index`"
 
 

@@ -288,9 +288,19 @@ UNSEGMENTED_RANGES: tuple[tuple[int, int], ...] = (
     (0xFF65, 0xFF9F),  # half-width katakana
     (0x20000, 0x2EBEF),  # CJK extensions B to F
 )
+
+
+def character_class(ranges: tuple[tuple[int, int], ...]) -> str:
+    """``[a-b...]``: one character of the (inclusive) code point ranges, read alike by SQLite's
+    GLOB and by Python's ``re`` (none of these ranges starts or ends on a special character)."""
+    return "[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in ranges) + "]"
+
+
+#: One character of a script written without spaces (the GLOB and the patterns below).
+UNSEGMENTED_CLASS = character_class(UNSEGMENTED_RANGES)
 #: A GLOB that is true when a text holds at least one such character. Built-in SQL only, so
 #: the triggers run on any connection, the original store's included.
-CJK_GLOB = "*[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in UNSEGMENTED_RANGES) + "]*"
+CJK_GLOB = f"*{UNSEGMENTED_CLASS}*"
 CJK_TABLE = "messages_cjk"
 CJK_TRIGGERS = ("messages_cjk_insert", "messages_cjk_delete", "messages_cjk_update")
 #: Contentless (it stores no text, only the index: deletes hand it the old text) and
