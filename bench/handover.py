@@ -25,9 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from functools import partial
+from contextlib import AbstractContextManager
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -36,22 +34,12 @@ if __package__ in (None, ""):  # ``python bench/handover.py``: make the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import stamp
-from bench.load import SHARED, prepare
+from bench.load import SHARED, Ring, prepare
 from bench.timing import spread
 from hermes_store.uow.writequeue import WriteQueue
 from tests.support.seed_store import SeedSessionDB
 
 CONTENDERS = ("pipe", "semaphore", "queue")
-
-
-@contextmanager
-def _in_ring(take: Callable[[], object], give: Callable[[], object]) -> Iterator[None]:
-    """A turn in a ring: wait for the token, write, pass it on."""
-    take()
-    try:
-        yield
-    finally:
-        give()
 
 
 def _writer(
@@ -64,13 +52,10 @@ def _writer(
 
         def turn() -> AbstractContextManager[Any]:
             return queue.turn()
+    elif contender == "pipe":
+        turn = Ring.of_pipes(rings, worker).turn
     else:
-        count = len(rings)
-        if contender == "pipe":
-            mine, after = rings[worker][0], rings[(worker + 1) % count][1]
-            turn = partial(_in_ring, lambda: os.read(mine, 1), lambda: os.write(after, b"t"))
-        else:
-            turn = partial(_in_ring, rings[worker].acquire, rings[(worker + 1) % count].release)
+        turn = Ring(rings[worker].acquire, rings[(worker + 1) % len(rings)].release).turn
     start.wait()
     began = os.times()
     for op in range(ops):

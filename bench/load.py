@@ -66,7 +66,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from multiprocessing.synchronize import Barrier, Event
 from pathlib import Path
@@ -195,21 +196,27 @@ def _open(url: str, kind: str) -> Any:
     return SessionDB(url)
 
 
-class _Token:
-    """A writer's place in a ring: it waits for the token on its own pipe before each write
-    and passes it to the next writer's after (``None``: no ring, nothing to wait for)."""
+class Ring:
+    """A writer's place in a ring of processes that write one at a time: it takes the token
+    before each write and passes it to the next writer after (``turn()``, one write's)."""
 
-    def __init__(self, pipes: Sequence[tuple[int, int]] | None, worker: int) -> None:
-        self._mine = pipes[worker][0] if pipes else -1
-        self._next = pipes[(worker + 1) % len(pipes)][1] if pipes else -1
+    def __init__(self, take: Callable[[], object], give: Callable[[], object]) -> None:
+        self._take = take
+        self._give = give
 
-    def take(self) -> None:
-        if self._mine >= 0:
-            os.read(self._mine, 1)
+    @classmethod
+    def of_pipes(cls, pipes: Sequence[tuple[int, int]], worker: int) -> Ring:
+        """The token a byte passed through a pipe per writer (the kernel's wake-up alone)."""
+        mine, after = pipes[worker][0], pipes[(worker + 1) % len(pipes)][1]
+        return cls(lambda: os.read(mine, 1), lambda: os.write(after, b"t"))
 
-    def give(self) -> None:
-        if self._next >= 0:
-            os.write(self._next, b"t")
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        self._take()
+        try:
+            yield
+        finally:
+            self._give()
 
 
 def _writer(
@@ -223,7 +230,7 @@ def _writer(
     ring: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     _setup(group.kind)
-    token = _Token(ring, worker)
+    turn = Ring.of_pipes(ring, worker).turn if ring else nullcontext
     threads = group.threads
     stores = [_open(url, group.kind) for _ in range(threads)]  # every thread on its own store
     latencies: list[list[float]] = [[] for _ in range(threads)]
@@ -239,19 +246,13 @@ def _writer(
                 time.sleep(gaps.expovariate(1000.0 / group.gap_ms))
             t0 = time.perf_counter()
             try:
-                token.take()
-                try:
+                with turn():
                     store.append_message(
                         SHARED, "user", f"load {worker} {thread} {op} {COMMON_WORD}"
                     )
-                finally:
-                    token.give()
                 t1 = time.perf_counter()
-                token.take()
-                try:
+                with turn():
                     store.update_token_counts(SHARED, input_tokens=1, output_tokens=2)
-                finally:
-                    token.give()
                 t2 = time.perf_counter()
             except Exception as error:  # counted, reported, and the totals check fails
                 errors.append(f"{group.kind} writer {worker}: {error!r}")
