@@ -133,8 +133,66 @@ def test_benchmark_sets_run_with_exact_totals(tmp_path: Path) -> None:
     assert len(hog) == 2  # the hog+5 table: occasional writers' wait and the hog's throughput
     checks = {target: met for target, _, met in sets.checks}
     assert checks["every run: no errors, exact totals"]
-    assert "hog+5: hog throughput >= 0.90x the original store" in checks
+    assert list(checks) == [  # every acceptance row of the write path under load
+        "1x1: throughput >= 0.95x the original store",
+        "4x1: throughput >= 1.00x the original store",
+        "16x1+2r: throughput >= 1.00x the original store",
+        "8x4+2r: throughput >= 1.30x the original store",
+        "hog+5: hog throughput >= 0.90x the original store",
+        "hog+5: occasional writers' p99 <= 20 ms",
+        "hog+5: occasional writers' max <= 100 ms",
+        "8x4+2r: throughput with sync=NORMAL >= 2.00x the original store",
+        "every set: max <= 250 ms",
+        "every set: max <= 0.25x the original store's",
+        "every set: p99 <= 2x the original store's or <= 10 ms",
+        "every run: no errors, exact totals",
+    ]
     assert not list(tmp_path.glob("load-*.db*"))  # every run's database removed
+
+
+def test_tail_targets_hold_every_set_to_both_bounds() -> None:
+    """A set's p99 passes within 2x the original's or under 10 ms, either one; its max must be
+    under 250 ms and under a quarter of the original's, both; each row names the worst set, or
+    every set over its bound."""
+    plan = [s for s in load.shapes(1) if s.name in ("1x1", "4x1", "16x1+2r")]
+
+    def runs_of(p99: float, top: float) -> list[load.Record]:
+        return [load.Record({"write_p99_ms": p99, "write_max_ms": top})]
+
+    runs = {
+        ("1x1", "ours"): runs_of(12.0, 10.0),  # p99 over 10 ms but 1.5x: passes
+        ("4x1", "ours"): runs_of(3.0, 172.0),  # p99 5x but 3 ms: passes; max 0.32x: fails
+        ("16x1+2r", "ours"): runs_of(125.0, 140.0),
+    }
+    ratios = {
+        ("1x1", "ours", load.ORIGINAL, "write_p99_ms"): [1.5],
+        ("1x1", "ours", load.ORIGINAL, "write_max_ms"): [0.2],
+        ("4x1", "ours", load.ORIGINAL, "write_p99_ms"): [5.0],
+        ("4x1", "ours", load.ORIGINAL, "write_max_ms"): [0.32],
+        ("16x1+2r", "ours", load.ORIGINAL, "write_p99_ms"): [13.5],
+        ("16x1+2r", "ours", load.ORIGINAL, "write_max_ms"): [0.11],
+    }
+    rows = load.tail_checks(plan, "ours", "", runs, ratios)
+    assert rows == [
+        ("every set: max <= 250 ms", "worst 172 ms (4x1)", True),
+        ("every set: max <= 0.25x the original store's", "worst 0.32x (4x1)", False),
+        (
+            "every set: p99 <= 2x the original store's or <= 10 ms",
+            "worst 125 ms, 13.50x (16x1+2r)",
+            False,
+        ),
+    ]
+    runs[("16x1+2r", "ours")] = runs_of(18.0, 140.0)
+    ratios[("16x1+2r", "ours", load.ORIGINAL, "write_p99_ms")] = [1.9]
+    ratios[("4x1", "ours", load.ORIGINAL, "write_max_ms")] = [0.24]
+    assert [met for _, _, met in load.tail_checks(plan, "ours", "", runs, ratios)] == [True] * 3
+    del ratios[("1x1", "ours", load.ORIGINAL, "write_max_ms")]  # not measured: fails
+    ratios[("4x1", "ours", load.ORIGINAL, "write_max_ms")] = [0.32]
+    assert load.tail_checks(plan, "ours", "", runs, ratios)[1] == (
+        "every set: max <= 0.25x the original store's",
+        "over at nanx (1x1); 0.32x (4x1)",
+        False,
+    )
 
 
 def test_benchmark_runs_the_checkout_it_is_given(tmp_path: Path) -> None:
