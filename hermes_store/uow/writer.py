@@ -67,15 +67,14 @@ HEAD_BEAT_EVERY_S = 0.05
 #: to back; after PATIENT_AFTER such units in a row the process is a back-to-back writer.
 BACK_TO_BACK_S = 0.01
 PATIENT_AFTER = 12
-#: A back-to-back writer at the head of a short line lets the holder (going straight in) keep
-#: the lock for up to PATIENT_SHARE_S, as long as its own wait since it asked stays within
-#: PATIENT_WAIT_S (PATIENT_LONG_LINE_WAIT_S with PATIENT_LONG_LINE or more writers ahead of it
-#: when it took its ticket). Meanwhile it looks every PATIENT_LOOK_S (``PRAGMA data_version``)
-#: and asks SQLite once PATIENT_STILL_LOOKS looks in a row saw no commit land.
+#: A back-to-back writer at the head of the line lets the holder (going straight in) keep the
+#: lock for up to PATIENT_SHARE_S, as long as its own wait since it asked stays within
+#: PATIENT_WAIT_S (so shares shrink as the line grows, and a quarter of the original store's
+#: longest wait at 4x1, 430-830 ms, stays above it). Meanwhile it looks every PATIENT_LOOK_S
+#: (``PRAGMA data_version``) and asks SQLite once PATIENT_STILL_LOOKS looks in a row saw no
+#: commit land.
 PATIENT_SHARE_S = 0.07
-PATIENT_WAIT_S = 0.17
-PATIENT_LONG_LINE = 3
-PATIENT_LONG_LINE_WAIT_S = 0.12
+PATIENT_WAIT_S = 0.12
 PATIENT_LOOK_S = 0.002
 PATIENT_STILL_LOOKS = 1
 #: Past the fast polls (a foreign writer, the original store or a sqlite3 shell, holds the lock
@@ -604,15 +603,14 @@ class _Head:
     A *patient* head lets the holder keep the lock for a share: it writes back to back itself
     (:attr:`SqliteWriter.back_to_back`), and the writer it followed in line said it goes on
     writing straight in (:meth:`~hermes_store.uow.writequeue.Turn.holder_goes_on`). Until
-    :data:`PATIENT_SHARE_S` has passed (and within :data:`PATIENT_WAIT_S` of asking, or
-    :data:`PATIENT_LONG_LINE_WAIT_S` in a long line) it asks SQLite nothing while commits keep
-    landing (``PRAGMA data_version`` moves between its looks, every :data:`PATIENT_LOOK_S`); it
-    asks as soon as a look saw none (the holder stopped), and marks the line starving when the
-    share is over. Why: a head
-    that polls from the start often finds the lock free between two of the holder's writes,
-    so the lock changes process every few writes, each change a wake-up; with processes that
-    all write back to back, fewer and longer shares keep the original store's throughput,
-    and a share bounded per line keeps every wait within the budget."""
+    :data:`PATIENT_SHARE_S` has passed (and within :data:`PATIENT_WAIT_S` of asking) it asks
+    SQLite nothing while commits keep landing (``PRAGMA data_version`` moves between its looks,
+    every :data:`PATIENT_LOOK_S`); it asks as soon as a look saw none (the holder stopped), and
+    marks the line starving when the share is over. Why: a head that polls from the start
+    often finds the lock free between two of the holder's writes, so the lock changes process
+    every few writes, each change a wake-up; with processes that all write back to back,
+    fewer and longer shares keep the original store's throughput, and a share bounded from
+    each writer's asking keeps every wait within the budget."""
 
     __slots__ = (
         "_beat_due",
@@ -635,8 +633,7 @@ class _Head:
         if self._patient:
             with writer.counters.lock:
                 writer.counters.stats.patient_heads += 1
-            budget = PATIENT_LONG_LINE_WAIT_S if turn.depth >= PATIENT_LONG_LINE else PATIENT_WAIT_S
-            self._starve_at = min(now + PATIENT_SHARE_S, turn.since + budget)
+            self._starve_at = min(now + PATIENT_SHARE_S, turn.since + PATIENT_WAIT_S)
         else:
             self._starve_at = min(now + STARVE_AFTER_S, turn.since + STARVE_IN_LINE_S)
         self._fast_until = max(now, self._starve_at) + HEAD_FAST_S

@@ -183,7 +183,6 @@ def _patient_head_behind_a_holder(
     monkeypatch.setattr(found, "data_version", commits)
     monkeypatch.setattr(writer, "PATIENT_SHARE_S", share)
     monkeypatch.setattr(writer, "PATIENT_WAIT_S", share)
-    monkeypatch.setattr(writer, "PATIENT_LONG_LINE_WAIT_S", share)
     attempts = [0]
     real_begin = begin_on_driver
 
