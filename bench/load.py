@@ -1114,14 +1114,18 @@ def tail_checks(
     if not tops:
         return []
 
-    def worst(found: dict[str, tuple[float, float]], score: Callable[[float, float], float]) -> str:
-        """The set scoring highest, or every set over 1 (a row fails: say where)."""
+    def worst(
+        found: dict[str, tuple[float, float]], score: Callable[[float, float], float]
+    ) -> list[str]:
+        """Every set over its bound (score above 1), or else the one scoring highest."""
         scores = {name: _nan_last(score(*pair)) for name, pair in found.items()}
         over = [name for name, value in scores.items() if value > 1.0]
-        return ", ".join(over) if len(over) > 1 else max(scores, key=scores.__getitem__)
+        return over or [max(scores, key=scores.__getitem__)]
 
-    def said(found: dict[str, tuple[float, float]], names: str, fmt: Callable[..., str]) -> str:
-        parts = [f"{fmt(*found[name])} ({name})" for name in names.split(", ")]
+    def said(
+        found: dict[str, tuple[float, float]], names: list[str], fmt: Callable[..., str]
+    ) -> str:
+        parts = [f"{fmt(*found[name])} ({name})" for name in names]
         return ("worst " if len(parts) == 1 else "over at ") + "; ".join(parts)
 
     top = worst(tops, lambda ms, _: ms / MAX_MS)

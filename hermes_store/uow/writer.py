@@ -69,10 +69,10 @@ BACK_TO_BACK_S = 0.01
 PATIENT_AFTER = 12
 #: A back-to-back writer at the head of the line lets the holder (going straight in) keep the
 #: lock for up to PATIENT_SHARE_S, as long as its own wait since it asked stays within
-#: PATIENT_WAIT_S (so shares shrink as the line grows, and a quarter of the original store's
-#: longest wait at 4x1, 430-830 ms, stays above it). Meanwhile it looks every PATIENT_LOOK_S
-#: (``PRAGMA data_version``) and asks SQLite once PATIENT_STILL_LOOKS looks in a row saw no
-#: commit land.
+#: PATIENT_WAIT_S (so shares shrink as the line grows, and with a few writers a wait stays
+#: under a quarter of the original store's longest: 531-833 ms at 4x1 where it was set).
+#: Meanwhile it looks every PATIENT_LOOK_S (``PRAGMA data_version``) and asks SQLite once
+#: PATIENT_STILL_LOOKS looks in a row saw no commit land.
 PATIENT_SHARE_S = 0.07
 PATIENT_WAIT_S = 0.12
 PATIENT_LOOK_S = 0.002
