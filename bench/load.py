@@ -701,6 +701,11 @@ def parse_ours(values: Sequence[str]) -> list[tuple[str, str]]:
     return found or [(OURS, "")]
 
 
+def normal_label(label: str) -> str:
+    """The contender that is checkout ``label`` opened with ``synchronous="normal"``."""
+    return f"{label}, sync=NORMAL"
+
+
 def _contenders(
     shape: Shape, checkouts: Sequence[tuple[str, str]], extras: frozenset[str]
 ) -> list[Contender]:
@@ -710,7 +715,7 @@ def _contenders(
     for label, path in checkouts:
         chosen.append(Contender(label, OURS, path, label))
         if shape.normal:
-            chosen.append(Contender(f"{label}, sync=NORMAL", NORMAL, path, label))
+            chosen.append(Contender(normal_label(label), NORMAL, path, label))
         if BEFORE in extras and not shape.pg:
             chosen.append(Contender(f"{label}, before", BEFORE, path, label))
         if ring:
@@ -1070,8 +1075,8 @@ def _load_checks(
                     top <= OCCASIONAL_MAX_MS,
                 )
             )
-        normal = ratios.get(("8x4+2r", f"{label}, sync=NORMAL", ORIGINAL, "writes_per_s"))
-        if "8x4+2r" in names and normal:
+        normal = ratios.get(("8x4+2r", normal_label(label), ORIGINAL, "writes_per_s"))
+        if normal:
             ratio = _median(normal)
             checks.append(
                 (

@@ -261,12 +261,8 @@ def _contexts(
             row["context_next"] = _read_neighbour(raw, row["context_next"])
     out: dict[int, list[dict[str, str]]] = {}
     for row in rows:
-        match = row["id"]
-        start = read.get(match)
-        row["context_content"] = (
-            start if start is not None else blobs.content_prefix(raw, match, CONTEXT_CHARS)
-        )
-        out[match] = hits.folded_context(row)
+        row["context_content"] = read[row["id"]]  # every match's start, read for its snippet
+        out[row["id"]] = hits.folded_context(row)
     return out
 
 
