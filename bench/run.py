@@ -5,7 +5,9 @@
 
 Every section is measured in the run and stamped with the commit it measured (``+dirty`` when
 the tree differs from it), the date, and the machine's cores and load average at its start:
-nothing in the file is older than the run. Sections, in order:
+nothing in the file is older than the run. It first waits (``--settle``, at most 300 s) for
+the load average to fall to half the cores, so a run begun after another job does not
+measure that job's tail. Sections, in order:
 
 - ``alone`` and ``load`` (``bench/load.py``): one writer alone per call against the original
   store and the raw floor; writer processes x threads, readers, the hog and the occasional
@@ -957,7 +959,7 @@ FLOOR_NOTE = (
 #: The full run at default settings, and how long it takes on the 2-core machine when nothing
 #: else runs (the sections' sizes were chosen for it; a busy machine stretches every section).
 FULL_RUN = "python -m bench.run --pg postgresql://postgres@127.0.0.1/test"
-FULL_RUN_MINUTES = "about 17 minutes, about 10 without `--pg`,"
+FULL_RUN_MINUTES = "about 19 minutes, about 12 without `--pg`,"
 
 
 def render(
@@ -965,10 +967,11 @@ def render(
     info: dict[str, str],
     command: str,
     elapsed: float,
-    started: tuple[str, float],
+    started: tuple[str, stamp.Settled],
     skipped: dict[str, str],
 ) -> str:
-    date, load_at_start = started
+    date, settled = started
+    waited = settled.said()
     out = [
         "# Benchmarks",
         "",
@@ -990,7 +993,7 @@ def render(
         "",
         f"This run: `{command}`: commit `{report.measured}`, started {date}, "
         f"{elapsed / 60:.1f} min, {info['cpus (nproc)']} cores, load average "
-        f"{load_at_start:.1f} at the start.",
+        f"{settled.load:.1f} at the start" + (f" ({waited})." if waited else "."),
         "",
         "| section | this run |",
         "|---|---|",
@@ -1128,11 +1131,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ring", action="store_true", help="load: also the strictly fair yardsticks (ring, fifo)"
     )
-    parser.add_argument("--rounds", type=int, help="load rounds (3; quick 1)")
+    parser.add_argument("--rounds", type=int, help="load rounds (5; quick 1)")
     parser.add_argument("--alone-rounds", type=int, help="alone rounds (5; quick 1)")
     parser.add_argument("--ops", type=int, help="load: ops per thread at 8x4 (50; quick 3)")
     parser.add_argument("--calls", type=int, help="alone: ops per run (1000; quick 50)")
     parser.add_argument("--workdir", help="folder for the databases (default: a temp folder)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        metavar="SECONDS",
+        help="first wait at most this long for the 1-minute load average to fall to half the "
+        "cores (300; quick 0: no wait)",
+    )
     parser.add_argument(
         "--reuse",
         action="store_true",
@@ -1168,7 +1178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out_path is not None and out_path.is_relative_to(ROOT):
         ignore.append(str(out_path.relative_to(ROOT)))
     report = Report(measured=stamp.commit(ROOT, ignore))
-    began = (stamp.now(), stamp.load_average())
+    settle = args.settle if args.settle is not None else 0.0 if q else 300.0
+    settled = stamp.settle(stamp.cores() / 2 if settle > 0 else 0.0, settle)
+    began = (stamp.now(), settled)
     info = machine(pg)
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     print(f"measuring commit {report.measured}; sections {', '.join(chosen)}", flush=True)
@@ -1199,7 +1211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("[load]", flush=True)
         line, t0 = stamp.line(report.measured), time.perf_counter()
         part = load_bench.compare(
-            args.rounds or (1 if q else 3),
+            args.rounds or (1 if q else 5),
             args.ops or (3 if q else 50),
             work,
             checkouts=checkouts,

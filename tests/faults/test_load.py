@@ -257,3 +257,45 @@ def test_stamp_names_the_commit_and_a_tree_that_differs(tmp_path: Path) -> None:
     (tmp_path / "code.py").write_text("x = 2\n")
     assert stamp.commit(tmp_path, ["report.md"]) == f"{head}+dirty"
     assert stamp.commit(tmp_path / "nowhere") == "unknown"
+
+
+def test_settle_waits_for_a_quiet_machine_and_no_longer_than_told() -> None:
+    """``bench.run`` begins once the load average has fallen to its limit, or once its wait
+    ran out (and says which)."""
+    from bench import stamp
+
+    class Machine:
+        """A load average that falls by 0.5 at each sleep, on a clock the sleeps move."""
+
+        def __init__(self, load: float) -> None:
+            self.load, self.now, self.slept = load, 0.0, []
+
+        def sleep(self, seconds: float) -> None:
+            self.slept.append(seconds)
+            self.now += seconds
+            self.load -= 0.5
+
+        def settle(self, limit: float, within: float) -> stamp.Settled:
+            said: list[str] = []
+            before = len(self.slept)
+            settled = stamp.settle(
+                limit, within, load=lambda: self.load, clock=lambda: self.now,
+                sleep=self.sleep, say=said.append,
+            )  # fmt: skip
+            assert len(said) == (1 if len(self.slept) > before else 0)  # a wait is said
+            return settled
+
+    busy = Machine(2.0)
+    assert busy.settle(1.0, 300) == stamp.Settled(1.0, 10.0, 1.0, True)
+    assert busy.slept == [5.0, 5.0]
+    assert busy.settle(1.0, 300).said() == ""  # quiet now: no wait
+    assert stamp.Settled(1.0, 10.0, 1.0, True).said() == "waited 10 s for it to fall to 1.0 or less"
+
+    stuck = Machine(5.0)
+    settled = stuck.settle(1.0, 12)
+    assert settled == stamp.Settled(1.0, 12.0, 3.5, False)
+    assert stuck.slept == [5.0, 5.0, 2.0]  # never past the bound
+    assert settled.said() == "still over 1.0 after waiting 12 s"
+
+    unasked = Machine(5.0)
+    assert unasked.settle(0.0, 300).said() == "" and unasked.slept == []
