@@ -1001,10 +1001,12 @@ class SessionDB:
     # -- operations -------------------------------------------------------------------------
 
     def backup(self, destination: str | os.PathLike[str], **options: Any) -> BackupReport:
-        """A consistent online snapshot of this SQLite database (see :func:`backup.backup`)."""
+        """A consistent online snapshot of this SQLite database (see :func:`backup.backup`).
+        Through the Unit of Work's engine: a closed store's refuses (its disposed engine would
+        quietly open new connections)."""
         from hermes_store.ops import backup
 
-        return backup.backup(self.engine, destination, **options)
+        return backup.backup(self.uow.engine, destination, **options)
 
     # -- export -----------------------------------------------------------------------------
 

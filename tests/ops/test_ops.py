@@ -26,6 +26,7 @@ from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
     SchemaTooNewError,
+    StoreMisuseError,
     UnrecognizedSchemaError,
 )
 from hermes_store.ops import backup, maintenance, retention
@@ -149,6 +150,17 @@ def test_backup_refuses_the_database_itself_and_an_existing_file(sqlite_store: S
         backup.backup(sqlite_store.engine, existing)
     backup.backup(sqlite_store.engine, existing, overwrite=True)
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_closed_store_refuses_a_backup_and_writes_nothing(tmp_path: Path) -> None:
+    """``backup()`` after ``close()`` went on through the disposed engine, which quietly opened
+    new connections to the file; it is refused like every other call."""
+    db = SessionDB(tmp_path / "state.db")
+    db.create_session("s", "cli")
+    db.close()
+    with pytest.raises(StoreMisuseError, match="this SessionDB is closed"):
+        db.backup(tmp_path / "snapshot.db")
+    assert not (tmp_path / "snapshot.db").exists()
 
 
 def test_backup_and_restore_on_postgresql_name_pg_dump(pg_url: URL) -> None:
