@@ -9,6 +9,7 @@ No file access here: the CLI writes the text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
@@ -182,10 +183,33 @@ def render_document(records: Iterable[RowDict], *, redacted: bool = False) -> It
         yield render_session(record, level=2)
 
 
-def file_name(record: RowDict) -> str:
-    """A stable, portable file name for one session: date, title slug, id prefix."""
+#: The longest title slug and readable id in a file name (characters; the slug also at most
+#: ``_SLUG_BYTES`` in UTF-8): with the day, the digest and the temp file's prefix and suffix
+#: (``export_writer``), a name stays well under the 255 bytes file systems allow.
+_SLUG_CHARS = 60
+_SLUG_BYTES = 120
+_ID_CHARS = 36
+#: Hex digits of the id's digest in a usual name, and all of them (for the rare export in
+#: which two sessions' usual names meet).
+SHORT_DIGEST = 8
+FULL_DIGEST = 64
+
+
+def file_name(record: RowDict, *, digest: int = SHORT_DIGEST) -> str:
+    """A stable, portable file name for one session: date, title slug, the id as far as it is
+    plain ASCII, and ``digest`` hex digits of the SHA-256 of the whole id.
+
+    The readable part alone is not unique (ids that share their first characters, or differ
+    only in what a portable name cannot hold, or a slug and an id that join the same way);
+    the digest of the id makes the name the session's own, whichever other sessions the
+    export holds, so the same database always exports to the same names. Only ``\\w``, ``-``
+    and ``.md``: no path separator, no leading dot."""
     started = timestamps.moment(record.get("started_at") or 0, UTC)
     day = started.strftime("%Y-%m-%d") if started is not None else "undated"
-    slug = re.sub(r"[^\w]+", "-", str(record.get("title") or ""), flags=re.UNICODE).strip("-")
-    safe_id = re.sub(r"[^A-Za-z0-9_-]+", "-", str(record["id"]))[:12]
-    return "-".join(part for part in (day, slug[:60].lower(), safe_id) if part) + ".md"
+    slug = re.sub(r"[^\w]+", "-", str(record.get("title") or ""), flags=re.UNICODE)
+    slug = slug.strip("-").lower()[:_SLUG_CHARS]
+    slug = slug.encode()[:_SLUG_BYTES].decode(errors="ignore").strip("-")
+    raw_id = str(record["id"])
+    readable_id = re.sub(r"[^A-Za-z0-9_-]+", "-", raw_id)[:_ID_CHARS].strip("-")
+    hashed = hashlib.sha256(raw_id.encode("utf-8", "surrogatepass")).hexdigest()[:digest]
+    return "-".join(part for part in (day, slug, readable_id, hashed) if part) + ".md"

@@ -20,6 +20,7 @@ import stat
 import sys
 import tempfile
 import threading
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -199,7 +200,7 @@ class ImportReport:
     messages: int = 0
     messages_skipped: int = 0  # they belong to a skipped session
     messages_renumbered: int = 0  # the message id was taken: stored under a new id
-    titles_cleared: int = 0  # another session of the target holds the title
+    titles_cleared: int = 0  # a session of the target, or one earlier in the file, holds it
     #: not a title the store keeps (over 100 characters, or holding what sanitising removes
     #: or collapses, as a redacted export's marker can make one): left empty
     titles_refused: int = 0
@@ -471,15 +472,21 @@ def _write_batch(
     if not fresh:
         return _BatchOutcome(report, set(), {})
 
+    # The unique index compares titles exactly (no collation, no normalising), as ``in`` does
+    # here. A title kept by a session of this batch is held from then on: whatever the batch
+    # size, the first session of the file keeps it and the later ones are cleared.
     held_titles = _existing(conn, _TITLES, (p.session["title"] for p in fresh))
     new_links: dict[str, str] = {}
     rows = []
     for prepared in fresh:
         row = dict(prepared.session)
         report.titles_refused += prepared.title_refused
-        if row["title"] is not None and row["title"] in held_titles:
-            row["title"] = None
-            report.titles_cleared += 1
+        if row["title"] is not None:
+            if row["title"] in held_titles:
+                row["title"] = None
+                report.titles_cleared += 1
+            else:
+                held_titles.add(row["title"])
         if row["parent_session_id"] is not None:
             # Parents follow their children in a newest-first file: link once both exist.
             new_links[row["id"]] = row.pop("parent_session_id")
@@ -1039,6 +1046,29 @@ def _batches(
         yield batch
 
 
+def _page_name(record: RowDict, written: set[str]) -> str:
+    """The file name of ``record``'s page, never one a page of this export already took
+    (``written``, their names as a case-insensitive, normalising file system sees them; the
+    name is added). A file of the folder from an earlier export is replaced by the page of the
+    same session, as the name says (see ``markdown.file_name``)."""
+    from hermes_store import markdown
+
+    name = markdown.file_name(record)
+    if _name_key(name) in written:  # the short digests of two ids met: take the whole one
+        name = markdown.file_name(record, digest=markdown.FULL_DIGEST)
+        if _name_key(name) in written:
+            raise InvalidInputError(
+                f"session {echoed(record['id'])} would be written over another session's page "
+                f"({name}): refused"
+            )
+    written.add(_name_key(name))
+    return name
+
+
+def _name_key(name: str) -> str:
+    return unicodedata.normalize("NFC", name).casefold()
+
+
 @dataclass
 class ExportReport:
     """What :func:`write_records` wrote."""
@@ -1088,8 +1118,9 @@ def write_records(
     if split:
         folder = Path(output)
         make_private_dirs(folder)  # 0700 whatever the umask
+        written: set[str] = set()
         for record in counted(chosen):
-            page = str(folder / markdown.file_name(record))
+            page = str(folder / _page_name(record, written))
             with export_writer(page, database, stream=False) as handle:
                 handle.write(markdown.render_session(record))
     elif fmt == "md":

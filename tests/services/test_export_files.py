@@ -116,3 +116,97 @@ def test_nothing_to_write_writes_an_empty_file(tmp_path: Path) -> None:
         out = tmp_path / "none.jsonl"
         report = transfer.write_records(records, str(out), to_url(tmp_path / "state.db"))
     assert (report.sessions, report.messages, out.read_text()) == (0, 0, "")
+
+
+#: Ids whose names once met: the same first 12 characters (the agent's timestamp ids), or
+#: the same once what a portable name cannot hold is left out (non-ASCII, ``~``, ``:``, ``/``,
+#: a leading dot), or the same but for case (one file on a case-insensitive file system).
+CLASHING_IDS = [
+    "20250612_143022_a1b2c3",
+    "20250612_143025_d4e5f6",
+    "会话一",
+    "会话二",
+    "a~b",
+    "a:b",
+    "a/b",
+    "../a b",
+    ".hidden",
+    "Case",
+    "case",
+]
+#: Two ids whose names agree but for the digest of the id, and whose first 8 hex digits of
+#: that digest agree too (found by search): the export must give them two files all the same.
+SAME_SHORT_DIGEST = ["s~ŁśŃ", "s~ćĄłĘŁ"]
+
+
+def _import(path: Path, ids: list[str], title: str | None = None) -> SessionDB:
+    """A store at ``path`` holding ``ids``, started the same second, each with one message
+    naming its session."""
+    db = SessionDB(path)
+    records = [
+        {
+            "id": sid,
+            "source": "cli",
+            "started_at": 1_749_738_622.0,
+            "title": title if n == 0 else None,
+            "messages": [{"role": "user", "timestamp": 1_749_738_623.0, "content": f"<{sid}>"}],
+        }
+        for n, sid in enumerate(ids)
+    ]
+    transfer.import_sessions(db, enumerate(records, 1))
+    return db
+
+
+def _pages(store: SessionDB, folder: Path) -> dict[str, str]:
+    """Every session of ``store`` exported one file per session into ``folder``: name, text."""
+    records, total = transfer.export_records(store)
+    report = transfer.write_records(records, str(folder), store.engine.url, fmt="md", split=True)
+    assert report.sessions == total
+    return {page.name: page.read_text(encoding="utf-8") for page in folder.iterdir()}
+
+
+@pytest.mark.parametrize("ids", [CLASHING_IDS, SAME_SHORT_DIGEST], ids=["readable", "digest"])
+def test_every_session_gets_a_page_of_its_own(tmp_path: Path, ids: list[str]) -> None:
+    """One file per session, holding that session's messages and no other's; the names are
+    safe (no separator, no leading dot, bounded), distinct even to a case-insensitive file
+    system, and the same at every export: one into the same folder replaces the pages."""
+    with _import(tmp_path / "state.db", ids) as store:
+        pages = _pages(store, tmp_path / "out")
+        assert len(pages) == len(ids)
+        assert len({name.casefold() for name in pages}) == len(ids)
+        for sid in ids:
+            holding = [name for name, text in pages.items() if f"<{sid}>" in text]
+            assert len(holding) == 1, (sid, holding)
+            assert f"`{sid}`" in pages[holding[0]]
+        for name in pages:
+            assert "/" not in name and not name.startswith(".") and name.endswith(".md")
+            assert len(name.encode()) <= 200
+        assert _pages(store, tmp_path / "again").keys() == pages.keys()
+        assert _pages(store, tmp_path / "out") == pages
+
+
+def test_page_names_stay_bounded_and_readable(tmp_path: Path) -> None:
+    """The longest title the store keeps, of 4-byte characters, and a long id: the name fits a
+    file system's 255 bytes with the temp file's prefix and suffix, and still says the day,
+    the title and the id."""
+    sid = "20250612_143022_" + "x" * 200
+    with _import(tmp_path / "state.db", [sid], title="𠀀" * 100) as store:
+        (name,) = _pages(store, tmp_path / "out")
+    assert len(name.encode()) + len(".") + len(".XXXXXXXX") <= 255
+    assert name.startswith("2025-06-12-𠀀𠀀") and "-20250612_143022_xxx" in name
+
+
+def test_a_page_is_never_written_over_another_sessions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should two sessions' names agree even with the whole digest, the export stops at the
+    second rather than replace the first's page."""
+    from hermes_store import markdown
+
+    monkeypatch.setattr(markdown, "file_name", lambda record, digest=8: "same.md")
+    store = _import(tmp_path / "state.db", ["one", "two"])
+    with store, pytest.raises(InvalidInputError, match="another session's page"):
+        _pages(store, tmp_path / "out")
+    (page,) = (tmp_path / "out").iterdir()
+    text = page.read_text(encoding="utf-8")
+    assert page.name == "same.md" and ("<one>" in text) != ("<two>" in text)

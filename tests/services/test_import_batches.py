@@ -227,3 +227,43 @@ def index_problems(path: Path) -> list[str]:
     """FTS5's integrity check of both indexes."""
     with closing(sqlite3.connect(path, isolation_level=None)) as conn:
         return fulltext.index_damage(conn)
+
+
+@BOTH
+@pytest.mark.parametrize("batch_size", [1, 2, 100])
+def test_titles_held_twice_land_the_same_whatever_the_batch_size(
+    store: SessionDB, batch_size: int
+) -> None:
+    """A title is kept by the first session of the file that has it, later ones are cleared
+    and counted, as when another session of the database holds it; titles compare exactly,
+    as the unique index does ("Plan" and "plan" are two titles). A skipped session (its id
+    already imported) never holds a title."""
+    store.create_session("local", "cli")
+    store.set_session_title("local", "Held")
+    titled = [
+        ("a", "Plan"),
+        ("b", "Plan"),
+        ("c", "plan"),
+        ("d", "Held"),
+        ("a", "Other"),  # skipped: "a" is in
+        ("e", "Other"),
+        ("f", "Plan"),
+        ("g", None),
+    ]
+    records: list[dict[str, Any]] = [
+        {"id": sid, "source": "cli", "started_at": 1.7e9 + n, "title": title, "messages": []}
+        for n, (sid, title) in enumerate(titled)
+    ]
+    report = transfer.import_sessions(store, enumerate(records, 1), batch_size=batch_size)
+    assert (report.sessions, report.sessions_skipped, report.titles_cleared) == (7, 1, 3)
+    stored = {sid: store.get_session_title(sid) for sid in ("a", "b", "c", "d", "e", "f", "g")}
+    assert stored == {
+        "a": "Plan",
+        "b": None,
+        "c": "plan",
+        "d": None,
+        "e": "Other",
+        "f": None,
+        "g": None,
+    }
+    assert store.get_session_title("local") == "Held"
