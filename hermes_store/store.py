@@ -598,8 +598,10 @@ class SessionDB:
         """Add to (or with ``absolute``, set) the counters and costs in one atomic statement.
 
         ``idempotency_key``: an increment sent again with the same key (after a
-        :class:`~hermes_store.errors.WriteOutcomeUnknownError`) adds once in all; an absolute
-        set is idempotent already and records no key."""
+        :class:`~hermes_store.errors.WriteOutcomeUnknownError`) adds once in all (the counts
+        are not compared); a key already used for an append, or for another session's
+        increment, raises :class:`~hermes_store.errors.InvalidInputError`. An absolute set is
+        idempotent already and records no key."""
         # The usual call (a str id, no key, plain ints, no texts) costs no validating call.
         if type(session_id) is not str:
             validate.text("session_id", session_id)

@@ -24,6 +24,7 @@ from hermes_store.repo.statements import (
     Statements,
     WriteKey,
     known_message,
+    known_tokens,
     missing_parent,
     missing_session,
     title_holder,
@@ -120,17 +121,25 @@ def keyed_message(cursor: Any) -> tuple[int | None, str] | None:
 
 
 @functools.cache
-def keyed_tokens_statement() -> sa.Update:
+def keyed_tokens_statement() -> Select[Any]:
     """An incrementing ``update_token_counts`` with an idempotency key as one statement: the
     key is recorded (when the session exists) unless it already is, and the counters move only
     when it was recorded now. A concurrent same-key call waits on the key's unique index
-    entry, then finds it taken and adds nothing: once, whatever the interleaving."""
+    entry, then finds it taken and adds nothing: once, whatever the interleaving.
+
+    Its one row says what happened, so a taken key is told apart from a re-send in the same
+    round trip: ``claimed`` (recorded now), the recorded key's ``session_id`` and
+    ``message_id`` as the statement's snapshot holds them (NULL: not there), and whether the
+    session exists. A key taken by a transaction that committed after the snapshot is in
+    neither: :func:`keyed_tokens_outcome` says to run it again."""
+    key = sa.bindparam("write_key", type_=sa.Text)
+    session_found = sa.exists().where(S.c.id == sa.bindparam("p_sid"))
     record = select(
-        sa.bindparam("write_key", type_=sa.Text),
+        key,
         sa.cast(sa.bindparam("p_sid", type_=sa.Text), sa.Text),
         sa.null(),
         sa.cast(sa.bindparam("key_created_at", type_=Real), Real),
-    ).where(sa.exists().where(S.c.id == sa.bindparam("p_sid")))
+    ).where(session_found)
     claimed = (
         postgresql.insert(K)
         .from_select(["key", "session_id", "message_id", "created_at"], record)
@@ -138,7 +147,47 @@ def keyed_tokens_statement() -> sa.Update:
         .returning(K.c.key)
         .cte("claimed")
     )
-    return token_statement(False).where(sa.exists(select(claimed.c.key))).add_cte(claimed)
+    added = token_statement(False).where(sa.exists(select(claimed.c.key))).cte("added")
+    # One row whatever the key table holds: the key's row joined to a single row.
+    one = select(sa.literal_column("1").label("one")).subquery("one")
+    recorded = K.alias("recorded")
+    return (
+        select(
+            sa.exists(select(claimed.c.key)).label("claimed"),
+            recorded.c.session_id,
+            recorded.c.message_id,
+            session_found.label("session_found"),
+        )
+        .select_from(one.outerjoin(recorded, recorded.c.key == key))
+        .add_cte(claimed)
+        .add_cte(added)
+    )
+
+
+#: What :func:`keyed_tokens_statement`'s row reads as: (claimed, the recorded key's session id
+#: and message id, whether the session exists).
+KeyedTokens = tuple[bool, str | None, int | None, bool]
+
+
+def keyed_tokens_row(cursor: Any) -> KeyedTokens:
+    """The row of :func:`keyed_tokens_statement`, read from a cursor (the driver's, when
+    grouped) or a result."""
+    row = cursor.fetchone()
+    return (bool(row[0]), row[1], row[2], bool(row[3]))
+
+
+def keyed_tokens_outcome(key: WriteKey, found: KeyedTokens) -> bool:
+    """Whether a keyed increment is settled (False: run it again). Recorded now, or for
+    this session's token update (a re-send), or an unknown session: done. Recorded for
+    another write: refused (:func:`known_tokens`). Not recorded though the session exists:
+    a concurrent call committed the key after this statement's snapshot; a rerun sees it."""
+    claimed, session_id, message_id, session_found = found
+    if claimed:
+        return True
+    if session_id is not None:
+        known_tokens(key, session_id, message_id)
+        return True
+    return not session_found
 
 
 def message_id(cursor: Any) -> int:
@@ -254,14 +303,37 @@ class PostgresqlStatements(Statements):
         # an overflow by itself (bigint out of range).
         params = token_params(session_id, counts, texts, *costs)
         if key is not None and not absolute:
-            statement: sa.Update = keyed_tokens_statement()
-            params.update(write_key=key.key, key_created_at=key.created_at)
-        else:
-            statement = token_statement(absolute)
+            self._increment_once(uow, session_id, params, key)
+            return
+        statement = token_statement(absolute)
         uow.run_statement(
             lambda conn: int(conn.execute(statement, params).rowcount),
-            idempotent=absolute or key is not None,
+            idempotent=absolute,
             grouped=pggroup.Grouped(statement, params, session_id, pggroup.rowcount),
+        )
+
+    def _increment_once(
+        self, uow: UnitOfWork, session_id: str, params: dict[str, Any], key: WriteKey
+    ) -> None:
+        """A keyed increment: one statement (:func:`keyed_tokens_statement`), idempotent, so a
+        lost connection is retried; a key recorded for another write raises. Run again only
+        when a concurrent call recorded the key after its snapshot (it waited for that call)."""
+        params.update(write_key=key.key, key_created_at=key.created_at)
+        statement = keyed_tokens_statement()
+
+        def run(conn: Connection) -> KeyedTokens:
+            return keyed_tokens_row(conn.execute(statement, params))
+
+        for _ in range(KEY_RACE_ATTEMPTS):
+            found = uow.run_statement(
+                run,
+                idempotent=True,
+                grouped=pggroup.Grouped(statement, params, session_id, keyed_tokens_row),
+            )
+            if keyed_tokens_outcome(key, found):
+                return
+        raise HermesStoreError(  # only while the key is deleted again and again
+            f"idempotency_key {key.key!r}: no outcome after {KEY_RACE_ATTEMPTS} attempts"
         )
 
     def append_message(

@@ -31,6 +31,7 @@ from hermes_store.repo.statements import (
     bump_params,
     counter_overflow,
     known_message,
+    known_tokens,
     missing_session,
     token_statement,
 )
@@ -256,8 +257,10 @@ class SqliteStatements(Statements):
             driver = conn.connection.driver_connection
             running = lookup_sql
             try:
-                if driver.execute(lookup_sql, lookup).fetchone() is not None:  # type: ignore[union-attr]
-                    return  # this key's increment landed already
+                known = driver.execute(lookup_sql, lookup).fetchone()  # type: ignore[union-attr]
+                if known is not None:  # landed already, or the key names another write
+                    known_tokens(key, known[0], known[1])
+                    return
                 running = sql
                 if driver.execute(sql, values).rowcount == 0:  # type: ignore[union-attr]
                     if guarded:

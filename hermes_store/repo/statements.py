@@ -214,20 +214,40 @@ class WriteKey:
 KEY_LOOKUP = select(K.c.session_id, K.c.message_id).where(K.c.key == sa.bindparam("key"))
 
 
-def known_message(key: WriteKey, session_id: str, message_id: int | None) -> int:
-    """The message id a re-sent append returns: the one its key recorded. A key recorded for
-    another session's write, or for a token update, names another write: refused."""
-    if session_id != key.session_id:
-        raise InvalidInputError(
-            f"idempotency_key {key.key!r} was already used for a write to session "
-            f"{session_id!r}, not {key.session_id!r}: a key names one write"
-        )
+def recorded_write(session_id: str, message_id: int | None) -> str:
+    """What a recorded key names, for an error: its kind and its session."""
     if message_id is None:
-        raise InvalidInputError(
-            f"idempotency_key {key.key!r} was already used for a token update, not an append: "
-            "a key names one write"
-        )
+        return f"a token update of session {echoed(session_id)}"
+    return f"an append to session {echoed(session_id)} (message {message_id})"
+
+
+def reused_key(key: WriteKey, recorded: str, attempted: str) -> InvalidInputError:
+    """The refusal of a key that names another write: both writes, kind and session."""
+    return InvalidInputError(
+        f"idempotency_key {echoed(key.key)} was already used for {recorded}, not for "
+        f"{attempted}: a key names one write"
+    )
+
+
+def known_message(key: WriteKey, session_id: str, message_id: int | None) -> int:
+    """The message id a re-sent append returns: the one its key recorded. The same write is
+    the same key, session and kind; the message's content is not compared (a re-send repeats
+    the call). A key recorded for another session's write, or for a token update, names
+    another write: refused."""
+    if session_id != key.session_id or message_id is None:
+        attempted = f"an append to session {echoed(key.session_id)}"
+        raise reused_key(key, recorded_write(session_id, message_id), attempted)
     return int(message_id)
+
+
+def known_tokens(key: WriteKey, session_id: str, message_id: int | None) -> None:
+    """A re-sent token increment (its key found recorded): adds nothing, it landed already.
+    As for appends, the same write is the same key, session and kind; the counts are not
+    compared. A key recorded for an append, or for another session's token update, names
+    another write: refused, never a silent no-op."""
+    if session_id != key.session_id or message_id is not None:
+        attempted = f"a token update of session {echoed(key.session_id)}"
+        raise reused_key(key, recorded_write(session_id, message_id), attempted)
 
 
 def exists(conn: Connection, session_id: str) -> bool:
@@ -340,7 +360,8 @@ class Statements(abc.ABC):
     ) -> None:
         """Run :func:`token_statement`: ``counts`` in :data:`COUNTERS` order, ``texts`` in
         :data:`TOKEN_TEXTS` order, ``costs`` (estimated, actual), all validated; an increment
-        with ``key`` lands once per key."""
+        with ``key`` lands once per key: a key already recorded for a token update of this
+        session adds nothing, one recorded for anything else raises (:func:`known_tokens`)."""
 
     # -- messages ---------------------------------------------------------------------------
 

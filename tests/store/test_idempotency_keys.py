@@ -5,6 +5,7 @@ original store keeps using a file that holds keys."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,42 @@ def test_a_key_names_one_write(store: SessionDB) -> None:
         store.append_message("a", "user", "x", idempotency_key="t")
     assert store.message_count("a") == 1
     assert store.message_count("b") == 0
+
+
+def test_a_token_key_names_one_write(store: SessionDB) -> None:
+    """A key recorded for another session's token update, or for an append, is refused by a
+    token increment (naming what the key was used for) and adds nothing; a re-send of the
+    same session's increment still adds nothing and raises nothing."""
+    store.create_session("a", "cli")
+    store.create_session("b", "cli")
+    store.update_token_counts("a", input_tokens=5, idempotency_key="turn-1/usage")
+    message = store.append_message("a", "user", "hi", idempotency_key="turn-2")
+    with pytest.raises(InvalidInputError, match="used for a token update of session 'a'"):
+        store.update_token_counts("b", input_tokens=7, idempotency_key="turn-1/usage")
+    appended = re.escape(f"used for an append to session 'a' (message {message})")
+    with pytest.raises(InvalidInputError, match=appended):
+        store.update_token_counts("a", input_tokens=9, idempotency_key="turn-2")
+    with pytest.raises(InvalidInputError, match="used for an append to session 'a'"):
+        store.update_token_counts("b", input_tokens=9, idempotency_key="turn-2")
+    store.update_token_counts("a", input_tokens=5, idempotency_key="turn-1/usage")  # a re-send
+    assert store.get_session("a")["input_tokens"] == 5  # type: ignore[index]
+    assert store.get_session("b")["input_tokens"] == 0  # type: ignore[index]
+    assert key_rows(store) == [("turn-1/usage", "a", None), ("turn-2", "a", message)]
+
+
+def test_a_token_key_names_one_write_inside_a_block(store: SessionDB) -> None:
+    """Inside a block (PostgreSQL runs the same statement on the block's connection): refused,
+    and the block rolls back; a re-send there adds nothing."""
+    store.create_session("a", "cli")
+    store.create_session("b", "cli")
+    store.update_token_counts("a", input_tokens=5, idempotency_key="t")
+    with pytest.raises(InvalidInputError, match="token update of session 'a'"), store.transaction():
+        store.update_token_counts("b", input_tokens=1)
+        store.update_token_counts("b", input_tokens=7, idempotency_key="t")
+    assert store.get_session("b")["input_tokens"] == 0  # type: ignore[index]
+    with store.transaction():
+        store.update_token_counts("a", input_tokens=5, idempotency_key="t")  # a re-send
+    assert store.get_session("a")["input_tokens"] == 5  # type: ignore[index]
 
 
 def test_keyed_append_to_a_missing_session_records_nothing(store: SessionDB) -> None:
@@ -291,4 +328,51 @@ def test_a_same_key_append_in_a_concurrent_block_returns_the_first_id(pg_url: UR
         assert ids["second"] == ids["first"]
         assert [m["id"] for m in db.get_messages("s")] == [ids["first"]]
         assert db.get_session("s")["message_count"] == 1  # type: ignore[index]
+    admin_engine.dispose()
+
+
+def test_a_token_key_taken_by_a_concurrent_block_is_refused(pg_url: URL) -> None:
+    """PostgreSQL: a block records key "t" for session "a"'s increment and holds it; an
+    increment of "b" with "t" waits on the key's index entry, and once the block commits
+    finds it taken by a write its statement's snapshot cannot see: it looks again and is
+    refused, instead of silently adding nothing."""
+    admin_engine = sa.create_engine(pg_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    block_in = threading.Event()
+    let_block_commit = threading.Event()
+    errors: dict[str, BaseException] = {}
+    with SessionDB(url_string(pg_url)) as db, admin_engine.connect() as admin:
+        db.create_session("a", "cli")
+        db.create_session("b", "cli")
+
+        def block() -> None:
+            try:
+                with db.transaction():
+                    db.update_token_counts("a", input_tokens=5, idempotency_key="t")
+                    block_in.set()
+                    assert let_block_commit.wait(timeout=GUARD)
+            except BaseException as error:  # reported below
+                errors["block"] = error
+                block_in.set()
+
+        def other() -> None:
+            try:
+                assert block_in.wait(timeout=GUARD)
+                db.update_token_counts("b", input_tokens=7, idempotency_key="t")
+            except BaseException as error:  # expected: the key names the block's write
+                errors["other"] = error
+
+        workers = [threading.Thread(target=block), threading.Thread(target=other)]
+        for worker in workers:
+            worker.start()
+        try:
+            waiting_writer(admin, besides=0)  # the increment waits on the block's key
+        finally:
+            let_block_commit.set()
+            for worker in workers:
+                worker.join(timeout=GUARD)
+        assert "block" not in errors
+        assert isinstance(errors.get("other"), InvalidInputError)
+        assert "token update of session 'a'" in str(errors["other"])
+        assert db.get_session("a")["input_tokens"] == 5  # type: ignore[index]
+        assert db.get_session("b")["input_tokens"] == 0  # type: ignore[index]
     admin_engine.dispose()
