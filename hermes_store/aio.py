@@ -630,6 +630,15 @@ class AsyncSessionDB:
             def ending(error: BaseException | None) -> Callable[[], object]:
                 return _exit_call(cm, error) if nested else tx.end(error)
 
+            async def end(error: BaseException | None) -> None:
+                if nested and tx.over.is_set():
+                    # The outer block ended first (out of order): its unit is over and its
+                    # thread gone. Ending this block touches no connection (it raises
+                    # TransactionMisuseError, or lets its own error go on): it runs here.
+                    ending(error)()
+                    return
+                await self._must(tx.submit(ending(error)))
+
             try:
                 await tx.run(begin)
             except asyncio.CancelledError as cancelled:
@@ -649,9 +658,9 @@ class AsyncSessionDB:
                     tx.sever()
                 raise
             except BaseException as error:
-                await self._must(tx.submit(ending(error)))
+                await end(error)
                 raise
-            await self._must(tx.submit(ending(None)))
+            await end(None)
         finally:
             if not nested:
                 tx.over.set()

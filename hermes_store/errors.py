@@ -459,8 +459,9 @@ class StoreMisuseError(HermesStoreError):
 class TransactionMisuseError(StoreMisuseError):
     """A transaction was used where it cannot work: from a thread or context other than the
     one that opened it (a generator resumed elsewhere), through a call that would wait for the
-    writer its own thread holds, or after its event loop was closed. A block ended this way is
-    rolled back."""
+    writer its own thread holds, after its event loop was closed, or ended while a nested
+    ``transaction()`` block opened inside it was still open (blocks ended out of order). A
+    block ended this way is rolled back."""
 
 
 class DatabaseAliasError(StoreConfigError):

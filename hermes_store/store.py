@@ -347,7 +347,9 @@ class SessionDB:
         One ``BEGIN IMMEDIATE`` (waiting for another writer is retried: nothing ran yet), one
         commit at the end, everything rolled back on an exception. Calls inside
         ``uow.session()``/``uow.connect()`` join it; a nested block is a SAVEPOINT in it (an
-        exception leaving the nested block rolls back its writes only); other threads' calls
+        exception leaving the nested block rolls back its writes only; blocks end innermost
+        first, else :class:`~hermes_store.TransactionMisuseError` and the whole transaction is
+        rolled back); other threads' calls
         wait for the lock and land after it. The block belongs to the thread that opened it:
         resumed in another one (a generator), it raises
         :class:`~hermes_store.TransactionMisuseError`. The block runs once: a lock met inside

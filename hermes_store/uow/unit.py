@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, NestedTransaction
 from sqlalchemy.sql import ClauseElement
 
 from hermes_store.engine import fastpath
@@ -135,6 +135,18 @@ def _running_task() -> asyncio.Task[Any] | None:
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
+class _Nested:
+    """A nested ``transaction()`` block: its SAVEPOINT, and whether a block it was opened in
+    ended first and rolled it back (``orphaned``: its own exit never touches the connection,
+    which may be another unit's by then)."""
+
+    __slots__ = ("orphaned", "savepoint")
+
+    def __init__(self, savepoint: NestedTransaction) -> None:
+        self.savepoint = savepoint
+        self.orphaned = False
+
+
 class Unit:
     """An open unit: its connection, whether it may write, and who owns it.
 
@@ -145,7 +157,18 @@ class Unit:
     inside a block that thread cannot join); ``closed``: ended, perhaps by another thread.
     """
 
-    __slots__ = ("body_thread", "closed", "conn", "frames", "opener", "owner", "task", "write")
+    __slots__ = (
+        "body_thread",
+        "closed",
+        "conn",
+        "frames",
+        "misnested",
+        "nested",
+        "opener",
+        "owner",
+        "task",
+        "write",
+    )
 
     def __init__(self, conn: Connection, write: bool) -> None:
         self.conn = conn
@@ -153,6 +176,10 @@ class Unit:
         self.owner = self.body_thread = threading.get_ident()
         self.frames: tuple[FrameType, ...] = ()
         self.closed = False
+        #: The nested ``transaction()`` blocks open in it, innermost last (see _savepoint).
+        self.nested: list[_Nested] = []
+        #: One of its blocks ended before a block opened inside it: it never commits.
+        self.misnested = False
         #: A write block's: the thread that opened it (an ident may be reused once it ends).
         self.opener: threading.Thread | None = None
         #: A PostgreSQL write block's: the asyncio task it was opened in, if any.
@@ -375,9 +402,11 @@ class UnitOfWork:
                     yield unit
                 except BaseException as error:
                     self._refuse_foreign_exit(unit, error)
+                    _refuse_misnested(unit, error)
                     raise
                 else:
                     self._refuse_foreign_exit(unit, None)
+                    _refuse_misnested(unit, None)
                 finally:
                     with self._blocks_lock:
                         self._blocks.discard(unit)
@@ -581,6 +610,8 @@ class UnitOfWork:
             if forks != fork.generation:
                 inherited = True
                 raise fork.left_in_child(write)
+            if unit.nested or unit.misnested:  # a run(fn) left a block open: never committed
+                _refuse_misnested(unit, None)
             stage.committing = True
             conn.commit()
         except BaseException as error:
@@ -720,14 +751,17 @@ class UnitOfWork:
         error inside it (a PostgreSQL deadlock, say) rolls it back and raises
         :class:`DatabaseLockedError`. A nested block is a ``SAVEPOINT`` in the outer one: an
         exception leaving it rolls back that block's writes only (then propagates); the outer
-        commit commits the rest.
+        commit commits the rest. Blocks end innermost first: one that ends while a block opened
+        inside it is still open (generators or context managers exited out of order) raises
+        :class:`TransactionMisuseError`, and the whole unit is rolled back (see
+        :func:`_savepoint`).
         """
         joined = self._current.get() is not None
         taking = self.unit(write=True)
         try:
             with taking as unit:
                 if joined:
-                    with _savepoint(unit.conn):
+                    with _savepoint(unit):
                         yield unit.conn
                 else:
                     yield unit.conn
@@ -916,18 +950,105 @@ def _refuse_outside_greenlet() -> None:
         )
 
 
+_MISNESTED = (
+    "blocks must end innermost first (a generator or context manager holding the inner "
+    "block was left suspended, or exited out of order)"
+)
+_NESTED_LEFT_OPEN = (
+    "a nested transaction() block ended while a block opened inside it was still open: "
+    f"{_MISNESTED}; both were rolled back, and the whole transaction will be at its end "
+    "(nothing of it commits)"
+)
+
+
 @contextmanager
-def _savepoint(conn: Connection) -> Iterator[None]:
+def _savepoint(unit: Unit) -> Iterator[None]:
     """A nested ``transaction()`` block: rolled back to its SAVEPOINT when an exception
-    leaves it (the exception goes on), released otherwise."""
-    savepoint = conn.begin_nested()
+    leaves it (the exception goes on), released otherwise.
+
+    Ending a block while one opened inside it is still open is a misuse: the inner blocks
+    and this one are rolled back to this one's savepoint, it raises TransactionMisuseError
+    (chained to its own exception, if any), and the unit is rolled back whole at its end
+    (:func:`_refuse_misnested`): the code is broken and nothing of it was acknowledged. The
+    inner block, ended later, never touches the connection again: a clean exit raises
+    TransactionMisuseError (the writes it meant to keep are gone); an exception leaving it
+    goes on unchanged (what it asked for, its writes undone, happened)."""
+    savepoint = unit.conn.begin_nested()
+    block = _Nested(savepoint)  # an interrupt before the try: an empty savepoint, harmless
     try:
+        unit.nested.append(block)
         yield
-    except BaseException:
+    except BaseException as error:
+        if block.orphaned or unit.closed:
+            raise  # rolled back with the block it was opened in
+        misnested = _end_nested(unit, block)
         if savepoint.is_active:
             savepoint.rollback()
+        if (
+            misnested
+            and isinstance(error, Exception)
+            and not isinstance(error, TransactionMisuseError)
+        ):
+            raise TransactionMisuseError(_NESTED_LEFT_OPEN) from error
         raise
+    if block.orphaned or unit.closed:
+        raise TransactionMisuseError(
+            f"a nested transaction() block ended after the block it was opened in: {_MISNESTED}"
+            "; its writes were rolled back with that block, nothing of them committed"
+        )
+    if _end_nested(unit, block):
+        savepoint.rollback()
+        raise TransactionMisuseError(_NESTED_LEFT_OPEN)
     savepoint.commit()
+
+
+def _end_nested(unit: Unit, block: _Nested) -> bool:
+    """Take ``block`` off the unit's open nested blocks. True when blocks opened inside it are
+    still open: those are orphaned and rolled back (innermost first, as SQLAlchemy keeps
+    them), and the unit marked never to commit."""
+    nested = unit.nested
+    if nested and nested[-1] is block:
+        nested.pop()
+        return False
+    if block not in nested:
+        return False  # an interrupt before it was recorded
+    at = nested.index(block)
+    inside = nested[at + 1 :]
+    del nested[at:]
+    unit.misnested = True
+    for left in inside:
+        left.orphaned = True
+    for left in reversed(inside):
+        if left.savepoint.is_active:
+            left.savepoint.rollback()
+    return True
+
+
+def _refuse_misnested(unit: Unit, error: BaseException | None) -> None:
+    """A write unit ending with a nested block still open, or after one of its blocks ended
+    out of order, is rolled back whole (never committed) and raises TransactionMisuseError;
+    an interrupt or a closed generator goes on unchanged (the unit rolls back all the same)."""
+    if unit.nested:
+        for left in unit.nested:
+            left.orphaned = True
+        unit.nested.clear()
+        unit.misnested = True
+        why = (
+            "a transaction ended while a nested transaction() block opened inside it was still "
+            f"open: {_MISNESTED}; the whole transaction was rolled back, nothing of it committed"
+        )
+    elif unit.misnested:
+        why = (
+            "a nested transaction() block in this transaction ended while a block opened "
+            f"inside it was still open: {_MISNESTED}; the whole transaction was rolled back, "
+            "nothing of it committed"
+        )
+    else:
+        return
+    if error is None or (
+        isinstance(error, Exception) and not isinstance(error, TransactionMisuseError)
+    ):
+        raise TransactionMisuseError(why) from error
 
 
 def _is_readonly_refusal(error: BaseException) -> bool:

@@ -8,7 +8,8 @@ lock (another process writes afterwards); AsyncSessionDB's sync store on Postgre
 ``run_sync`` says what to do instead of MissingGreenlet; a write through a second store on the
 same PostgreSQL database from the thread running another store's open block is refused (it
 cannot join the block, and waited for its row forever). A nested ``transaction()`` is a
-SAVEPOINT. Folders the package creates are owner-only whatever the umask.
+SAVEPOINT; blocks ended out of order (an outer one before a nested one still open inside it)
+commit nothing and say so. Folders the package creates are owner-only whatever the umask.
 
 The would-be hangs run in a thread joined with a generous timeout: a regression fails.
 """
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ from hermes_store import (
 )
 from hermes_store.cli import cli
 from hermes_store.engine.factory import to_url
-from tests.support.backends import url_string
+from tests.support.backends import is_sqlite, url_string
 
 #: A deadlock guard only: the calls under test answer at once.
 STUCK = 60.0
@@ -501,6 +504,232 @@ def test_a_nested_async_block_that_raises_rolls_back_only_itself(db_url: URL) ->
     _result, error = _outcome(lambda: asyncio.run(scenario()))
     assert error is None, error
     assert _messages(db_url) == ["outer", "outer after"]
+
+
+def _lock_is_free(url: URL) -> bool:
+    """No one holds the database's write lock: on SQLite a foreign connection takes it at
+    once (PostgreSQL has no such lock: True)."""
+    if not is_sqlite(url):
+        return True
+    conn = sqlite3.connect(to_url(url).database or "", timeout=0, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()
+
+
+def _opened_in_order(db: SessionDB, later: str) -> tuple[Iterator[None], Iterator[None]]:
+    """The brief's case: two generators, the second's block nested in the first's."""
+
+    def outer() -> Iterator[None]:
+        with db.transaction():
+            db.append_message("s", "user", "outer")
+            yield
+
+    def inner() -> Iterator[None]:
+        with db.transaction():  # a SAVEPOINT in outer's block
+            db.append_message("s", "user", "inner draft")
+            db.create_session("inner-only", "cli")
+            yield
+            if later == "raises":
+                raise ValueError("take the draft back")
+
+    g1, g2 = outer(), inner()
+    next(g1)
+    next(g2)
+    return g1, g2
+
+
+@pytest.mark.parametrize("later", ["raises", "exits cleanly"])
+def test_an_outer_block_ended_before_its_nested_one_commits_nothing(
+    db_url: URL, later: str
+) -> None:
+    """Before: the outer block committed the nested block's writes with its own, even those of
+    a nested block that then raised (or whose clean exit raised SQLAlchemy's "This nested
+    transaction is inactive")."""
+    db = SessionDB(url_string(db_url))  # closed only on success: a hang must not hang teardown
+    db.create_session("s", "cli")
+    g1, g2 = _opened_in_order(db, later)
+    with pytest.raises(TransactionMisuseError, match="innermost first"):
+        next(g1, None)  # the outer block ends first: the whole unit is rolled back
+    assert _messages(db_url) == [] and _sessions(db_url) == ["s"]
+    assert db.uow.current() is None and _lock_is_free(db_url)
+    if later == "raises":  # what the nested block asked for happened: its error goes on
+        with pytest.raises(ValueError, match="take the draft back") as raised:
+            next(g2, None)
+        assert type(raised.value) is ValueError
+    else:  # the writes it meant to keep are gone
+        with pytest.raises(TransactionMisuseError, match="after the block it was opened in"):
+            next(g2, None)
+    assert _messages(db_url) == [] and _sessions(db_url) == ["s"]
+    # Nothing left open or held: a new block, another store, a foreign connection all write.
+    assert db.uow.current() is None and _lock_is_free(db_url)
+    with db.transaction(), db.transaction():  # nested, as ever
+        db.append_message("s", "user", "later block")
+    with SessionDB(url_string(db_url)) as other:
+        _result, error = _outcome(lambda: other.append_message("s", "user", "other store"))
+    assert error is None, error
+    assert _messages(db_url) == ["later block", "other store"]
+    assert _lock_is_free(db_url)
+    db.close()
+
+
+@pytest.mark.parametrize("later", ["raises", "exits cleanly"])
+def test_async_blocks_ended_out_of_order_commit_nothing_and_never_hang(
+    db_url: URL, later: str
+) -> None:
+    """``AsyncSessionDB``: the inner block's later exit went to the outer block's thread,
+    gone with the outer block, and waited for it forever. It now ends where it is, as the
+    sync block does."""
+    url = url_string(db_url)
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        adb = AsyncSessionDB(url)
+        try:
+            await adb.create_session("s", "cli")
+
+            async def outer() -> AsyncIterator[None]:
+                async with adb.transaction():
+                    await adb.append_message("s", "user", "outer")
+                    yield
+
+            async def inner() -> AsyncIterator[None]:
+                async with adb.transaction():
+                    await adb.append_message("s", "user", "inner draft")
+                    yield
+                    if later == "raises":
+                        raise ValueError("take the draft back")
+
+            g1, g2 = outer(), inner()
+            await anext(g1)
+            await anext(g2)
+            ended: list[BaseException | None] = []
+            for gen in (g1, g2):
+                try:
+                    await anext(gen, None)
+                except Exception as error:  # each told apart below
+                    ended.append(error)
+                else:
+                    ended.append(None)
+            await adb.append_message("s", "user", "after")
+            return ended[0], ended[1]
+        finally:
+            await adb.close()
+
+    result, error = _outcome(lambda: asyncio.run(scenario()))
+    assert error is None, error
+    first, second = result
+    assert isinstance(first, TransactionMisuseError), first
+    if later == "raises":
+        assert type(second) is ValueError, second
+    else:
+        assert isinstance(second, TransactionMisuseError), second
+    assert _messages(db_url) == ["after"]
+
+
+def test_a_connect_block_ended_before_its_nested_transaction_commits_nothing(
+    db_url: URL,
+) -> None:
+    db = SessionDB(url_string(db_url))
+    db.create_session("s", "cli")
+
+    def outer() -> Iterator[None]:
+        with db.uow.connect():
+            db.append_message("s", "user", "outer")
+            yield
+
+    g1 = outer()
+    next(g1)
+    block = db.transaction()
+    block.__enter__()
+    db.append_message("s", "user", "inner")
+    with pytest.raises(TransactionMisuseError, match="innermost first"):
+        next(g1, None)
+    with pytest.raises(TransactionMisuseError, match="after the block it was opened in"):
+        block.__exit__(None, None, None)
+    assert _messages(db_url) == [] and _lock_is_free(db_url)
+    db.append_message("s", "user", "after")
+    assert _messages(db_url) == ["after"]
+    db.close()
+
+
+def test_a_run_unit_that_returns_with_a_nested_block_open_commits_nothing(db_url: URL) -> None:
+    db = SessionDB(url_string(db_url))
+    db.create_session("s", "cli")
+    left_open: list[AbstractContextManager[Any]] = []
+
+    def unit(_conn: sa.Connection) -> None:
+        db.append_message("s", "user", "in the unit")
+        left_open.append(block := db.transaction())
+        block.__enter__()
+        db.append_message("s", "user", "in the nested block")
+
+    with pytest.raises(TransactionMisuseError, match="innermost first"):
+        db.uow.run(unit)
+    with pytest.raises(TransactionMisuseError, match="after the block it was opened in"):
+        left_open[0].__exit__(None, None, None)
+    assert _messages(db_url) == [] and _lock_is_free(db_url)
+    db.append_message("s", "user", "after")
+    assert _messages(db_url) == ["after"]
+    db.close()
+
+
+def test_a_nested_block_ended_before_one_inside_it_fails_the_whole_transaction(
+    db_url: URL,
+) -> None:
+    """Three levels: the middle block ends first. It raises at once (both rolled back to its
+    savepoint, SQLAlchemy's bookkeeping kept in order), and the outer block, even when it
+    caught that and went on, commits nothing: the code is broken."""
+    db = SessionDB(url_string(db_url))
+    db.create_session("s", "cli")
+
+    def block(content: str) -> Iterator[None]:
+        with db.transaction():
+            db.append_message("s", "user", content)
+            yield
+
+    with pytest.raises(TransactionMisuseError, match="a nested transaction"), db.transaction():
+        db.append_message("s", "user", "outer")
+        middle, inner = block("middle"), block("inner")
+        next(middle)
+        next(inner)
+        with pytest.raises(TransactionMisuseError, match="innermost first"):
+            next(middle, None)
+        with pytest.raises(TransactionMisuseError, match="after the block it was opened"):
+            next(inner, None)
+        with db.transaction():  # the unit still works, but will not commit
+            db.append_message("s", "user", "nested after")
+        db.append_message("s", "user", "outer after")
+    assert _messages(db_url) == [] and _lock_is_free(db_url)
+    db.append_message("s", "user", "after")
+    assert _messages(db_url) == ["after"]
+    db.close()
+
+
+def test_blocks_of_generators_ended_innermost_first_commit_as_before(db_url: URL) -> None:
+    """The same generators, ended in order: the nested block is a savepoint as ever."""
+    with SessionDB(url_string(db_url)) as db:
+        db.create_session("s", "cli")
+        for later in ("exits cleanly", "raises"):
+            g1, g2 = _opened_in_order(db, later)
+            if later == "raises":
+                with pytest.raises(ValueError, match="take the draft back"):
+                    next(g2, None)
+            else:
+                next(g2, None)
+            next(g1, None)
+        assert _messages(db_url) == ["outer", "inner draft", "outer"]
+        assert _sessions(db_url) == ["inner-only", "s"]
+        with ExitStack() as stack:  # an ExitStack ends them innermost first
+            stack.enter_context(db.transaction())
+            db.append_message("s", "user", "stack outer")
+            stack.enter_context(db.transaction())
+            db.append_message("s", "user", "stack inner")
+        assert _messages(db_url)[-2:] == ["stack outer", "stack inner"]
 
 
 # -- folders the package creates are owner-only ------------------------------------------------
