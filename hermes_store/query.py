@@ -23,9 +23,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
+from hermes_store.echo import echoed
 from hermes_store.engine import files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url, unreadable_in_wal
 from hermes_store.errors import InvalidInputError, NotADatabaseError, mapped_errors
+from hermes_store.validate import INT64_MAX, INT64_MIN
 
 __all__ = ["QueryResult", "read_only_query"]
 
@@ -58,15 +60,56 @@ def read_only_query(
     max_rows: int | None = None,
 ) -> QueryResult:
     """Run one statement that may only read, with ``:name`` parameters bound by the driver."""
-    if not isinstance(sql, str) or not sql.strip():
+    if not isinstance(sql, str):
+        raise InvalidInputError(f"the query must be a string, not {type(sql).__name__}")
+    if not sql.strip():
         raise InvalidInputError("the query is empty")
-    if max_rows is not None and (isinstance(max_rows, bool) or max_rows < 1):
+    _check_text("the query", sql)
+    if max_rows is not None and (
+        not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1
+    ):
         raise InvalidInputError("max_rows must be a whole number >= 1")
+    bound = _checked_params(params)
     url = to_url(target)
     path = sqlite_file(url)
     if path is not None:
-        return _on_sqlite(path, sql, dict(params or {}), max_rows)
-    return _on_server(url, sql, dict(params or {}), max_rows)
+        return _on_sqlite(path, sql, bound, max_rows)
+    return _on_server(url, sql, bound, max_rows)
+
+
+def _check_text(what: str, text: str) -> None:
+    """Text no driver can send as UTF-8 (a lone surrogate: a command-line argument's byte
+    that is not UTF-8) is the argument's fault, said before anything runs."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidInputError(f"{what} is not valid Unicode text: {error.reason}") from None
+
+
+def _checked_params(params: object) -> dict[str, Any]:
+    """The parameters as a dict, refused here (not as the driver's TypeError, OverflowError
+    or UnicodeEncodeError) when they are no mapping of names, when a text value cannot be
+    sent as UTF-8, or when an integer is beyond the 64-bit range SQLite binds."""
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise InvalidInputError(
+            f"the parameters must be a mapping of names to values, not {type(params).__name__}"
+        )
+    bound: dict[str, Any] = {}
+    for name, value in params.items():
+        if not isinstance(name, str):
+            raise InvalidInputError(f"parameter names must be strings, not {echoed(name)}")
+        _check_text(f"the parameter name {echoed(name)}", name)
+        if isinstance(value, str):
+            _check_text(f"parameter {echoed(name)}", value)
+        elif isinstance(value, int) and not INT64_MIN <= int.__index__(value) <= INT64_MAX:
+            raise InvalidInputError(
+                f"parameter {echoed(name)} must be within the 64-bit range ({INT64_MIN} to "
+                f"{INT64_MAX}), not {echoed(value)}"
+            )
+        bound[name] = value
+    return bound
 
 
 def _refused(error: sqlite3.Error | sa.exc.DBAPIError) -> InvalidInputError | None:

@@ -22,14 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote_plus, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit, urlunsplit
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection, Engine, ExceptionContext, make_url
-from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import ConnectionPoolEntry, SingletonThreadPool
 
+from hermes_store.echo import echoed
 from hermes_store.engine import files
 from hermes_store.engine import placement as placement_mod
 from hermes_store.engine.placement import Placement
@@ -111,8 +112,26 @@ Target = str | os.PathLike[str] | URL | Engine
 def default_db_path() -> Path:
     """``$HERMES_HOME/state.db``, else ``~/.hermes/state.db`` (resolved now, not at import)."""
     home = os.environ.get("HERMES_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".hermes"
+    if home:
+        base = expand_home(home, "the HERMES_HOME folder")
+    else:
+        base = expand_home("~/.hermes", "the default folder (set HERMES_HOME instead)")
     return base / "state.db"
+
+
+def expand_home(given: str | os.PathLike[str], what: str) -> Path:
+    """``given`` with a leading ``~`` or ``~user`` expanded. Python raises a bare
+    ``RuntimeError`` when it cannot tell that home folder (no such user, no ``$HOME``): a path
+    given wrongly, so it is refused as one."""
+    path = Path(os.fspath(given))
+    try:
+        return path.expanduser()
+    except RuntimeError:
+        first = path.parts[0] if path.parts else str(path)
+        raise InvalidInputError(
+            f"{what} {echoed(str(path))} starts with {echoed(first)}, whose home folder "
+            "cannot be found (no such user, or no $HOME): give the folder itself"
+        ) from None
 
 
 def url_from_environment() -> URL:
@@ -126,6 +145,74 @@ def url_from_environment() -> URL:
 _SQLITE_DIALECT_ARGUMENTS = frozenset(
     {"timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements", "uri"}
 )
+
+
+#: SQLite URI parameters that SQLite checks as it opens the file, with the values it takes: a
+#: value it does not take would fail only at the first connection (a store's first write).
+_SQLITE_URI_VALUES = {"mode": ("ro", "rw", "rwc", "memory"), "cache": ("shared", "private")}
+#: The VFS that locks nothing: the store's safety across processes rests on SQLite's locks.
+_LOCKLESS_VFS = "unix-none"
+
+
+def sqlite_uri_parameters(url: URL) -> list[tuple[str, str]]:
+    """The SQLite URI parameters of a SQLite URL: those in its query (not the driver's, which
+    SQLAlchemy keeps) and those written into the ``file:`` name itself (``%3F``)."""
+    found = files.uri_parameters(url.database or "")
+    for key, values in url.query.items():
+        if key not in _SQLITE_DIALECT_ARGUMENTS:
+            found.extend(
+                (key, value) for value in ((values,) if isinstance(values, str) else values)
+            )
+    return found
+
+
+def _sqlite_true(value: str) -> bool:
+    """A URI boolean as SQLite reads it (``sqlite3_uri_boolean``)."""
+    text = value.strip().lower()
+    if text.lstrip("-").isdigit():
+        return int(text) != 0
+    return text in ("yes", "true", "on")
+
+
+def _check_vfs(name: str) -> None:
+    """SQLite looks a URI's VFS up only as it opens the file (a store's first write, once the
+    store had opened): looked up here on an in-memory database, which opens no file."""
+    try:
+        sqlite3.connect(f"file:vfs-probe?mode=memory&vfs={quote(name, safe='')}", uri=True).close()
+    except sqlite3.Error as error:
+        raise InvalidInputError(f"the SQLite URI's vfs={echoed(name)}: {error}") from None
+
+
+def _check_sqlite_database(url: URL) -> None:
+    """Refuse, before anything is opened, a SQLite URL whose file the store would not find as
+    SQLite opens it (a decoded NUL, see :func:`files.uri_file_name`), whose URI parameters
+    SQLite would refuse only when it connects, or that switches SQLite's locking off (the
+    store's safety across processes rests on it)."""
+    if "\x00" in (url.database or ""):  # make_url decodes %00
+        raise InvalidInputError(
+            "the database path holds a NUL character (%00): no file has such a name"
+        )
+    sqlite_file(url)  # decodes a file: URI's name, refusing what would name another file
+    if "uri" not in url.query:  # not a SQLite URI: see _refuse_ignored_sqlite_arguments
+        return
+    given = sqlite_uri_parameters(url)
+    for key, value in given:
+        if (key == "nolock" and _sqlite_true(value)) or (key == "vfs" and value == _LOCKLESS_VFS):
+            raise InvalidInputError(
+                f"the SQLite URI's {key}={value} is refused: it switches SQLite's locks off, "
+                "and processes share a store's file safely only through them"
+            )
+        if key == "vfs":
+            _check_vfs(value)
+        choices = _SQLITE_URI_VALUES.get(key)
+        if choices is not None and value not in choices:
+            raise InvalidInputError(
+                f"the SQLite URI's {key}={echoed(value)} is not one SQLite takes "
+                f"({', '.join(choices)})"
+            )
+    for key in ("vfs", *_SQLITE_URI_VALUES):
+        if sum(name == key for name, _ in given) > 1:
+            raise InvalidInputError(f"the SQLite URI gives {key}= more than once")
 
 
 def _refuse_ignored_sqlite_arguments(url: URL) -> None:
@@ -165,7 +252,9 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
                 "give a URL instead, postgresql://USER@HOST:PORT/DBNAME (several hosts: "
                 "postgresql://USER@/DBNAME?host=a:5432&host=b:5432&target_session_attrs=read-write)"
             )
-        path = Path(os.fspath(target)).expanduser().resolve()
+        if "\x00" in os.fspath(target):
+            raise InvalidInputError("the database path holds a NUL character")
+        path = expand_home(target, "the database path").resolve()
         files.refuse_undecodable(str(path), "the database path")  # a symlink may lead there too
         if len(os.fsencode(path)) > MAX_PATH_BYTES:
             raise InvalidInputError(
@@ -177,6 +266,7 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
     if url.get_backend_name() == "sqlite" and url.database:
         files.refuse_undecodable(url.database, "the database path")
         _refuse_ignored_sqlite_arguments(url)
+        _check_sqlite_database(url)
     if url.get_backend_name() != "sqlite":
         _check_ports(url)
     if url.drivername in ("postgresql", "postgres"):
@@ -273,14 +363,20 @@ def _hosts_in_query(text: str) -> str:
 
 
 def sqlite_file(url: URL) -> Path | None:
-    """The file behind a SQLite URL, or None for other backends and in-memory databases."""
+    """The file behind a SQLite URL, or None for other backends and in-memory databases (as
+    ``:memory:``, a URI's ``mode=memory`` or ``vfs=memdb`` and its empty name, SQLite's private
+    temporary database: each connection gets a database of its own, so none holds a store)."""
     if url.get_backend_name() != "sqlite":
         return None
     database = url.database or ""
     if database in ("", ":memory:") or database.startswith("file::memory:"):
         return None
     if database.startswith("file:"):
-        return files.path_from_uri(database)
+        name = files.uri_file_name(database)
+        given = sqlite_uri_parameters(url)
+        if name in ("", ":memory:") or ("mode", "memory") in given or ("vfs", "memdb") in given:
+            return None
+        return Path(name)
     return Path(database)
 
 
@@ -398,6 +494,10 @@ def create_engine(
             # One connection per busy thread; SQLite connections are cheap to keep.
             engine_kwargs.setdefault("pool_size", 8)
             engine_kwargs.setdefault("max_overflow", 32)
+        elif path is None and "creator" not in engine_kwargs:
+            # No file (:memory:, mode=memory, an empty name): one connection per thread, as
+            # SQLAlchemy picks for :memory: (for mode=memory it warns that it will not).
+            engine_kwargs.setdefault("poolclass", SingletonThreadPool)
         engine = sa.create_engine(url, **engine_kwargs)
         install_sqlite_hooks(
             engine,
@@ -434,7 +534,7 @@ def refuse_sqlite_aliases(url: URL, given: Target | None) -> None:
         return
     plain = None
     if isinstance(given, str | os.PathLike) and "://" not in str(given):
-        plain = Path(os.fspath(given)).expanduser()
+        plain = expand_home(given, "the database path")
     files.refuse_aliases(path, plain)
 
 

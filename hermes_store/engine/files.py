@@ -21,7 +21,7 @@ import sqlite3
 import stat
 import time
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, unquote_to_bytes
 
 from sqlalchemy.engine import URL
 
@@ -90,13 +90,52 @@ def connect_sqlite(
 
 
 def path_from_uri(database: str) -> Path:
-    """The file a ``file:`` URI names, decoded the way SQLite decodes it."""
+    """The file a ``file:`` URI names, decoded the way SQLite decodes it (see
+    :func:`uri_file_name`)."""
+    return Path(uri_file_name(database))
+
+
+def uri_file_name(database: str) -> str:
+    """The file name a ``file:`` URI holds, decoded the way SQLite decodes it (``""`` or
+    ``":memory:"``: no file). A URI that SQLite would open as another file than the one
+    decoded here is refused: an authority other than none or ``localhost`` (SQLite refuses it
+    at connect), a ``%00`` (SQLite cuts the name there; ``stat`` refuses it) and escapes that
+    decode to bytes which are not UTF-8 (decoded here, they would name another file)."""
     rest = database[len("file:") :]
     if rest.startswith("//"):  # an authority (empty or ``localhost`` on Unix) before the path
-        rest = "/" + rest[2:].partition("/")[2]
+        authority, _, path = rest[2:].partition("/")
+        if authority not in ("", "localhost"):
+            raise InvalidInputError(
+                f"the SQLite URI names the host {authority!r}: SQLite opens only local files "
+                "(file:/path, file:///path or file://localhost/path)"
+            )
+        rest = "/" + path
     for stop in ("?", "#"):
         rest = rest.split(stop, 1)[0]
-    return Path(unquote(rest))
+    raw = unquote_to_bytes(rest)
+    if b"\x00" in raw:
+        raise InvalidInputError(
+            "the database path holds a NUL character (%00): no file has such a name"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInputError(
+            "the database path's %-escapes are not valid UTF-8; rename the folder (or file) so "
+            "that its name is UTF-8: the store opens database paths as UTF-8 URIs"
+        ) from None
+
+
+def uri_parameters(database: str) -> list[tuple[str, str]]:
+    """The parameters written into a ``file:`` URI's own text (``file:x.db?mode=ro``, what a
+    ``%3F`` in a SQLAlchemy URL leaves there), decoded as SQLite decodes them."""
+    query = database.split("#", 1)[0].partition("?")[2]
+    found: list[tuple[str, str]] = []
+    for item in query.split("&"):
+        if item:
+            key, _, value = item.partition("=")
+            found.append((unquote(key), unquote(value)))
+    return found
 
 
 def sidecars(path: Path) -> list[Path]:

@@ -39,6 +39,7 @@ from hermes_store.engine import files
 from hermes_store.engine.factory import (
     Target,
     create_private_file,
+    expand_home,
     sqlite_file,
     to_url,
     unreadable_in_wal,
@@ -170,7 +171,7 @@ def backup(
         os.fsencode(raw)
     except UnicodeEncodeError:  # a lone surrogate: no file system can hold that name
         raise InvalidInputError("destination is not a valid file name") from None
-    target = Path(raw).expanduser()
+    target = expand_home(raw, "destination")
     if _is_database_or_sidecar(target, source):
         raise InvalidInputError(f"refusing to back up onto the database itself ({target})")
     if target.is_dir():
@@ -417,7 +418,7 @@ def restore(
     the copy is one transaction, so the live database keeps its content.
     """
     live = _live_file(engine, "restore")
-    source = Path(os.fspath(snapshot)).expanduser()
+    source = expand_home(snapshot, "snapshot")
     if not source.is_file():
         raise InvalidInputError(f"there is no snapshot file at {source}")
     if _is_database_or_sidecar(source, live):

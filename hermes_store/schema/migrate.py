@@ -56,11 +56,13 @@ from hermes_store.errors import (
     NotADatabaseError,
     SchemaBehindError,
     SchemaTooNewError,
+    StoreConfigError,
     UnrecognizedSchemaError,
     UnsafePathError,
     is_retryable,
     mapped_errors,
     open_errors,
+    translate,
 )
 from hermes_store.schema import ddl, fulltext, revisions
 from hermes_store.tables import write_keys_table
@@ -703,12 +705,27 @@ def upgrade(
     from alembic import command
 
     revision = resolve_revision(revision)
-    with migration_connection(target, retry=retry) as conn:
+    with _connect_refusals(), migration_connection(target, retry=retry) as conn:
         command.upgrade(alembic_config(conn), revision)
         reached = _current_revision(conn)
         if reached == head_revision():
             repair_at_head(conn)
         return reached
+
+
+@contextmanager
+def _connect_refusals() -> Iterator[None]:
+    """A driver error raised while connecting (no statement was sent) that the package has no
+    name for is a target the driver refuses as configured (psycopg's "invalid connection
+    option" for an unknown URL parameter): :class:`StoreConfigError`, not the raw error."""
+    try:
+        yield
+    except sa.exc.DBAPIError as error:
+        if error.statement is not None or translate(error) is not None or is_retryable(error):
+            raise
+        raise StoreConfigError(
+            f"the database cannot be opened as configured: {error.orig}"
+        ) from error
 
 
 @dataclass(frozen=True)

@@ -422,3 +422,57 @@ def test_doctor_budget_and_stats_days_out_of_range_are_usage_errors(
     assert done.exit_code == 2 and "1<=x<=100000" in done.stderr, done.output
     assert run(runner, path, "stats", "--days", "100000").exit_code == 0
     assert run(runner, path, "doctor", "--budget", "0").exit_code == 0
+
+
+def test_a_database_target_that_cannot_be_opened_is_one_line_with_its_exit_code(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``~user`` with no home folder, a ``%00`` in a URL, a SQLite URI parameter the store
+    refuses: each raised a raw traceback (RuntimeError, ValueError, OperationalError) and
+    exit 1. A usage error now (exit 2, one line naming --db or HERMES_HOME), nothing created;
+    an in-memory URI is refused as ``sqlite:///:memory:`` is (exit 3)."""
+    monkeypatch.chdir(tmp_path)
+    commands = (("stats",), ("db", "current"), ("db", "upgrade"), ("doctor",))
+    for db, reason in (
+        ("~hermes-no-such-user-4f1c/x.db", "whose home folder cannot be found"),
+        ("sqlite:///%00x", "NUL character"),
+        ("sqlite:///file:%2500x?uri=true", "NUL character"),
+        (f"sqlite:///file:{tmp_path}/u.db?vfs=nosuch&uri=true", "no such vfs: nosuch"),
+        (f"sqlite:///file:{tmp_path}/u.db?mode=bogus&uri=true", "mode='bogus' is not one"),
+    ):
+        for args in commands:
+            done = run(runner, db, *args)
+            assert done.exit_code == 2, (db, args, done.output, done.exception)
+            [line] = done.stderr.splitlines()
+            assert line.startswith("Error: --db: ") and reason in line, line
+    done = runner.invoke(cli, ["stats"], env={"HERMES_HOME": "~hermes-no-such-user-4f1c/h"})
+    assert done.exit_code == 2, (done.output, done.exception)
+    assert done.stderr.startswith("Error: HERMES_HOME: ") and "home folder" in done.stderr
+    for memory in ("sqlite:///:memory:", "sqlite:///file:x.db?mode=memory&uri=true"):
+        done = run(runner, memory, "stats")
+        assert done.exit_code == 3, (memory, done.output, done.exception)
+        assert done.stderr.startswith("Error: an in-memory SQLite database cannot hold a store")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_query_text_that_is_not_utf8_is_refused_as_other_commands_refuse_it(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """An argument whose bytes are not UTF-8 reaches Python as lone surrogates: ``query``
+    raised a raw UnicodeEncodeError from its SQL or a ``-p`` value. Refused as every command
+    refuses such text ("not valid Unicode", exit 1), before anything runs."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("s", "cli")
+    undecodable = os.fsdecode(b"\xff")
+    for args, named in (
+        (("query", "SELECT :a", "-p", f"a={undecodable}"), "parameter 'a'"),
+        (("query", f"SELECT '{undecodable}'"), "the query"),
+        (("query", "SELECT 1", "-p", f"{undecodable}=1"), "the parameter name"),
+        (("sessions", "list", "--source", undecodable), "a text argument"),  # as before
+    ):
+        done = run(runner, path, *args)
+        assert done.exit_code == 1, (args, done.output, done.exception)
+        [line] = done.stderr.splitlines()
+        assert line.startswith(f"Error: {named}") and "not valid Unicode" in line, line
+    assert run(runner, path, "query", "SELECT :a", "-p", "a=ü").exit_code == 0

@@ -136,3 +136,146 @@ def test_a_path_that_is_not_utf8_is_refused_before_anything_is_created(
         with pytest.raises(InvalidInputError, match=refused):
             migrate.upgrade(given)
     assert list(folder.iterdir()) == []
+
+
+#: A user no system here has: ``~`` followed by it names no home folder.
+NO_SUCH_USER = "~hermes-no-such-user-4f1c"
+
+
+def test_a_home_folder_that_cannot_be_found_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~nosuchuser/x.db`` raised Python's bare ``RuntimeError: Could not determine home
+    directory`` from the engine factory; now the package's InvalidInputError, before anything
+    is created, whether the path or HERMES_HOME says it."""
+    from hermes_store.query import read_only_query
+
+    monkeypatch.chdir(tmp_path)
+    given = f"{NO_SUCH_USER}/state.db"
+    refused = f"'{NO_SUCH_USER}', whose home folder cannot be found"
+    for attempt in (
+        lambda: SessionDB(given),
+        lambda: SessionDB(Path(given)),
+        lambda: migrate.upgrade(given),
+        lambda: read_only_query(given, "SELECT 1"),
+        lambda: to_url(given),
+    ):
+        with pytest.raises(InvalidInputError, match=refused):
+            attempt()
+    monkeypatch.setenv("HERMES_HOME", f"{NO_SUCH_USER}/hermes")
+    with pytest.raises(InvalidInputError, match=refused):
+        SessionDB()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///%00x",
+        "sqlite:////tmp/a%00b.db",
+        "sqlite:///file:%2500x?uri=true",
+        "sqlite:///file:/tmp/a%2500b.db?mode=ro&uri=true",
+    ],
+)
+def test_a_nul_decoded_from_a_url_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    """``%00`` decodes to a NUL that no file name holds: ``path.stat()`` raised a raw
+    ``ValueError: embedded null byte`` (SQLite itself cuts the name there, opening another
+    file). Refused wherever a URL's path is decoded, before anything is created."""
+    from hermes_store.query import read_only_query
+
+    monkeypatch.chdir(tmp_path)
+    for attempt in (
+        lambda: to_url(url),
+        lambda: SessionDB(url),
+        lambda: migrate.upgrade(url),
+        lambda: migrate.current(url),
+        lambda: migrate.state_of(url),
+        lambda: read_only_query(url, "SELECT 1"),
+    ):
+        with pytest.raises(InvalidInputError, match="NUL character"):
+            attempt()
+    with pytest.raises(InvalidInputError, match="NUL character"):
+        path_from_uri("file:/tmp/a%00b.db")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_uri_sqlite_would_open_as_another_file_is_refused(tmp_path: Path) -> None:
+    """A host in the URI (SQLite refuses it when it connects, after the store had looked at
+    the path without it) and escapes that are not UTF-8 (decoded here as U+FFFD, by SQLite as
+    the bytes) name another file than SQLite opens: refused before anything is opened."""
+    with pytest.raises(InvalidInputError, match="names the host 'elsewhere'"):
+        SessionDB(f"sqlite:///file://elsewhere{tmp_path}/state.db?uri=true")
+    with pytest.raises(InvalidInputError, match="not valid UTF-8"):
+        path_from_uri(f"file:{tmp_path}/b%FFd.db")
+    with pytest.raises(InvalidInputError, match="not valid UTF-8"):
+        SessionDB(f"sqlite:///file:{tmp_path}/b%25FFd.db?uri=true")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///file:x.db?mode=memory&uri=true",
+        "sqlite:///file:x.db?mode=memory&cache=shared&uri=true",
+        "sqlite:///file:x.db%3Fmode=memory?uri=true",
+        "sqlite:///file:%253Amemory%253A?uri=true",
+        "sqlite:///file:?uri=true",
+        "sqlite:///file:/x.db?vfs=memdb&uri=true",
+    ],
+)
+def test_an_in_memory_uri_is_refused_as_memory_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    """``mode=memory`` was taken for the file ``x.db``: the store asked for a file's pool
+    and SQLAlchemy's in-memory pool raised ``TypeError: Invalid argument(s) 'max_overflow'``.
+    Such a URI (and an empty name: SQLite's private temporary database) has no file, like
+    ``:memory:``, and the store refuses it as it refuses ``:memory:``."""
+    import hermes_store
+
+    monkeypatch.chdir(tmp_path)
+    assert sqlite_file(to_url(url)) is None
+    with pytest.raises(hermes_store.StoreConfigError, match="in-memory SQLite database"):
+        SessionDB(url)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("query", "refused"),
+    [
+        ("vfs=nosuch", "vfs='nosuch': no such vfs: nosuch"),
+        ("mode=rox", "mode='rox' is not one SQLite takes"),
+        ("cache=bogus", "cache='bogus' is not one SQLite takes"),
+        ("mode=ro&mode=rw", "mode= more than once"),
+        ("vfs=unix-none", "vfs=unix-none is refused: it switches SQLite's locks off"),
+        ("nolock=1", "nolock=1 is refused: it switches SQLite's locks off"),
+        ("nolock=yes", "nolock=yes is refused"),
+    ],
+)
+def test_sqlite_uri_parameters_sqlite_refuses_or_the_store_cannot_keep_are_refused(
+    tmp_path: Path, query: str, refused: str
+) -> None:
+    """``vfs=nosuch`` got through: ``upgrade`` raised a raw ``OperationalError: no such vfs``
+    and a store opened, its first write raising it; an unknown mode or cache failed the same
+    way. Such parameters, and those that switch SQLite's locks off (which the store's safety
+    across processes rests on), are refused before anything is created."""
+    path = tmp_path / "state.db"
+    for url in (
+        f"sqlite:///file:{path}?{query}&uri=true",
+        f"sqlite:///file:{path}%3F{query.replace('&', '%26')}?uri=true",  # in the name itself
+    ):
+        with pytest.raises(InvalidInputError, match=refused):
+            SessionDB(url)
+        with pytest.raises(InvalidInputError, match=refused):
+            migrate.upgrade(url)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_uri_parameters_sqlite_takes_still_open_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    for query in ("mode=rwc", "mode=rw&cache=private", "psow=1", "nolock=0", "vfs=unix"):
+        with SessionDB(f"sqlite:///file:{path}?{query}&uri=true") as store:
+            store.ensure_session("s")
+    with SessionDB(f"sqlite:///file:{path}?mode=ro&uri=true") as store:
+        assert store.get_session("s") is not None

@@ -163,6 +163,17 @@ def test_a_closed_store_refuses_a_backup_and_writes_nothing(tmp_path: Path) -> N
     assert not (tmp_path / "snapshot.db").exists()
 
 
+def test_a_backup_or_restore_path_under_an_unknown_home_folder_is_refused(
+    sqlite_store: SessionDB,
+) -> None:
+    """``~nosuchuser/...``: Python's bare RuntimeError ("Could not determine home directory")
+    escaped both; refused as a path given wrongly, before anything is written."""
+    with pytest.raises(InvalidInputError, match="home folder cannot be found"):
+        sqlite_store.backup("~nosuchuser-hermes/b.db")
+    with pytest.raises(InvalidInputError, match="home folder cannot be found"):
+        backup.restore(sqlite_store.engine, "~nosuchuser-hermes/b.db")
+
+
 def test_backup_and_restore_on_postgresql_name_pg_dump(pg_url: URL) -> None:
     with SessionDB(url_string(pg_url)) as store:
         with pytest.raises(backup.NotSupportedError, match="pg_dump"):
