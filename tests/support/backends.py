@@ -6,6 +6,8 @@ helpers tests and fixtures share (``url_string``, ``is_sqlite``, ``reset_pg``,
 from __future__ import annotations
 
 import os
+import sqlite3
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
@@ -36,6 +38,20 @@ def url_string(url: URL | str) -> str:
 
 def is_sqlite(url: URL | str) -> bool:
     return make_url(url_string(url)).get_backend_name() == "sqlite"
+
+
+def sqlite_lock_is_free(path: Path | str) -> bool:
+    """No one holds the SQLite file's write lock: a foreign connection (the original store, a
+    shell) takes it at once."""
+    conn = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()
 
 
 def reset_pg(url: URL) -> None:

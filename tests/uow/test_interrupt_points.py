@@ -29,6 +29,7 @@ import pytest
 
 from hermes_store import SessionDB
 from hermes_store.uow import writequeue
+from tests.support.backends import sqlite_lock_is_free
 from tests.support.interrupt_points import InterruptAt
 
 pytestmark = [
@@ -43,19 +44,6 @@ GUARD = 20.0  # a bound on waits that only a bug reaches
 #: Points in the package and its context managers only: the queue's helper thread starts in
 #: ``Thread.start()``, whose own Condition an interrupt breaks (CPython's, not the package's).
 PACKAGE_ONLY = ("/hermes_store/", "/contextlib.py")
-
-
-def _sqlite_lock_is_free(path: Path) -> bool:
-    """A foreign connection (the original store, a shell) takes SQLite's write lock at once."""
-    conn = sqlite3.connect(path, timeout=0, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("ROLLBACK")
-        return True
-    except sqlite3.OperationalError:
-        return False
-    finally:
-        conn.close()
 
 
 def _in_thread(call: Callable[[], Any], where: str | None) -> Any:
@@ -128,7 +116,7 @@ class Walk:
             # Met and not raised: it landed in a finalizer (a generator closed by the garbage
             # collector), where CPython prints an interrupt and drops it, as with a real one.
             where = points.where
-            assert _sqlite_lock_is_free(self.path), f"SQLite's lock held after {where}"
+            assert sqlite_lock_is_free(self.path), f"SQLite's lock held after {where}"
             assert not writer.lock.locked(), f"the writer's lock held after {where}"
             assert writer.in_line == 0, f"a turn still counted after {where}"
             joined = db.uow._joinable()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
 import stat
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from hermes_store import (
 )
 from hermes_store.cli import cli
 from hermes_store.engine.factory import to_url
-from tests.support.backends import is_sqlite, url_string
+from tests.support.backends import is_sqlite, sqlite_lock_is_free, url_string
 
 #: A deadlock guard only: the calls under test answer at once.
 STUCK = 60.0
@@ -509,17 +508,7 @@ def test_a_nested_async_block_that_raises_rolls_back_only_itself(db_url: URL) ->
 def _lock_is_free(url: URL) -> bool:
     """No one holds the database's write lock: on SQLite a foreign connection takes it at
     once (PostgreSQL has no such lock: True)."""
-    if not is_sqlite(url):
-        return True
-    conn = sqlite3.connect(to_url(url).database or "", timeout=0, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("ROLLBACK")
-        return True
-    except sqlite3.OperationalError:
-        return False
-    finally:
-        conn.close()
+    return not is_sqlite(url) or sqlite_lock_is_free(to_url(url).database or "")
 
 
 def _opened_in_order(db: SessionDB, later: str) -> tuple[Iterator[None], Iterator[None]]:
