@@ -7,7 +7,10 @@ opens the file ``mode=ro`` with ``PRAGMA query_only``, PostgreSQL runs the state
 files: ``ATTACH`` creates a missing one, and ``VACUUM INTO`` creates its target before
 ``query_only`` refuses the copy. So SQLite's authorizer refuses ``ATTACH``, ``DETACH`` and
 every ``VACUUM`` while the statement is prepared, before any file is opened. One statement
-per call (both drivers refuse several). Ctrl-C interrupts a long SQLite query.
+per call: sqlite3 refuses several, and on PostgreSQL the statement is sent in psycopg's
+pipeline mode (the extended protocol, one statement) since with no parameters psycopg sends
+the simple protocol, where ``COMMIT; DELETE ...`` ended the read-only transaction first.
+Ctrl-C interrupts a long SQLite query.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from sqlalchemy.pool import NullPool
 from hermes_store.echo import echoed
 from hermes_store.engine import files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url, unreadable_in_wal
-from hermes_store.errors import InvalidInputError, NotADatabaseError, mapped_errors
+from hermes_store.errors import (
+    InvalidInputError,
+    NotADatabaseError,
+    mapped_errors,
+    wrap_driver_error,
+)
 from hermes_store.validate import INT64_MAX, INT64_MIN
 
 __all__ = ["QueryResult", "read_only_query"]
@@ -168,11 +176,7 @@ def _on_server(url: URL, sql: str, params: dict[str, Any], max_rows: int | None)
             conn = conn.execution_options(postgresql_readonly=True)
             with conn.begin() as transaction:
                 try:
-                    result = conn.execute(sa.text(sql), params)
-                    columns = list(result.keys()) if result.returns_rows else []
-                    found = _collect(
-                        columns, result.fetchmany if result.returns_rows else _none, max_rows
-                    )
+                    return _one_statement(conn, sql, params, max_rows)
                 except sa.exc.DBAPIError as error:
                     refused = _refused(error)
                     if refused is not None:
@@ -185,9 +189,37 @@ def _on_server(url: URL, sql: str, params: dict[str, Any], max_rows: int | None)
                     raise
                 finally:
                     transaction.rollback()
-            return found
     finally:
         engine.dispose()
+
+
+def _one_statement(
+    conn: sa.Connection, sql: str, params: dict[str, Any], max_rows: int | None
+) -> QueryResult:
+    """The statement through psycopg's pipeline mode, which always uses the extended query
+    protocol, and that takes exactly one statement. With no parameters psycopg would send it
+    with the simple protocol, which runs several: ``COMMIT; DELETE FROM messages`` ended the
+    ``READ ONLY`` transaction and deleted in autocommit."""
+    statement = sa.text(sql).compile(dialect=conn.dialect)
+    try:
+        bound = statement.construct_params(params)
+    except sa.exc.InvalidRequestError as error:  # a :name without a value
+        raise InvalidInputError(
+            f"the query cannot run: {error.args[0]} (a colon before a name that is no "
+            "parameter is written \\:)"
+        ) from None
+    driver: Any = conn.connection.driver_connection
+    try:
+        with contextlib.closing(driver.cursor()) as cursor:
+            with driver.pipeline() as pipeline:
+                cursor.execute(statement.string, bound)
+                pipeline.sync()
+            if cursor.description is None:  # a command that returns no rows (SET, ...)
+                return QueryResult([], [])
+            columns = [column.name for column in cursor.description]
+            return _collect(columns, cursor.fetchmany, max_rows)
+    except conn.dialect.loaded_dbapi.Error as orig:
+        raise wrap_driver_error(orig, conn.dialect, statement.string) from orig
 
 
 def _none(size: int) -> list[tuple[Any, ...]]:

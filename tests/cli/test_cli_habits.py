@@ -112,6 +112,12 @@ def test_query_reads_and_refuses_every_write(runner: CliRunner, db_url: URL) -> 
         "CREATE TABLE intruder (a INTEGER)",
         "DROP TABLE messages",
         "SELECT 1; DELETE FROM messages",
+        # A statement that ends the read-only transaction, then writes in autocommit: with no
+        # parameters psycopg sent them all with the simple protocol, and they ran.
+        "COMMIT; DELETE FROM messages",
+        "COMMIT; DROP TABLE write_keys",
+        "ROLLBACK; UPDATE sessions SET title = 'x'",
+        "END; DELETE FROM sessions WHERE id = 'q2'",
     ):
         refused = run(runner, target, "query", write)
         assert refused.exit_code == 1, (write, refused.stdout, refused.stderr)
@@ -119,6 +125,9 @@ def test_query_reads_and_refuses_every_write(runner: CliRunner, db_url: URL) -> 
     with SessionDB(target) as db:
         assert db.session_count() == 2 and db.message_count() == 1
         assert db.get_session("q1")["title"] is None  # type: ignore[index]
+    assert read_only_query(target, "SELECT count(*) FROM write_keys").rows == [(0,)]
+    missing = run(runner, target, "query", "SELECT :m")  # no value for :m: said, not raised
+    assert missing.exit_code == 1 and missing.stderr.startswith("Error: "), missing.stderr
 
 
 @pytest.mark.parametrize(
