@@ -45,6 +45,7 @@ from hermes_store.engine.factory import (
     unreadable_in_wal,
 )
 from hermes_store.errors import (
+    DatabaseLockedError,
     HermesStoreError,
     InvalidInputError,
     NotADatabaseError,
@@ -65,6 +66,9 @@ BACKUP_PAGES = 1024
 #: makes those commits queue behind its writeback for hundreds of milliseconds, so the copy
 #: writes in small flushed increments instead.
 SYNC_BYTES = 4 * 1024 * 1024
+#: How long (seconds) a restore waits for another process's write to end before it gives up:
+#: the copy takes the live file's write lock at its first step, waiting this busy timeout.
+RESTORE_LOCK_WAIT_S = 30.0
 #: How often (SQLite virtual-machine instructions) ``VACUUM INTO`` looks at what it has written.
 VACUUM_CHECK_OPS = 20_000
 Method = Literal["backup", "vacuum"]
@@ -433,7 +437,7 @@ def restore(
         with mapped_driver_errors(dbapi_error=sqlite3.Error), contextlib.ExitStack() as stack:
             reader = stack.enter_context(contextlib.closing(files.connect_sqlite(source)))
             writer = stack.enter_context(
-                contextlib.closing(files.connect_sqlite(live, timeout=30.0))
+                contextlib.closing(files.connect_sqlite(live, timeout=RESTORE_LOCK_WAIT_S))
             )
             total, sessions, messages = _restore_pages(
                 reader, writer, source, progress, pages_per_step
@@ -464,6 +468,14 @@ def _restore_pages(
     total = 0
 
     def report(status: int, remaining: int, pages: int) -> None:
+        # A step that met another process's write lock had waited the busy timeout already;
+        # Python's backup() would sleep and step again forever (a stuck writer: a hang).
+        if status in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            raise DatabaseLockedError(
+                f"another process kept the live database locked for {RESTORE_LOCK_WAIT_S:g} s "
+                f"(a write in progress): nothing of {source} was restored; try again once it "
+                "is done"
+            )
         nonlocal total
         total = pages
         if progress is not None:

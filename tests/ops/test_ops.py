@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -31,8 +32,9 @@ from hermes_store.errors import (
 )
 from hermes_store.ops import backup, maintenance, retention
 from hermes_store.schema import migrate
-from tests.support import legacy
+from tests.support import legacy, proc_workers
 from tests.support.backends import is_sqlite, url_string
+from tests.support.waiting import GUARD
 
 CTX = mp.get_context("fork")
 DEADLINE = 120.0  # a hang guard only: every wait below is on a pipe, an event or a join
@@ -204,6 +206,49 @@ def test_restore_writes_into_the_live_file_that_other_instances_keep_open(
         assert store.message_count("kept") == 2
         assert store.search_messages("snapshot")[0]["session_id"] == "kept"
         assert store.check_search_index()
+
+
+def test_a_restore_gives_up_on_a_write_lock_held_past_its_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds the live file's write lock (a stuck writer): the restore waited
+    forever (Python's backup() steps again after every busy step). It now gives up after its
+    wait with DatabaseLockedError, the live content untouched."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("snapshot", "cli")
+        backup.backup(store.engine, tmp_path / "snap.db")
+        store.create_session("live", "cli")
+    monkeypatch.setattr(backup, "RESTORE_LOCK_WAIT_S", 0.2)
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(
+        target=proc_workers.hold_write_lock_until, args=(str(path), ready, release)
+    )
+    holder.start()
+    try:
+        assert ready.wait(GUARD)
+        outcome: list[BaseException | None] = []
+
+        def restoring() -> None:
+            try:
+                backup.restore(path, tmp_path / "snap.db")
+            except BaseException as error:  # handed to the test
+                outcome.append(error)
+            else:
+                outcome.append(None)
+
+        thread = threading.Thread(target=restoring, daemon=True)
+        thread.start()
+        thread.join(GUARD)
+        assert not thread.is_alive(), "the restore still waits: a hang"
+        assert isinstance(outcome[0], DatabaseLockedError), outcome
+        assert "nothing of" in str(outcome[0])
+    finally:
+        release.set()
+        holder.join(GUARD)
+    with SessionDB(path) as store:
+        assert sorted(s["id"] for s in store.list_sessions_rich()) == ["live", "snapshot"]
 
 
 def _steady_writer(path: str, restored: object, stop: object, pipe: Connection) -> None:

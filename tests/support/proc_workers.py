@@ -251,6 +251,21 @@ def hold_write_lock(path: str, seconds: float, ready: Any) -> None:
         conn.close()
 
 
+def hold_write_lock_until(path: str, ready: Any, release: Any) -> None:
+    """A stuck writer: hold ``BEGIN IMMEDIATE`` on ``path`` from ``ready`` until ``release``
+    is set (bounded by GUARD-like 120 s, so a failed test never leaves it behind)."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        ready.set()
+        release.wait(120)
+        conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
 def write_one(target: str, index: int, **options: Any) -> None:
     """Open ``target`` (with ``SessionDB`` ``options``), write session ``proc-<index>`` and one
     message saying ``concurrent message <index>``, close it."""
