@@ -415,12 +415,29 @@ def unreadable_in_wal(path: Path) -> bool:
     SQLite cannot create the ``-shm`` that a WAL read needs, so not even a read would work.
     Nothing committed lives outside the main file then, so it can be opened ``immutable``
     (read-only: reads work, writes fail as read-only). A privileged writer that later writes
-    into that folder is not seen by such a reader until it reopens."""
-    return (
-        path.exists()
-        and not os.access(path.parent, os.W_OK)
-        and not Path(f"{os.path.realpath(path)}-wal").exists()
-    )
+    into that folder is not seen by such a reader until it reopens.
+
+    Raises :class:`ReadOnlyDatabaseError` for a file in such a folder with a hot rollback
+    journal beside it (see :func:`files.hot_journal`): the file then holds part of a
+    transaction that never committed, which only rolling the journal back (a write) undoes;
+    ``immutable`` would read it as if committed, torn pages included."""
+    if not path.exists() or os.access(path.parent, os.W_OK):
+        return False
+    refuse_hot_journal(path)
+    return not Path(f"{os.path.realpath(path)}-wal").exists()
+
+
+def refuse_hot_journal(path: Path) -> None:
+    """Refuse a database in a read-only folder whose hot journal cannot be rolled back there:
+    every read of it would see a transaction that never committed."""
+    journal = files.hot_journal(path)
+    if journal is not None:
+        raise ReadOnlyDatabaseError(
+            f"{path}: a writer stopped mid-transaction and left a hot rollback journal "
+            f"({journal.name}) that SQLite must roll back before the file can be read "
+            "consistently, but its folder is read-only; open the database once where its "
+            "folder can be written (opening rolls the journal back), then try again"
+        )
 
 
 def journal_size_limit() -> int:

@@ -150,6 +150,36 @@ def sidecars(path: Path) -> list[Path]:
     return [p for p in found if p.exists()]
 
 
+def hot_journal(path: Path, *, timeout: float = 1.0) -> Path | None:
+    """The hot rollback journal beside ``path``, if any: a writer in rollback-journal mode died
+    mid-transaction, so the file holds part of a transaction that never committed until
+    SQLite rolls it back. An ``immutable`` reader ignores the journal and reads that torn file.
+
+    SQLite decides what is hot (a non-empty journal, a header not zeroed, no writer holding the
+    RESERVED lock, a non-empty database), so ask it: a ``mode=ro`` read meets a hot journal as
+    ``SQLITE_READONLY_ROLLBACK`` and rolls nothing back. Only ``stat`` and a SQLite connection:
+    never a descriptor of our own on the files. Errors other than that one say nothing about
+    the journal and are left to the open that follows."""
+    try:
+        journal = Path(f"{os.path.realpath(path)}-journal")
+        if journal.stat().st_size == 0:  # SQLite treats an empty journal as absent
+            return None
+    except (OSError, ValueError):  # no journal, or a name no file can have
+        return None
+    try:
+        connection = connect_sqlite(path, timeout=timeout, read_only=True)
+    except sqlite3.Error:
+        return None
+    try:
+        connection.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as error:
+        if error.sqlite_errorcode == sqlite3.SQLITE_READONLY_ROLLBACK:
+            return journal
+    finally:
+        connection.close()
+    return None
+
+
 #: A file's identity, whatever path names it: (device, inode).
 FileKey = tuple[int, int]
 
