@@ -510,6 +510,7 @@ class SessionDB:
             # What the deletes removed: a session another process deleted meanwhile counts 0.
             return sum(retention.delete_sessions(conn, chunk)[0] for chunk in _chunks(doomed, 500))
 
+        retention.check_index(self.uow)  # deletes into a damaged index: refused, none made
         return self.uow.run(unit)
 
     def get_compression_tip(self, session_id: str) -> str | None:

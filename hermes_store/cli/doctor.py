@@ -50,7 +50,8 @@ MARKS = {
 def doctor(
     app: App, rebuild_index: bool, budget: float, full: bool, fmt: str | None, as_json: bool
 ) -> None:
-    """Check schema, journal, integrity, full-text index and orphan rows; exit 1 on a problem.
+    """Check schema, file names, journal, integrity, full-text index and orphan rows; exit 1 on a
+    problem (a second name of the file, a hard link, is one: every other command refuses it).
 
     Reads only (nothing is migrated or written) unless --rebuild-index, and never takes the
     write lock: a large file is checked table by table within --budget, its full-text index

@@ -14,6 +14,7 @@ from hermes_store.cli.app import (
     App,
     FiniteFloat,
     Problem,
+    boundary_error,
     complete_session,
     confirm,
     pass_app,
@@ -420,7 +421,9 @@ def sessions_prune(
     several), so agents writing meanwhile wait for one at most. Safe as a periodic job: two
     runs at once delete each session once. The full-text index's delete records are folded
     together as it goes, in short steps too; the deleted words leave the index's big segments
-    when `db optimize` merges it whole (--secure-delete does it here).
+    when `db optimize` merges it whole (--secure-delete does it here). A full-text index found
+    damaged is refused before anything is deleted (`hermes-store doctor --rebuild-index`
+    repairs it); a failure midway says what the steps before it deleted.
 
     \b
     Examples:
@@ -459,6 +462,7 @@ def sessions_prune(
         echo(summary, err=chosen != "table")
         return
     if candidates:
+        retention.check_index(store.uow)  # a damaged index is refused before the question
         messages = sum(row["message_count"] or 0 for row in candidates)
         confirm(
             f"Delete {len(candidates)} session(s) and their {messages:,} message(s), "
@@ -466,17 +470,18 @@ def sessions_prune(
             yes=yes,
             what=f"delete {len(candidates)} session(s)",
         )
-    deleted = [0, 0]
+    report = retention.Report()  # filled in as each step commits: what landed, if it stops
 
-    def chunk_done(sessions: int, messages: int) -> None:
-        deleted[0] += sessions
-        deleted[1] += messages
+    def chunk_done(_sessions: int, messages: int) -> None:
         bar.advance(messages)
 
-    app.landed = lambda: (
-        f"{deleted[0]} session(s) and {deleted[1]} message(s) were deleted (whole steps); "
-        "the others are kept."
-    )
+    def landed() -> str:
+        return (
+            f"{report.sessions} session(s) and {report.messages} message(s) were deleted "
+            "(whole steps); the others are kept."
+        )
+
+    app.landed = landed
     total = sum(row["message_count"] or 0 for row in candidates)
     bars = contextlib.ExitStack()
     shown: list[Any] = []
@@ -493,15 +498,23 @@ def sessions_prune(
         # The whole index is merged (deleted words leave its big segments too) only with
         # --secure-delete: its steps for common words hold the write lock past the bound,
         # and `db optimize` runs that merge.
-        report = retention.run(
-            store.uow,
-            policy,
-            chunk=chunk,
-            secure_delete=secure_delete,
-            merge_index=secure_delete,
-            on_chunk=chunk_done,
-            on_merge=merge_done,
-        )
+        try:
+            retention.run(
+                store.uow,
+                policy,
+                chunk=chunk,
+                secure_delete=secure_delete,
+                merge_index=secure_delete,
+                on_chunk=chunk_done,
+                on_merge=merge_done,
+                report=report,
+            )
+        except Exception as error:
+            # As for Ctrl-C: the steps that committed before the failure stay deleted.
+            mapped = boundary_error(error)
+            if mapped is None or not (report.sessions or report.messages):
+                raise
+            raise type(mapped)(f"{mapped.message}. The prune stopped there: {landed()}") from error
     if chosen_format(fmt, as_json, piped="table") == "json":
         echo_json(asdict(report))
         return

@@ -183,10 +183,12 @@ def backup(
     kind = files.special_kind(target)
     if kind is not None:  # /dev/null, a FIFO: the rename would replace it with the snapshot
         raise InvalidInputError(f"refusing to back up onto {target}: it is {kind}, not a file")
-    if target.exists() and not overwrite:
+    if os.path.lexists(target) and not overwrite:
+        # A link is replaced itself (never written through), dangling or not: say so.
+        what, it = _existing(target)
         raise InvalidInputError(
-            f"{target} exists (pass overwrite=True to replace it)"
-        ).with_cli_message(f"{target} exists (use --force to replace it)")
+            f"{target} {what} (pass overwrite=True to replace {it})"
+        ).with_cli_message(f"{target} {what} (use --force to replace {it})")
     if overwrite and files.sidecars(target):
         raise InvalidInputError(
             f"{target} has -wal/-shm files beside it: it looks like a database in use; "
@@ -218,7 +220,12 @@ def backup(
         if overwrite:
             os.replace(partial, target)
         else:
-            os.link(partial, target)  # fails rather than replace a file that appeared meanwhile
+            try:  # fails rather than replace a file that appeared meanwhile
+                os.link(partial, target)
+            except FileExistsError:
+                raise InvalidInputError(
+                    f"{target} was created while the backup ran: it was left as it was"
+                ) from None
     except (StorageFullError, StorageIOError) as error:
         raise _stopped(error, f"the backup to {target} was not written") from error
     finally:
@@ -228,6 +235,21 @@ def backup(
             sidecar.unlink(missing_ok=True)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _existing(target: Path) -> tuple[str, str]:
+    """What is at ``target`` (there, if only as a link) and what a replacement replaces, in
+    words for a refusal: a symbolic link is named as one, dangling or not, since it is the
+    link that is replaced, never what it names."""
+    if not target.is_symlink():
+        return "exists", "it"
+    try:
+        points = os.readlink(target)
+    except OSError:
+        points = "?"
+    if target.exists():
+        return f"is a symbolic link to {points}", "the link itself"
+    return f"is a dangling symbolic link: {points} does not exist", "the link itself"
 
 
 def _stopped(error: StorageFullError | StorageIOError, what: str) -> HermesStoreError:

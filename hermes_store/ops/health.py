@@ -18,6 +18,7 @@ snapshot copy.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
@@ -39,6 +40,7 @@ from hermes_store.engine import files
 from hermes_store.engine.factory import sqlite_file
 from hermes_store.errors import (
     AccessDeniedError,
+    DatabaseAliasError,
     DatabaseLockedError,
     DatabaseUnavailableError,
     HermesStoreError,
@@ -291,6 +293,17 @@ def _integrity_check(engine: Engine, path: Path, clock: _Clock) -> Check:
 
 
 _TABLE_CHECK = "SELECT * FROM pragma_integrity_check(:t)"
+
+
+def _names_check(path: Path) -> Check:
+    """A file with a second name (a hard link) is a problem: every other command refuses it
+    (:func:`files.refuse_aliases`: a writer through each name would keep its own WAL). The
+    other name is looked for beside the file and beside the path given (a symlink's)."""
+    try:
+        files.refuse_aliases(Path(os.path.realpath(path)), path)
+    except DatabaseAliasError as error:
+        return Check("file names", "error", one_line(error))
+    return Check("file names", "ok", "one name (no hard link)")
 
 
 def _wal_file_check(path: Path, mode: str) -> Check:
@@ -612,26 +625,145 @@ def _cjk_sample(conn: Connection, message_id: int, text: str, draw: random.Rando
     return ""
 
 
+#: FTS5 numbers a segment's leaf pages in ``<table>_data`` as ``segment id << 37 | page``.
+_LEAF_ROWID_SHIFT = 37
+#: The four bytes after the cookie that mark the second format of a structure record.
+_STRUCTURE_V2 = b"\xff\x00\x00\x01"
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    """SQLite's varint at ``at`` (value, offset after it); ValueError past the end."""
+    value = 0
+    for i in range(9):
+        if at >= len(data):
+            raise ValueError("the record ends inside a number")
+        byte = data[at]
+        at += 1
+        if i == 8:
+            return (value << 8) | byte, at
+        value = (value << 7) | (byte & 0x7F)
+        if not byte & 0x80:
+            return value, at
+    raise AssertionError("unreachable")
+
+
+def index_segments(block: bytes) -> list[tuple[int, int, int]]:
+    """(segment id, first leaf page, last leaf page) of each segment an FTS5 structure record
+    lists; ValueError where FTS5 itself would refuse the record."""
+    fulltext.decode_structure(block)  # the header, within FTS5's limits
+    at = 4
+    second_format = block[at : at + 4] == _STRUCTURE_V2
+    if second_format:
+        at += 4
+    levels, at = _read_varint(block, at)
+    _, at = _read_varint(block, at)  # the segments in all
+    _, at = _read_varint(block, at)  # the write counter
+    found: list[tuple[int, int, int]] = []
+    for _level in range(levels):
+        _, at = _read_varint(block, at)  # the segments of a merge in progress
+        count, at = _read_varint(block, at)
+        for _segment in range(count):
+            segment, at = _read_varint(block, at)
+            first, at = _read_varint(block, at)
+            last, at = _read_varint(block, at)
+            for _field in range(5 if second_format else 0):  # origins and tombstones
+                _, at = _read_varint(block, at)
+            if last < first:
+                raise ValueError(f"segment {segment} ends (page {last}) before it starts")
+            found.append((segment, first, last))
+    return found
+
+
+def _has_table(conn: Connection, table: str) -> bool:
+    return bool(
+        conn.exec_driver_sql(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+        ).scalar()
+    )
+
+
+def _lost_pages(conn: Connection, table: str) -> str:
+    """The leaf pages that ``table``'s structure record lists as the first or last of a
+    segment and that ``<table>_data`` lacks, in words ("" when none); ValueError when the
+    structure record is damaged."""
+    block = conn.exec_driver_sql(
+        f"SELECT block FROM {table}_data WHERE id = ?", (fulltext.STRUCTURE_ROWID,)
+    ).scalar()
+    if block is None:
+        return ""
+    if not isinstance(block, bytes):
+        raise ValueError(f"the structure record is a {type(block).__name__}, not a blob")
+    wanted = {
+        (segment << _LEAF_ROWID_SHIFT) | page: (segment, page)
+        for segment, first, last in index_segments(block)
+        if last > 0
+        for page in (first, last)
+    }
+    rows = list(wanted)
+    statement = sa.text(f"SELECT id FROM {table}_data WHERE id IN :ids").bindparams(
+        sa.bindparam("ids", expanding=True)
+    )
+    present: set[int] = set()
+    for start in range(0, len(rows), 500):
+        chunk = rows[start : start + 500]
+        present.update(int(found) for found in conn.scalars(statement, {"ids": chunk}))
+    lost = [wanted[rowid] for rowid in rows if rowid not in present]
+    if not lost:
+        return ""
+    shown = ", ".join(f"segment {segment} page {page}" for segment, page in lost[:3])
+    more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+    return f"{len(lost)} leaf page(s) its segments list are missing ({shown}{more})"
+
+
+def missing_index_pages(conn: Connection) -> list[str]:
+    """What a few reads find lost in the full-text indexes (empty: nothing): a structure
+    record FTS5 cannot read, or a segment it lists whose first or last leaf page is gone.
+
+    Cheap enough to run before a job writes to a live index of any size (the structure
+    record and two rows per segment, by primary key), unlike FTS5's 'integrity-check', which
+    reads the whole index and the content (about a second per 100 MB) under the write lock: a
+    prune runs it first, so its deletes never go into an index whose pages were lost. It
+    does not look inside the pages; the doctor does."""
+    problems: list[str] = []
+    for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
+        if not _has_table(conn, table):
+            continue
+        try:
+            lost = _lost_pages(conn, table)
+        except ValueError as error:
+            problems.append(f"{table}: its structure record is damaged ({error})")
+            continue
+        if lost:
+            problems.append(f"{table}: {lost}")
+    return problems
+
+
 def _structure_check(conn: Connection) -> Check | str:
     """Each FTS5 table's structure record (read as a plain row): an error Check when FTS5
-    cannot read it (every write to ``messages`` fails then), else a warning text when it is
-    so deep that merging stops starting, or left with a maintenance job's merge settings
-    ("" when fine)."""
+    cannot read it (every write to ``messages`` fails then) or when leaf pages it lists are
+    gone (:func:`missing_index_pages`: a large file's sampled check may miss that), else a
+    warning text when it is so deep that merging stops starting, or left with a maintenance
+    job's merge settings ("" when fine)."""
     deep: list[str] = []
     merging_off: list[str] = []
     for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
-        if not conn.exec_driver_sql(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
-        ).scalar():
+        if not _has_table(conn, table):
             continue
         try:
             shape = fulltext.structure(conn, table)
+            lost = _lost_pages(conn, table)
         except ValueError as error:
             return Check(
                 "full-text index",
                 "error",
                 f"{table}: structure record damaged ({error}); appends, search and even "
                 "dropping the table fail on it: run `hermes-store doctor --rebuild-index`",
+            )
+        if lost:
+            return Check(
+                "full-text index",
+                "error",
+                f"{table}: {lost}; search and merging fail on them: {_REBUILD}",
             )
         if shape is not None and shape.levels >= fulltext.DEEP_LEVELS:
             deep.append(f"{table} has {shape.levels} levels")
@@ -775,7 +907,9 @@ def _whole_index_check(engine: Engine, path: Path, clock: _Clock) -> Check:
             finally:
                 snapshot.dispose()
     except (OSError, sqlite3.Error, HermesStoreError) as error:
-        reason = one_line(error)
+        # A second name is its own check's error: said once, there.
+        aliased = isinstance(error, DatabaseAliasError)
+        reason = "the file has another name: see file names" if aliased else one_line(error)
     with engine.connect() as conn:
         sampled = _index_check(conn, clock)
     if sampled.status == "error":
@@ -819,6 +953,9 @@ def run_doctor(
     try:
         with mapped_errors():
             say("files")
+            names = _names_check(path) if path is not None else None
+            if names is not None:
+                checks.append(names)
             with engine.connect() as conn:
                 if path is not None:
                     checks += _sqlite_checks(conn, path, immutable)
@@ -839,7 +976,16 @@ def run_doctor(
                 checks += _row_checks(conn, clock if path is not None else None)
             if full and path is not None:
                 say("snapshot")
-                checks.append(_snapshot_check(engine, path))
+                if names is not None and names.status == "error":  # no copy through an alias
+                    checks.append(
+                        Check(
+                            "full check (snapshot)",
+                            "warn",
+                            "not run: the file has another name (see file names)",
+                        )
+                    )
+                else:
+                    checks.append(_snapshot_check(engine, path))
     finally:
         engine.dispose()
     if path is None:

@@ -8,8 +8,11 @@ preview lists exactly what a prune deletes.
 hold the write lock for a bounded time (:mod:`hermes_store.ops.pacing`), so a writer never waits
 behind more than one step. Each step re-selects its candidates inside the locked transaction, so
 two jobs racing (two cron entries, two machines on one PostgreSQL) delete every session once and
-their reported counts add up to what was deleted. :func:`maybe_run` runs a policy by itself, at
-most once a day across processes.
+their reported counts add up to what was deleted. A full-text index that a few reads find
+damaged is refused before the first step (each step would commit its deletes into it, and the
+first merge of the lost pages would fail midway); a run that fails midway all the same says
+what its committed steps deleted. :func:`maybe_run` runs a policy by itself, at most once a
+day across processes.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from hermes_store import jsontext
 from hermes_store.echo import echoed
 from hermes_store.engine import placement
 from hermes_store.engine.factory import default_db_path, make_private_dirs, sqlite_file
-from hermes_store.errors import InvalidInputError, UnsafePathError
-from hermes_store.ops import maintenance, pacing
+from hermes_store.errors import InvalidInputError, NotADatabaseError, UnsafePathError
+from hermes_store.ops import health, maintenance, pacing
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
 from hermes_store.tables import write_keys_table as K
@@ -286,6 +289,7 @@ def run(
     step_log: pacing.StepLog | None = None,
     stop: threading.Event | None = None,
     on_merge: maintenance.OnStep | None = None,
+    report: Report | None = None,
 ) -> Report:
     """Delete what ``policy`` selects, in steps that each hold the write lock for about
     ``step_seconds`` at most (see :mod:`hermes_store.ops.pacing`), until none is left.
@@ -305,6 +309,11 @@ def run(
     and the job pauses (``pause`` seconds; default: half the step's hold on SQLite, none on
     PostgreSQL) so waiting writers go first. ``step_log`` receives every step. ``stop``, once
     set, ends the run after the step in progress (what was committed stays deleted).
+
+    A full-text index found damaged (:func:`check_index`) is refused before anything is
+    deleted. ``report``, when given, is the one filled in as each step commits, so a caller
+    knows what landed when the run fails or is interrupted midway; the error raised then
+    also carries it as a note (the committed steps stay deleted).
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
         raise InvalidInputError(f"chunk must be a whole number from 1 to {MAX_CHUNK}")
@@ -316,8 +325,10 @@ def run(
     steps = step_log if step_log is not None else pacing.StepLog()
     started = time.time() if now is None else now
     select_chunk = candidates(policy, started).limit(chunk)
-    report = Report(bound_s=bound)
+    report = Report() if report is None else report
+    report.bound_s = bound
     pace = pacing.Pace("prune", FIRST_STEP_CHARS, MIN_STEP_CHARS, MAX_STEP_CHARS, bound)
+    check_index(uow)  # before the first write (the job's FTS5 settings are one)
 
     def body(conn: Connection, budget: pacing.Budget) -> tuple[_Deleted, int]:
         with maintenance.secure_deletes(conn, secure_delete):
@@ -327,48 +338,78 @@ def run(
     merging = pacing.Pace(
         "merge", maintenance.MERGE_PAGES, maintenance.MIN_MERGE_PAGES, 4096, bound
     )
-    with maintenance.paced_index_merging(uow) as tables:
-        while True:
-            if stop is not None and stop.is_set():
-                return report
-            done, step = pacing.run_step(uow, pace, steps, body)
-            report.record(step)
-            if not done.found:
-                break
-            report.chunks += 1
-            report.sessions += done.sessions
-            report.messages += done.messages
-            report.largest_chunk = max(report.largest_chunk, done.sessions)
-            if on_chunk is not None:
-                on_chunk(done.sessions, done.messages)
-            pacing.between_steps(uow, step, pause)
-            if tables:  # the delete records of the step merged as they come
-                tidied = maintenance.tidy_step(
-                    uow, merging, steps, tables, secure_delete=secure_delete
-                )
-                report.record(tidied)
-                pacing.between_steps(uow, tidied, pause)
-        stopped = stop is not None and stop.is_set()
-        if report.sessions and not stopped:
-            # Inside the job's FTS5 settings: with FTS5's own merging back on, a writer's
-            # append continued the merge in progress inside its own transaction.
-            merged = maintenance.Report(uow.engine.dialect.name, 0)
-            options: dict[str, Any] = {
-                "secure_delete": secure_delete,
-                "step_seconds": bound,
-                "step_log": steps,
-                "pause": pause,
-                "on_step": on_merge,
-                "stop": stop,
-            }
-            if merge_index:
-                maintenance.merge_index(uow, merged, **options)
-            else:
-                maintenance.settle_index(uow, tables, merged, **options)
-            report.add_merge(merged, full=merge_index)
-    if not (stop is not None and stop.is_set()):
-        expire_write_keys(uow, now=started)
+    try:
+        with maintenance.paced_index_merging(uow) as tables:
+            while True:
+                if stop is not None and stop.is_set():
+                    return report
+                done, step = pacing.run_step(uow, pace, steps, body)
+                report.record(step)
+                if not done.found:
+                    break
+                report.chunks += 1
+                report.sessions += done.sessions
+                report.messages += done.messages
+                report.largest_chunk = max(report.largest_chunk, done.sessions)
+                if on_chunk is not None:
+                    on_chunk(done.sessions, done.messages)
+                pacing.between_steps(uow, step, pause)
+                if tables:  # the delete records of the step merged as they come
+                    tidied = maintenance.tidy_step(
+                        uow, merging, steps, tables, secure_delete=secure_delete
+                    )
+                    report.record(tidied)
+                    pacing.between_steps(uow, tidied, pause)
+            stopped = stop is not None and stop.is_set()
+            if report.sessions and not stopped:
+                # Inside the job's FTS5 settings: with FTS5's own merging back on, a writer's
+                # append continued the merge in progress inside its own transaction.
+                merged = maintenance.Report(uow.engine.dialect.name, 0)
+                options: dict[str, Any] = {
+                    "secure_delete": secure_delete,
+                    "step_seconds": bound,
+                    "step_log": steps,
+                    "pause": pause,
+                    "on_step": on_merge,
+                    "stop": stop,
+                }
+                if merge_index:
+                    maintenance.merge_index(uow, merged, **options)
+                else:
+                    maintenance.settle_index(uow, tables, merged, **options)
+                report.add_merge(merged, full=merge_index)
+        if not (stop is not None and stop.is_set()):
+            expire_write_keys(uow, now=started)
+    except BaseException as error:
+        # The steps committed before it stay deleted: say so, whoever catches it.
+        if report.sessions or report.messages:
+            error.add_note(f"retention: {landed(report)}")
+        raise
     return report
+
+
+def landed(report: Report) -> str:
+    """What a run that stopped midway had committed, in words."""
+    return (
+        f"{report.sessions} session(s) and {report.messages} message(s) were deleted before "
+        "it stopped (whole steps, committed); the others are kept"
+    )
+
+
+def check_index(uow: UnitOfWork) -> None:
+    """Refuse (:class:`NotADatabaseError`) a SQLite database whose full-text index a few
+    reads find damaged (:func:`hermes_store.ops.health.missing_index_pages`): a prune would
+    commit its deletes into it step by step, then fail at its first merge of the lost pages.
+    Cheap at any size; FTS5's whole 'integrity-check' is the doctor's."""
+    if not uow.is_sqlite:
+        return
+    with uow.connect(write=False) as conn:
+        problems = health.missing_index_pages(conn)
+    if problems:
+        raise NotADatabaseError(
+            f"the full-text index is damaged: {'; '.join(problems)}. Nothing was deleted: "
+            "run `hermes-store doctor --rebuild-index`, then prune again"
+        )
 
 
 #: How long an idempotency key is kept (seconds): a re-send comes within minutes of the call
@@ -568,7 +609,8 @@ class Background:
             self.report = maybe_run(uow, policy, marker=self.marker, stop=self._stop)
         except Exception as error:  # kept and logged: no caller is there to raise to
             self.error = error
-            log.error("retention run failed: %s", error)
+            notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
+            log.error("retention run failed: %s%s", error, notes)
         finally:
             self.done.set()
 
