@@ -97,7 +97,8 @@ class StorageIOError(HermesStoreError):
 
 
 class AccessDeniedError(ReadOnlyDatabaseError):
-    """The process may not open the database file or its folder (another owner, a mode)."""
+    """The process may not open the database file or its folder (another owner, a mode), or
+    the server refuses the role a privilege it needs (a role granted SELECT only, writing)."""
 
 
 class DatabaseUnavailableError(HermesStoreError):
@@ -211,6 +212,9 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
         return NotADatabaseError(f"not a usable SQLite database: {text}")
     if code == SQLITE_READONLY or getattr(orig, "sqlstate", None) == "25006":
         return ReadOnlyDatabaseError(f"the database refuses writes: {text}")
+    # 42501 insufficient_privilege: the role lacks a grant (SELECT only, then a write).
+    if getattr(orig, "sqlstate", None) == "42501":
+        return AccessDeniedError(_privilege_refused(text))
     if code == SQLITE_FULL or getattr(orig, "sqlstate", None) in ("53100", "53200"):
         return StorageFullError(f"the database is full: {text}")
     if code == SQLITE_IOERR:
@@ -264,14 +268,30 @@ def login_refused(error: sa_exc.DBAPIError) -> bool:
     return any(part in str(error.orig) for part in _LOGIN_REFUSED)
 
 
+def _privilege_refused(text: str) -> str:
+    """The message for a statement the server refused for want of a privilege: which one
+    (the server's first line names the object), and what cures it."""
+    first = text.strip().splitlines()[0] if text.strip() else "permission denied"
+    return (
+        f"the database role lacks a privilege this needs ({first}): GRANT it to the role "
+        "(writes need INSERT, UPDATE and DELETE on the store's tables and USAGE on their "
+        "sequences), or connect as a role that has it"
+    )
+
+
 def _connect_failure(text: str) -> str:
     """Says whether the server was reached: a refused login or a missing database is not an
-    unreachable server."""
+    unreachable server. A missing role or database gets the command that creates it."""
     _, fatal, detail = text.partition("FATAL:")
     if not fatal:
         return f"cannot reach the database: {text}"
     detail = " ".join(detail.split())
-    hint = " (create it first, e.g. `createdb NAME`)" if "does not exist" in detail else ""
+    hint = ""
+    if "does not exist" in detail:
+        if detail.startswith("role "):
+            hint = " (create it first, e.g. `createuser NAME`)"
+        elif detail.startswith("database "):
+            hint = " (create it first, e.g. `createdb NAME`)"
     return f"the database server refused the connection: {detail}{hint}"
 
 

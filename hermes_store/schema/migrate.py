@@ -234,6 +234,8 @@ def read_state(conn: Connection) -> DatabaseState:
         triggers = {name for kind, name in rows if kind == "trigger"}
     else:
         tables = set(inspector.get_table_names(schema=where.schema))
+        if not tables and where.schema is None:
+            _check_search_path(conn)
         if "messages" in tables:
             indexes = set(
                 conn.execute(
@@ -264,6 +266,26 @@ def read_state(conn: Connection) -> DatabaseState:
                 c["name"] for c in inspector.get_columns(table, schema=where.schema)
             }
     return state
+
+
+def _check_search_path(conn: Connection) -> None:
+    """Refuse a PostgreSQL connection whose search_path names no schema it can use (missing,
+    or without USAGE for its role): it would see no tables, and creating them fails deep in
+    a migration. Asked only when no table is visible, so an open at head pays nothing."""
+    schema, search_path = conn.exec_driver_sql(
+        "SELECT current_schema(), current_setting('search_path')"
+    ).one()
+    if schema is None:
+        raise StoreConfigError(_no_schema_message(_describe(conn), str(search_path)))
+
+
+def _no_schema_message(where: str, search_path: str | None) -> str:
+    shown = f" ({search_path})" if search_path else ""
+    return (
+        f"{where}: no schema of its search_path{shown} exists or is usable by this role, so "
+        "the store has nowhere to find or create its tables: create the schema (and grant "
+        "the role USAGE and CREATE on it), or correct the search_path in the URL's options"
+    )
 
 
 def check_adoptable(state: DatabaseState, where: str) -> None:
@@ -320,6 +342,51 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
                 f"{where}: table {table} matches no schema version "
                 f"(schema_version {version}; missing {sorted(missing)}, unknown {sorted(unknown)})"
             )
+
+
+def check_recorded_tables(state: DatabaseState, where: str) -> None:
+    """Refuse, before anything runs, a database behind head whose tables do not match its
+    recorded revision: the revisions after it would fail half-way on them (tables dropped
+    by hand, another application's ``sessions``, a table a later revision creates).
+
+    Only on the way to an upgrade: ``stamp`` and ``downgrade`` stay free to fix the record.
+    """
+    recorded = state.revision
+    if recorded is None or recorded == revisions.HEAD or recorded not in revisions.REVISIONS:
+        return
+    ran = revisions.up_to(recorded)
+    version = max(v for v in range(1, ddl.HEAD_VERSION + 1) if revisions.for_version(v) in ran)
+    need = ddl.columns_at(version)
+    found: list[str] = []
+    for table in ("sessions", "messages"):
+        have = state.columns.get(table)
+        if have is None:
+            found.append(f"no {table} table")
+        elif missing := need[table] - have:
+            found.append(
+                f"table {table} has columns {_some(have, 4)} and lacks {len(missing)} of "
+                f"the {len(need[table])} it needs ({_some(missing, 3)})"
+            )
+    if version < ddl.HEAD_VERSION and "schema_version" not in state.tables:
+        found.append("no schema_version table (the later versions update it)")
+    # (h7's messages_cjk is made IF NOT EXISTS: one already there stops nothing.)
+    creator = dict(OWN_TABLES)[write_keys_table.name]
+    if write_keys_table.name in state.tables and creator not in ran:
+        found.append(f"a {write_keys_table.name} table, which the later {creator} creates")
+    if found:
+        raise UnrecognizedSchemaError(
+            f"{where} records revision {recorded!r}, but its tables do not match it: "
+            f"{'; '.join(found)}. Nothing was changed. Another "
+            "application's tables: give the store a database (or schema) of its own; tables "
+            "dropped or changed by hand: restore them from a backup"
+        )
+
+
+def _some(names: set[str], shown: int) -> str:
+    """A few of ``names``, sorted, and how many more (a message stays one short line)."""
+    first = sorted(names)[:shown]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(first) + more
 
 
 def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | None:
@@ -706,11 +773,59 @@ def upgrade(
 
     revision = resolve_revision(revision)
     with _connect_refusals(), migration_connection(target, retry=retry) as conn:
-        command.upgrade(alembic_config(conn), revision)
+        where = _describe(conn)
+        state = read_state(conn)  # under the lock: what the revisions will run on
+        check_recorded_tables(state, where)
+        with _unexpected_tables(where, state.revision):
+            command.upgrade(alembic_config(conn), revision)
         reached = _current_revision(conn)
         if reached == head_revision():
             repair_at_head(conn)
         return reached
+
+
+#: SQLSTATEs of a revision's statement that met tables other than the ones it was written for:
+#: undefined table, column; duplicate table, column, object (a trigger, an index).
+_SHAPE_SQLSTATES = frozenset({"42P01", "42703", "42P07", "42701", "42710"})
+#: SQLite says the same in words only (and "... already exists").
+_SQLITE_SHAPE = ("no such table", "no such column", "duplicate column name")
+#: SQLSTATE invalid_schema_name: no schema on the search_path to create the tables in.
+_NO_SCHEMA_SQLSTATE = "3F000"
+
+
+@contextmanager
+def _unexpected_tables(where: str, recorded: str | None) -> Iterator[None]:
+    """Around the revisions of an upgrade: a statement that fails because the tables are not
+    what the recorded revision says raises :class:`UnrecognizedSchemaError` (a missing
+    schema :class:`StoreConfigError`), not the raw driver error. What
+    :func:`check_recorded_tables` cannot see beforehand lands here; the upgrade's
+    transaction is rolled back either way."""
+    from_where = f"from its recorded revision {recorded!r}" if recorded else "from an empty schema"
+    try:
+        yield
+    except sa.exc.NoSuchTableError as error:  # a revision's inspection of a missing table
+        raise UnrecognizedSchemaError(
+            f"{where} cannot be upgraded {from_where}: table {error} does not exist; "
+            "nothing was changed"
+        ) from error
+    except sa.exc.DBAPIError as error:
+        orig = error.orig
+        sqlstate = getattr(orig, "sqlstate", None)
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        if sqlstate == _NO_SCHEMA_SQLSTATE:
+            raise StoreConfigError(_no_schema_message(where, None)) from error
+        shape = sqlstate in _SHAPE_SQLSTATES or (
+            isinstance(orig, sqlite3.OperationalError)
+            and (first.startswith(_SQLITE_SHAPE) or first.endswith("already exists"))
+        )
+        if not shape:
+            raise
+        raise UnrecognizedSchemaError(
+            f"{where}: upgrading it {from_where} failed on its tables ({first}); nothing was "
+            "changed. They are not the ones that revision leaves (changed by hand, or another "
+            "application's): restore them from a backup, or give the store a database (or "
+            "schema) of its own"
+        ) from error
 
 
 @contextmanager
@@ -853,6 +968,8 @@ def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) ->
             if find_damage(state, dialect, _describe_url(url)):
                 repair(target, retry=retry)
             return
+        if state is not None:  # refused before the write lock is taken
+            check_recorded_tables(state, str(path) if path is not None else _describe_url(url))
         upgrade(target, "head", retry=retry)
 
 
@@ -911,6 +1028,7 @@ def check_head(target: Engine | sa.URL) -> None:
                 state = read_state(conn)
             check_adoptable(state, where)
     if state.revision != head:
+        check_recorded_tables(state, where)  # `db upgrade` would refuse it: say why now
         found = state.revision or (
             f"the original store's schema_version {state.schema_version}"
             if state.is_legacy

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from sqlalchemy import event
 from sqlalchemy.engine import URL
 
-from hermes_store import AsyncSessionDB, InvalidInputError, SessionDB
+from hermes_store import AsyncSessionDB, DatabaseUnavailableError, InvalidInputError, SessionDB
 from hermes_store.cli import cli
 from hermes_store.engine.factory import (
     CONNECT_TIMEOUT_S,
@@ -198,3 +198,26 @@ def test_a_port_no_server_can_have_fails_at_once(pg_url: URL) -> None:
     assert done.exit_code == 2, done.output
     assert "port 99999 is out of range (1-65535)" in done.stderr
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("part", "refused", "hint"),
+    [
+        ("username", 'role "hermes_no_such_role"', "`createuser NAME`"),
+        ("database", 'database "hermes_no_such_db"', "`createdb NAME`"),
+    ],
+)
+def test_a_missing_role_or_database_gets_the_command_that_creates_it(
+    pg_url: URL, part: str, refused: str, hint: str
+) -> None:
+    """The hint fits what is missing: ``createdb`` creates no role."""
+    name = refused.split('"')[1]
+    wrong = pg_url.set(username=name) if part == "username" else pg_url.set(database=name)
+    with pytest.raises(DatabaseUnavailableError, match=f"{refused} does not exist") as raised:
+        SessionDB(url_string(wrong))
+    assert str(raised.value).endswith(f"(create it first, e.g. {hint})")
+    done = CliRunner().invoke(cli, ["--db", url_string(wrong), "stats"])
+    assert done.exit_code == 3, done.output
+    assert refused in done.stderr and hint in done.stderr
+    other = {"`createuser NAME`", "`createdb NAME`"} - {hint}
+    assert other.pop() not in done.stderr
