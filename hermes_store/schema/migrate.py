@@ -35,6 +35,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store.engine import files, placement
 from hermes_store.engine.factory import (
     BUSY_OPTION,
+    READER_BUSY_TIMEOUT_S,
     WRITE_OPTION,
     WRITER_BUSY_TIMEOUT_S,
     Target,
@@ -43,6 +44,7 @@ from hermes_store.engine.factory import (
     display_url,
     make_private_dirs,
     read_only_reason,
+    refuse_hot_journal,
     refuse_sqlite_aliases,
     same_connection,
     sqlite_file,
@@ -389,6 +391,31 @@ def _some(names: set[str], shown: int) -> str:
     return ", ".join(first) + more
 
 
+def _roll_back_hot_journal(path: Path) -> None:
+    """A writer in rollback-journal mode killed mid-transaction (the original store's files can
+    be in DELETE mode) left a hot journal: the file holds part of a transaction that never
+    committed until SQLite rolls it back, and a read-only look (the probe below) is refused
+    ("attempt to write a readonly database"). Any read-write SQLite open rolls it back, as the
+    original store's next open would: done here, before the look, so the file is adopted with
+    exactly what was committed. In a folder that cannot be written that is impossible:
+    refused (:func:`refuse_hot_journal`)."""
+    if not os.access(path.parent, os.W_OK):
+        refuse_hot_journal(path)
+        return
+    if files.hot_journal(path) is None:
+        return
+    log.warning("%s: rolling back the hot journal a writer killed mid-transaction left", path)
+    connection = files.connect_sqlite(path, timeout=READER_BUSY_TIMEOUT_S)
+    try:
+        connection.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as error:
+        raise NotADatabaseError(
+            f"{path}: the hot journal a writer left could not be rolled back: {error}"
+        ) from error
+    finally:
+        connection.close()
+
+
 def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | None:
     """Refuse files that are not adoptable, reading them only (None: the file does not exist).
     With ``adoptable=False`` a readable database's state is returned whatever its schema (a
@@ -416,6 +443,7 @@ def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | N
             f"permission denied opening the database: {where} belongs to uid {info.st_uid} "
             f"(mode {stat.S_IMODE(info.st_mode):o})"
         )
+    _roll_back_hot_journal(path)
     quiet = not files.sidecars(path)
     before = _signature(path)
     try:

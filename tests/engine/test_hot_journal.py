@@ -112,6 +112,22 @@ def test_a_hot_journal_in_a_read_only_folder_is_refused(hot: Path) -> None:
     assert not Path(f"{hot}-journal").exists()
 
 
+@pytest.mark.parametrize("mode", ["auto", "check"])
+def test_a_hot_journal_where_the_folder_can_be_written_is_rolled_back_at_open(
+    hot: Path, mode: str
+) -> None:
+    """The default open (and the CLI's read commands, ``check``) looked at the file read-only
+    first, which SQLite refuses while a hot journal waits ("attempt to write a readonly
+    database"): a file the original store left that way could not be adopted. The open now
+    rolls the journal back first, as any SQLite open that may write does."""
+    with SessionDB(hot, migrate=mode) as db:  # type: ignore[arg-type]
+        assert db.get_session("UNCOMMITTED") is None
+        assert [m["content"] for m in db.get_messages("s1")] == [KEPT]
+    assert not Path(f"{hot}-journal").exists()
+    with closing(sqlite3.connect(hot)) as raw:
+        assert raw.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
 def test_query_and_backup_refuse_a_hot_journal_in_a_read_only_folder(
     hot: Path, tmp_path: Path
 ) -> None:
