@@ -627,51 +627,6 @@ def _cjk_sample(conn: Connection, message_id: int, text: str, draw: random.Rando
 
 #: FTS5 numbers a segment's leaf pages in ``<table>_data`` as ``segment id << 37 | page``.
 _LEAF_ROWID_SHIFT = 37
-#: The four bytes after the cookie that mark the second format of a structure record.
-_STRUCTURE_V2 = b"\xff\x00\x00\x01"
-
-
-def _read_varint(data: bytes, at: int) -> tuple[int, int]:
-    """SQLite's varint at ``at`` (value, offset after it); ValueError past the end."""
-    value = 0
-    for i in range(9):
-        if at >= len(data):
-            raise ValueError("the record ends inside a number")
-        byte = data[at]
-        at += 1
-        if i == 8:
-            return (value << 8) | byte, at
-        value = (value << 7) | (byte & 0x7F)
-        if not byte & 0x80:
-            return value, at
-    raise AssertionError("unreachable")
-
-
-def index_segments(block: bytes) -> list[tuple[int, int, int]]:
-    """(segment id, first leaf page, last leaf page) of each segment an FTS5 structure record
-    lists; ValueError where FTS5 itself would refuse the record."""
-    fulltext.decode_structure(block)  # the header, within FTS5's limits
-    at = 4
-    second_format = block[at : at + 4] == _STRUCTURE_V2
-    if second_format:
-        at += 4
-    levels, at = _read_varint(block, at)
-    _, at = _read_varint(block, at)  # the segments in all
-    _, at = _read_varint(block, at)  # the write counter
-    found: list[tuple[int, int, int]] = []
-    for _level in range(levels):
-        _, at = _read_varint(block, at)  # the segments of a merge in progress
-        count, at = _read_varint(block, at)
-        for _segment in range(count):
-            segment, at = _read_varint(block, at)
-            first, at = _read_varint(block, at)
-            last, at = _read_varint(block, at)
-            for _field in range(5 if second_format else 0):  # origins and tombstones
-                _, at = _read_varint(block, at)
-            if last < first:
-                raise ValueError(f"segment {segment} ends (page {last}) before it starts")
-            found.append((segment, first, last))
-    return found
 
 
 def _has_table(conn: Connection, table: str) -> bool:
@@ -686,16 +641,12 @@ def _lost_pages(conn: Connection, table: str) -> str:
     """The leaf pages that ``table``'s structure record lists as the first or last of a
     segment and that ``<table>_data`` lacks, in words ("" when none); ValueError when the
     structure record is damaged."""
-    block = conn.exec_driver_sql(
-        f"SELECT block FROM {table}_data WHERE id = ?", (fulltext.STRUCTURE_ROWID,)
-    ).scalar()
+    block = fulltext.structure_block(conn, table)
     if block is None:
         return ""
-    if not isinstance(block, bytes):
-        raise ValueError(f"the structure record is a {type(block).__name__}, not a blob")
     wanted = {
         (segment << _LEAF_ROWID_SHIFT) | page: (segment, page)
-        for segment, first, last in index_segments(block)
+        for segment, first, last in fulltext.index_segments(block)
         if last > 0
         for page in (first, last)
     }

@@ -127,17 +127,49 @@ def decode_structure(block: bytes) -> IndexShape:
     return IndexShape(levels, segments)
 
 
-def structure(conn: Connection, table: str = ddl.FTS_TABLE) -> IndexShape | None:
-    """The index's shape read from its structure record (a plain table read, so it works when
-    the table's own constructor fails); None when the index has none. ValueError: damaged."""
+def structure_block(conn: Connection, table: str = ddl.FTS_TABLE) -> bytes | None:
+    """The index's structure record (a plain table read, so it works when the table's own
+    constructor fails); None when the index has none. ValueError: not a blob."""
     block = conn.execute(
         sa.text(f"SELECT block FROM {table}_data WHERE id = :id"), {"id": STRUCTURE_ROWID}
     ).scalar()
-    if block is None:
-        return None
-    if not isinstance(block, bytes):
+    if block is not None and not isinstance(block, bytes):
         raise ValueError(f"the structure record is a {type(block).__name__}, not a blob")
-    return decode_structure(block)
+    return block
+
+
+def structure(conn: Connection, table: str = ddl.FTS_TABLE) -> IndexShape | None:
+    """The index's shape read from its structure record; None when the index has none.
+    ValueError: damaged."""
+    block = structure_block(conn, table)
+    return None if block is None else decode_structure(block)
+
+
+def index_segments(block: bytes) -> list[tuple[int, int, int]]:
+    """(segment id, first leaf page, last leaf page) of each segment an FTS5 structure record
+    lists; ValueError where FTS5 itself would refuse the record."""
+    decode_structure(block)  # the header, within FTS5's limits
+    at = 4
+    second_format = block[at : at + 4] == _STRUCTURE_V2
+    if second_format:
+        at += 4
+    levels, at = _varint(block, at)
+    _, at = _varint(block, at)  # the segments in all
+    _, at = _varint(block, at)  # the write counter
+    found: list[tuple[int, int, int]] = []
+    for _level in range(levels):
+        _, at = _varint(block, at)  # the segments of a merge in progress
+        count, at = _varint(block, at)
+        for _segment in range(count):
+            segment, at = _varint(block, at)
+            first, at = _varint(block, at)
+            last, at = _varint(block, at)
+            for _field in range(5 if second_format else 0):  # origins and tombstones
+                _, at = _varint(block, at)
+            if last < first:
+                raise ValueError(f"segment {segment} ends (page {last}) before it starts")
+            found.append((segment, first, last))
+    return found
 
 
 class FullText(Protocol):

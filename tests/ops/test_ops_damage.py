@@ -25,6 +25,7 @@ from hermes_store.cli import cli
 from hermes_store.engine.factory import to_url
 from hermes_store.errors import InvalidInputError
 from hermes_store.ops import backup, health, retention
+from hermes_store.schema import fulltext
 
 SESSIONS = 30
 
@@ -159,7 +160,7 @@ def test_the_up_front_check_passes_a_sound_index_mid_merge(tmp_path: Path) -> No
         raw.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('merge', 1)")
         block = raw.execute("SELECT block FROM messages_fts_data WHERE id = 10").fetchone()[0]
         present = {row[0] for row in raw.execute("SELECT id FROM messages_fts_data")}
-    segments = health.index_segments(block)
+    segments = fulltext.index_segments(block)
     assert segments and all(
         (segment << 37) | page in present
         for segment, first, last in segments

@@ -25,7 +25,7 @@ from hermes_store.errors import (
     UnrecognizedSchemaError,
 )
 from hermes_store.schema import migrate
-from tests.support.backends import reset_pg, url_string
+from tests.support.backends import reset_pg, run_sql, url_string
 
 
 def _cli(url: URL | str, *args: str) -> Result:
@@ -40,16 +40,6 @@ def _error_line(result: Result) -> str:
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     assert "database error:" not in lines[0]  # the package's words, not the driver's
     return lines[0]
-
-
-def _run_sql(url: URL, *statements: str) -> None:
-    engine = sa.create_engine(url, poolclass=NullPool)
-    try:
-        with engine.begin() as conn:
-            for statement in statements:
-                conn.exec_driver_sql(statement)
-    finally:
-        engine.dispose()
 
 
 def _snapshot(url: URL) -> dict[str, Any]:
@@ -99,7 +89,7 @@ def select_only_url(pg_url: URL) -> Iterator[URL]:
         store.create_session("s1", "cli")
         store.append_message("s1", "user", "hello")
     role = f"hermes_ro_{uuid.uuid4().hex[:12]}"
-    _run_sql(
+    run_sql(
         pg_url,
         f'CREATE ROLE "{role}" LOGIN',
         f'GRANT USAGE ON SCHEMA public TO "{role}"',
@@ -108,7 +98,7 @@ def select_only_url(pg_url: URL) -> Iterator[URL]:
     try:
         yield pg_url.set(username=role, password=None)
     finally:
-        _run_sql(pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE IF EXISTS "{role}"')
+        run_sql(pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE IF EXISTS "{role}"')
 
 
 WRITES: dict[str, Callable[[SessionDB], object]] = {
@@ -157,7 +147,7 @@ VERSION_TABLE = (
 
 @pytest.mark.parametrize("revision", ["v3_session_title", "h9_write_keys", "v1_base"])
 def test_a_recorded_revision_without_its_tables_is_refused(blank_pg: URL, revision: str) -> None:
-    _run_sql(blank_pg, *(s.format(revision=revision) for s in VERSION_TABLE))
+    run_sql(blank_pg, *(s.format(revision=revision) for s in VERSION_TABLE))
     before = _snapshot(blank_pg)
     with pytest.raises(UnrecognizedSchemaError, match=rf"{revision}.*no sessions"):
         SessionDB(url_string(blank_pg))
@@ -169,7 +159,7 @@ def test_a_recorded_revision_without_its_tables_is_refused(blank_pg: URL, revisi
 
 
 def test_a_recorded_revision_over_another_applications_tables_is_refused(blank_pg: URL) -> None:
-    _run_sql(
+    run_sql(
         blank_pg,
         "CREATE TABLE sessions (id SERIAL PRIMARY KEY, owner TEXT, expires TIMESTAMP)",
         "CREATE TABLE messages (id SERIAL PRIMARY KEY, session INTEGER, body TEXT)",
@@ -196,7 +186,7 @@ def test_the_upgrade_names_a_missing_table_even_past_the_preflight(
 ) -> None:
     """The safety net alone (the preflight switched off): the revision that meets another
     application's tables fails as the package's error, rolled back."""
-    _run_sql(
+    run_sql(
         blank_pg,
         "CREATE TABLE sessions (id SERIAL PRIMARY KEY, owner TEXT)",
         "CREATE TABLE messages (id SERIAL PRIMARY KEY, body TEXT)",

@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 from hermes_store import DatabaseLockedError, SessionDB
 from hermes_store.errors import UnrecognizedSchemaError
 from hermes_store.schema import ddl, migrate
-from tests.support.backends import url_string
+from tests.support.backends import run_sql, url_string
 
 WARNED = "hermes_store.schema.migrate"
 
@@ -182,16 +182,6 @@ def test_missing_column_at_head_is_refused_clearly(tmp_path: Path) -> None:
 # -- PostgreSQL ----------------------------------------------------------------------------------
 
 
-def _pg_exec(url: URL, *statements: str) -> None:
-    engine = sa.create_engine(url, poolclass=NullPool)
-    try:
-        with engine.begin() as conn:
-            for statement in statements:
-                conn.exec_driver_sql(statement)
-    finally:
-        engine.dispose()
-
-
 def _pg_indexes(url: URL) -> set[str]:
     engine = sa.create_engine(url, poolclass=NullPool)
     try:
@@ -222,7 +212,7 @@ def test_pg_damage_is_repaired_on_open(
     store.create_session("s", "cli")
     store.append_message("s", "user", "zebra crossing")
     store.close()
-    _pg_exec(pg_url, *damage)
+    run_sql(pg_url, *damage)
     caplog.set_level(logging.WARNING, logger=WARNED)
     store = SessionDB(url)
     try:
@@ -241,6 +231,6 @@ def test_pg_damage_is_repaired_on_open(
 
 
 def test_pg_missing_column_at_head_is_refused(pg_url: URL) -> None:
-    _pg_exec(pg_url, "ALTER TABLE sessions DROP COLUMN billing_mode")
+    run_sql(pg_url, "ALTER TABLE sessions DROP COLUMN billing_mode")
     with pytest.raises(UnrecognizedSchemaError, match="billing_mode"):
         SessionDB(url_string(pg_url))

@@ -54,6 +54,17 @@ def sqlite_lock_is_free(path: Path | str) -> bool:
         conn.close()
 
 
+def run_sql(url: URL, *statements: str) -> None:
+    """Run ``statements`` in one transaction on a connection of its own (a setup step)."""
+    engine = sa.create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            for statement in statements:
+                conn.exec_driver_sql(statement)
+    finally:
+        engine.dispose()
+
+
 def reset_pg(url: URL) -> None:
     """Drop everything in the worker's database: a fresh public schema, and no schema an
     earlier test placed a store in (``SessionDB(schema=...)``, the README's example)."""
