@@ -168,13 +168,15 @@ def hot_journal(path: Path, *, timeout: float = 1.0) -> Path | None:
         return None
     try:
         connection = connect_sqlite(path, timeout=timeout, read_only=True)
-    except sqlite3.Error:
+    except sqlite3.Error as error:
+        log.debug("%s: cannot look for a hot journal (%s); the open will say", path, error)
         return None
     try:
         connection.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as error:
         if error.sqlite_errorcode == sqlite3.SQLITE_READONLY_ROLLBACK:
             return journal
+        log.debug("%s: cannot look for a hot journal (%s); the open will say", path, error)
     finally:
         connection.close()
     return None

@@ -637,16 +637,41 @@ def _has_table(conn: Connection, table: str) -> bool:
     )
 
 
+#: Looks at the index before its lost pages are said: writers beside the doctor (which reads
+#: without one snapshot) may change the segments between its reads.
+_LOST_PAGE_LOOKS = 3
+
+
 def _lost_pages(conn: Connection, table: str) -> str:
     """The leaf pages that ``table``'s structure record lists as the first or last of a
     segment and that ``<table>_data`` lacks, in words ("" when none); ValueError when the
-    structure record is damaged."""
-    block = fulltext.structure_block(conn, table)
-    if block is None:
-        return ""
+    structure record is damaged.
+
+    Said only when the structure record read again after the pages is the same: each of its
+    changes (a writer's new segment, a merge that drops pages it consumed) rewrites it, so
+    pages found missing between two equal reads are lost, not merged away meanwhile (the
+    doctor's reads are not one snapshot). An index that changes at every look says nothing."""
+    for _ in range(_LOST_PAGE_LOOKS):
+        block = fulltext.structure_block(conn, table)
+        if block is None:
+            return ""
+        lost = _pages_absent(conn, table, fulltext.index_segments(block))
+        if not lost:
+            return ""
+        if fulltext.structure_block(conn, table) == block:
+            shown = ", ".join(f"segment {segment} page {page}" for segment, page in lost[:3])
+            more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+            return f"{len(lost)} leaf page(s) its segments list are missing ({shown}{more})"
+    return ""
+
+
+def _pages_absent(
+    conn: Connection, table: str, segments: list[tuple[int, int, int]]
+) -> list[tuple[int, int]]:
+    """(segment, page) of each segment's first and last leaf page absent from the table."""
     wanted = {
         (segment << _LEAF_ROWID_SHIFT) | page: (segment, page)
-        for segment, first, last in fulltext.index_segments(block)
+        for segment, first, last in segments
         if last > 0
         for page in (first, last)
     }
@@ -658,12 +683,7 @@ def _lost_pages(conn: Connection, table: str) -> str:
     for start in range(0, len(rows), 500):
         chunk = rows[start : start + 500]
         present.update(int(found) for found in conn.scalars(statement, {"ids": chunk}))
-    lost = [wanted[rowid] for rowid in rows if rowid not in present]
-    if not lost:
-        return ""
-    shown = ", ".join(f"segment {segment} page {page}" for segment, page in lost[:3])
-    more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
-    return f"{len(lost)} leaf page(s) its segments list are missing ({shown}{more})"
+    return [wanted[rowid] for rowid in rows if rowid not in present]
 
 
 def missing_index_pages(conn: Connection) -> list[str]:
