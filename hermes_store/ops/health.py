@@ -625,104 +625,20 @@ def _cjk_sample(conn: Connection, message_id: int, text: str, draw: random.Rando
     return ""
 
 
-#: FTS5 numbers a segment's leaf pages in ``<table>_data`` as ``segment id << 37 | page``.
-_LEAF_ROWID_SHIFT = 37
-
-
-def _has_table(conn: Connection, table: str) -> bool:
-    return bool(
-        conn.exec_driver_sql(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
-        ).scalar()
-    )
-
-
-#: Looks at the index before its lost pages are said: writers beside the doctor (which reads
-#: without one snapshot) may change the segments between its reads.
-_LOST_PAGE_LOOKS = 3
-
-
-def _lost_pages(conn: Connection, table: str) -> str:
-    """The leaf pages that ``table``'s structure record lists as the first or last of a
-    segment and that ``<table>_data`` lacks, in words ("" when none); ValueError when the
-    structure record is damaged.
-
-    Said only when the structure record read again after the pages is the same: each of its
-    changes (a writer's new segment, a merge that drops pages it consumed) rewrites it, so
-    pages found missing between two equal reads are lost, not merged away meanwhile (the
-    doctor's reads are not one snapshot). An index that changes at every look says nothing."""
-    for _ in range(_LOST_PAGE_LOOKS):
-        block = fulltext.structure_block(conn, table)
-        if block is None:
-            return ""
-        lost = _pages_absent(conn, table, fulltext.index_segments(block))
-        if not lost:
-            return ""
-        if fulltext.structure_block(conn, table) == block:
-            shown = ", ".join(f"segment {segment} page {page}" for segment, page in lost[:3])
-            more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
-            return f"{len(lost)} leaf page(s) its segments list are missing ({shown}{more})"
-    return ""
-
-
-def _pages_absent(
-    conn: Connection, table: str, segments: list[tuple[int, int, int]]
-) -> list[tuple[int, int]]:
-    """(segment, page) of each segment's first and last leaf page absent from the table."""
-    wanted = {
-        (segment << _LEAF_ROWID_SHIFT) | page: (segment, page)
-        for segment, first, last in segments
-        if last > 0
-        for page in (first, last)
-    }
-    rows = list(wanted)
-    statement = sa.text(f"SELECT id FROM {table}_data WHERE id IN :ids").bindparams(
-        sa.bindparam("ids", expanding=True)
-    )
-    present: set[int] = set()
-    for start in range(0, len(rows), 500):
-        chunk = rows[start : start + 500]
-        present.update(int(found) for found in conn.scalars(statement, {"ids": chunk}))
-    return [wanted[rowid] for rowid in rows if rowid not in present]
-
-
-def missing_index_pages(conn: Connection) -> list[str]:
-    """What a few reads find lost in the full-text indexes (empty: nothing): a structure
-    record FTS5 cannot read, or a segment it lists whose first or last leaf page is gone.
-
-    Cheap enough to run before a job writes to a live index of any size (the structure
-    record and two rows per segment, by primary key), unlike FTS5's 'integrity-check', which
-    reads the whole index and the content (about a second per 100 MB) under the write lock: a
-    prune runs it first, so its deletes never go into an index whose pages were lost. It
-    does not look inside the pages; the doctor does."""
-    problems: list[str] = []
-    for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
-        if not _has_table(conn, table):
-            continue
-        try:
-            lost = _lost_pages(conn, table)
-        except ValueError as error:
-            problems.append(f"{table}: its structure record is damaged ({error})")
-            continue
-        if lost:
-            problems.append(f"{table}: {lost}")
-    return problems
-
-
 def _structure_check(conn: Connection) -> Check | str:
     """Each FTS5 table's structure record (read as a plain row): an error Check when FTS5
     cannot read it (every write to ``messages`` fails then) or when leaf pages it lists are
-    gone (:func:`missing_index_pages`: a large file's sampled check may miss that), else a
+    gone (:func:`fulltext.missing_index_pages`: a large file's sampled check may miss that), else a
     warning text when it is so deep that merging stops starting, or left with a maintenance
     job's merge settings ("" when fine)."""
     deep: list[str] = []
     merging_off: list[str] = []
     for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
-        if not _has_table(conn, table):
+        if not fulltext.has_table(conn, table):
             continue
         try:
             shape = fulltext.structure(conn, table)
-            lost = _lost_pages(conn, table)
+            lost = fulltext.lost_pages(conn, table)
         except ValueError as error:
             return Check(
                 "full-text index",

@@ -42,7 +42,8 @@ from hermes_store.echo import echoed
 from hermes_store.engine import placement
 from hermes_store.engine.factory import default_db_path, make_private_dirs, sqlite_file
 from hermes_store.errors import InvalidInputError, NotADatabaseError, UnsafePathError
-from hermes_store.ops import health, maintenance, pacing
+from hermes_store.ops import maintenance, pacing
+from hermes_store.schema import fulltext
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
 from hermes_store.tables import write_keys_table as K
@@ -398,13 +399,13 @@ def landed(report: Report) -> str:
 
 def check_index(uow: UnitOfWork) -> None:
     """Refuse (:class:`NotADatabaseError`) a SQLite database whose full-text index a few
-    reads find damaged (:func:`hermes_store.ops.health.missing_index_pages`): a prune would
+    reads find damaged (:func:`hermes_store.schema.fulltext.missing_index_pages`): a prune would
     commit its deletes into it step by step, then fail at its first merge of the lost pages.
     Cheap at any size; FTS5's whole 'integrity-check' is the doctor's."""
     if not uow.is_sqlite:
         return
     with uow.connect(write=False) as conn:
-        problems = health.missing_index_pages(conn)
+        problems = fulltext.missing_index_pages(conn)
     if problems:
         raise NotADatabaseError(
             f"the full-text index is damaged: {'; '.join(problems)}. Nothing was deleted: "

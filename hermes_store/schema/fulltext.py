@@ -404,11 +404,11 @@ class SqliteFullText:
         there that it keeps out. Counted from FTS5's one row per indexed document
         (``<table>_docsize``); empty when every message is where it belongs."""
         problems: list[str] = []
-        if _has_table(conn, ddl.FTS_DOCSIZE):
+        if has_table(conn, ddl.FTS_DOCSIZE):
             held = _count(conn, _IN_MAIN, _IN_MAIN_ALL, [row[0] for row in rows])
             if held != len(rows):
                 problems.append(f"{ddl.FTS_TABLE} holds {held} of {len(rows)} messages")
-        if _has_table(conn, ddl.CJK_DOCSIZE):
+        if has_table(conn, ddl.CJK_DOCSIZE):
             plain = [row[0] for row in rows if not row[1] or row[1].isascii()]
             others = [row[0] for row in rows if row[1] and not row[1].isascii()]
             wrong = _count(conn, _IN_CJK, _IN_CJK_ALL, plain) + _count(
@@ -434,7 +434,7 @@ class SqliteFullText:
         (a damaged structure record fails its constructor, and with it 'rebuild' and DROP
         TABLE) is emptied through its shadow tables first."""
         for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
-            if _has_table(conn, table) and not _opens(conn, table):
+            if has_table(conn, table) and not _opens(conn, table):
                 reset_shadow_tables(conn, table)
         self.create_main(conn, fill=True)
         if cjk_index_expected(conn):
@@ -713,7 +713,7 @@ def fts5_integrity(conn: Connection, table: str) -> bool:
 def cjk_index_expected(conn: Connection) -> bool:
     """The CJK index belongs to the schema from h7_cjk_index on, where SQLite has trigrams."""
     version_table = placement.of(conn).version_table
-    if not _has_table(conn, version_table):
+    if not has_table(conn, version_table):
         return False
     revision = conn.execute(sa.text(f"SELECT version_num FROM {version_table}")).scalar()
     if revision is None:
@@ -750,7 +750,8 @@ def _count(conn: Connection, query: sa.TextClause, over_array: str, ids: Sequenc
     return total
 
 
-def _has_table(conn: Connection, name: str) -> bool:
+def has_table(conn: Connection, name: str) -> bool:
+    """Whether the SQLite database has the table ``name`` (an index's, or a version table)."""
     return bool(
         conn.execute(
             sa.text("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = :n"),
@@ -762,7 +763,7 @@ def _has_table(conn: Connection, name: str) -> bool:
 def _check_cjk_index(conn: Connection) -> bool:
     """The CJK index, when present (or due), has its triggers, passes FTS5's check, and holds
     exactly the messages its triggers select (compared by id)."""
-    if not _has_table(conn, ddl.CJK_TABLE):
+    if not has_table(conn, ddl.CJK_TABLE):
         if cjk_index_expected(conn):
             log.error("the CJK index %s is missing", ddl.CJK_TABLE)
             return False
@@ -797,3 +798,79 @@ def _check_cjk_index(conn: Connection) -> bool:
         log.error("the CJK index misses %d messages and holds %d it should not", drift[0], drift[1])
         return False
     return True
+
+
+#: FTS5 numbers a segment's leaf pages in ``<table>_data`` as ``segment id << 37 | page``.
+_LEAF_ROWID_SHIFT = 37
+
+
+#: Looks at the index before its lost pages are said: writers beside the doctor (which reads
+#: without one snapshot) may change the segments between its reads.
+_LOST_PAGE_LOOKS = 3
+
+
+def lost_pages(conn: Connection, table: str) -> str:
+    """The leaf pages that ``table``'s structure record lists as the first or last of a
+    segment and that ``<table>_data`` lacks, in words ("" when none); ValueError when the
+    structure record is damaged.
+
+    Said only when the structure record read again after the pages is the same: each of its
+    changes (a writer's new segment, a merge that drops pages it consumed) rewrites it, so
+    pages found missing between two equal reads are lost, not merged away meanwhile (the
+    doctor's reads are not one snapshot). An index that changes at every look says nothing."""
+    for _ in range(_LOST_PAGE_LOOKS):
+        block = structure_block(conn, table)
+        if block is None:
+            return ""
+        lost = _pages_absent(conn, table, index_segments(block))
+        if not lost:
+            return ""
+        if structure_block(conn, table) == block:
+            shown = ", ".join(f"segment {segment} page {page}" for segment, page in lost[:3])
+            more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+            return f"{len(lost)} leaf page(s) its segments list are missing ({shown}{more})"
+    return ""
+
+
+def _pages_absent(
+    conn: Connection, table: str, segments: list[tuple[int, int, int]]
+) -> list[tuple[int, int]]:
+    """(segment, page) of each segment's first and last leaf page absent from the table."""
+    wanted = {
+        (segment << _LEAF_ROWID_SHIFT) | page: (segment, page)
+        for segment, first, last in segments
+        if last > 0
+        for page in (first, last)
+    }
+    rows = list(wanted)
+    statement = sa.text(f"SELECT id FROM {table}_data WHERE id IN :ids").bindparams(
+        sa.bindparam("ids", expanding=True)
+    )
+    present: set[int] = set()
+    for start in range(0, len(rows), 500):
+        chunk = rows[start : start + 500]
+        present.update(int(found) for found in conn.scalars(statement, {"ids": chunk}))
+    return [wanted[rowid] for rowid in rows if rowid not in present]
+
+
+def missing_index_pages(conn: Connection) -> list[str]:
+    """What a few reads find lost in the full-text indexes (empty: nothing): a structure
+    record FTS5 cannot read, or a segment it lists whose first or last leaf page is gone.
+
+    Cheap enough to run before a job writes to a live index of any size (the structure
+    record and two rows per segment, by primary key), unlike FTS5's 'integrity-check', which
+    reads the whole index and the content (about a second per 100 MB) under the write lock: a
+    prune runs it first, so its deletes never go into an index whose pages were lost. It
+    does not look inside the pages; the doctor's checks do."""
+    problems: list[str] = []
+    for table in (ddl.FTS_TABLE, ddl.CJK_TABLE):
+        if not has_table(conn, table):
+            continue
+        try:
+            lost = lost_pages(conn, table)
+        except ValueError as error:
+            problems.append(f"{table}: its structure record is damaged ({error})")
+            continue
+        if lost:
+            problems.append(f"{table}: {lost}")
+    return problems

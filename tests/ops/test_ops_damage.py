@@ -3,7 +3,7 @@ pages before it deletes anything, and says what it had committed when it fails m
 doctor reports a file with a second name (a hard link) as a problem; a backup onto a dangling
 symbolic link is refused as a link, and replaces the link only with ``--force``.
 
-The damage is made with plain ``sqlite3`` on real files, as a red team made it: the leaf pages
+The damage is made with plain ``sqlite3`` on real files: the leaf pages
 of the index deleted (every segment loses its pages: a few reads see it), or overwritten with
 zeros (the rows are there: only a merge that reads them fails, after a step committed).
 """
@@ -71,7 +71,7 @@ def _rows(path: Path) -> dict[str, object]:
         }
 
 
-# -- bug 3: a prune on a damaged full-text index --------------------------------------------------
+# -- a prune on a damaged full-text index ---------------------------------------------------------
 
 
 def test_a_prune_refuses_an_index_that_lost_pages_before_it_deletes_anything(
@@ -168,7 +168,7 @@ def test_the_up_front_check_passes_a_sound_index_mid_merge(tmp_path: Path) -> No
     )
     with SessionDB(path) as store:
         with store.uow.connect(write=False) as conn:
-            assert health.missing_index_pages(conn) == []
+            assert fulltext.missing_index_pages(conn) == []
         report = retention.run(store.uow, retention.Policy(0))
     assert report.sessions == 30
 
@@ -184,7 +184,7 @@ def test_a_prune_fills_the_report_it_is_given_on_both_backends(store: SessionDB)
     assert (given.sessions, given.messages, given.chunks) == (3, 3, 3)
 
 
-# -- bug 4: the doctor and a file with a second name ---------------------------------------------
+# -- the doctor and a file with a second name ----------------------------------------------------
 
 
 def test_the_doctor_reports_a_hard_linked_database_as_a_problem(
@@ -230,7 +230,7 @@ def test_the_doctor_names_the_leaf_pages_an_index_lost(
     assert "doctor --rebuild-index" in index.detail
 
 
-# -- bug 5: a backup onto a dangling symbolic link -----------------------------------------------
+# -- a backup onto a dangling symbolic link ------------------------------------------------------
 
 
 def test_a_backup_onto_a_dangling_symlink_is_refused_as_a_link(

@@ -533,7 +533,6 @@ SQL_INTERPOLATION_ALLOWED = {
         "schema/fulltext.py",
         "table",
     ): "ddl.FTS_TABLE or ddl.CJK_TABLE, from the callers in the package",
-    ("ops/health.py", "table"): "ddl.FTS_TABLE or ddl.CJK_TABLE, the tables it loops over",
     ("schema/fulltext.py", "name"): "to_regclass() of the constant index names, or a constant",
     (
         "schema/fulltext.py",

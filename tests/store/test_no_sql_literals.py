@@ -59,7 +59,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # The full-text tables' names: ddl.FTS_TABLE / ddl.CJK_TABLE, or names read back from
     # sqlite_master for exactly those tables' shadow tables.
     ("schema/fulltext.py", "structure_block"): "the FTS table name (a ddl constant) + '_data'",
-    ("ops/health.py", "_pages_absent"): "the FTS table name (a ddl constant) + '_data'",
+    ("schema/fulltext.py", "_pages_absent"): "the FTS table name (a ddl constant) + '_data'",
     ("schema/fulltext.py", "_opens"): "the FTS table name (a ddl constant)",
     ("schema/fulltext.py", "reset_shadow_tables"): "shadow table names of the ddl's FTS tables",
     # SQLite PRAGMAs take no bound parameters; the values are numbers of the package's own.

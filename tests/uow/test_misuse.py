@@ -512,7 +512,7 @@ def _lock_is_free(url: URL) -> bool:
 
 
 def _opened_in_order(db: SessionDB, later: str) -> tuple[Iterator[None], Iterator[None]]:
-    """The brief's case: two generators, the second's block nested in the first's."""
+    """Two generators, the second's block nested in the first's, both suspended inside."""
 
     def outer() -> Iterator[None]:
         with db.transaction():
