@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit, urlu
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import util as sa_util
 from sqlalchemy.engine import URL, Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.pool import ConnectionPoolEntry, SingletonThreadPool
 
@@ -154,6 +155,20 @@ _SQLITE_URI_VALUES = {"mode": ("ro", "rw", "rwc", "memory"), "cache": ("shared",
 _LOCKLESS_VFS = "unix-none"
 
 
+def is_sqlite_uri(url: URL) -> bool:
+    """True when SQLAlchemy hands a SQLite URL's name to SQLite as a URI (its ``uri`` argument
+    read as SQLAlchemy reads it); otherwise even a ``file:`` name is a plain file's."""
+    given = url.query.get("uri")
+    if given is None:
+        return False
+    try:
+        return bool(sa_util.asbool(given if isinstance(given, str) else given[-1]))
+    except ValueError:
+        raise InvalidInputError(
+            f"the SQLite URL's uri={echoed(given)} is not a boolean (uri=true)"
+        ) from None
+
+
 def sqlite_uri_parameters(url: URL) -> list[tuple[str, str]]:
     """The SQLite URI parameters of a SQLite URL: those in its query (not the driver's, which
     SQLAlchemy keeps) and those written into the ``file:`` name itself (``%3F``)."""
@@ -174,6 +189,16 @@ def _sqlite_true(value: str) -> bool:
     return text in ("yes", "true", "on")
 
 
+def sqlite_opens_read_only(url: URL) -> bool:
+    """True for a SQLite URI that SQLite opens read-only: ``mode=ro``, or ``immutable`` true as
+    SQLite reads a URI boolean (its first value: ``1``, ``yes``, ``on``...)."""
+    if not is_sqlite_uri(url):
+        return False
+    given = sqlite_uri_parameters(url)
+    immutable = next((value for key, value in given if key == "immutable"), "0")
+    return ("mode", "ro") in given or _sqlite_true(immutable)
+
+
 def _check_vfs(name: str) -> None:
     """SQLite looks a URI's VFS up only as it opens the file (a store's first write, once the
     store had opened): looked up here on an in-memory database, which opens no file."""
@@ -192,9 +217,15 @@ def _check_sqlite_database(url: URL) -> None:
         raise InvalidInputError(
             "the database path holds a NUL character (%00): no file has such a name"
         )
-    sqlite_file(url)  # decodes a file: URI's name, refusing what would name another file
-    if "uri" not in url.query:  # not a SQLite URI: see _refuse_ignored_sqlite_arguments
+    if not is_sqlite_uri(url):  # not a SQLite URI: see _refuse_ignored_sqlite_arguments
+        if (url.database or "").startswith("file:"):
+            raise InvalidInputError(
+                f"the SQLite URL names {echoed(url.database)}, which SQLite reads as a URI only "
+                "with uri=true (sqlite:///file:/path/to/state.db?uri=true); without it, it is "
+                "a file of that name: give a plain path for one"
+            )
         return
+    sqlite_file(url)  # decodes a file: URI's name, refusing what would name another file
     given = sqlite_uri_parameters(url)
     for key, value in given:
         if (key == "nolock" and _sqlite_true(value)) or (key == "vfs" and value == _LOCKLESS_VFS):
@@ -219,7 +250,7 @@ def _refuse_ignored_sqlite_arguments(url: URL) -> None:
     """A SQLite URL's argument that would be ignored is refused: ``sqlite:////x.db?mode=ro``
     opened the file for writing (SQLAlchemy drops ``mode`` unless the URL is a SQLite URI),
     and wrote into a file its caller asked to read only."""
-    if str(url.query.get("uri", "")).lower() in ("true", "1"):
+    if is_sqlite_uri(url):
         return
     ignored = sorted(set(url.query) - _SQLITE_DIALECT_ARGUMENTS)
     if ignored:
@@ -369,9 +400,11 @@ def sqlite_file(url: URL) -> Path | None:
     if url.get_backend_name() != "sqlite":
         return None
     database = url.database or ""
-    if database in ("", ":memory:") or database.startswith("file::memory:"):
+    if database in ("", ":memory:"):
         return None
-    if database.startswith("file:"):
+    if database.startswith("file:") and is_sqlite_uri(url):
+        if database.startswith("file::memory:"):
+            return None
         name = files.uri_file_name(database)
         given = sqlite_uri_parameters(url)
         if name in ("", ":memory:") or ("mode", "memory") in given or ("vfs", "memdb") in given:
@@ -1000,7 +1033,7 @@ def install_sqlite_hooks(
             "this SQLite engine runs in AUTOCOMMIT: SQLAlchemy would never COMMIT the store's "
             "BEGIN IMMEDIATE; pass an engine without isolation_level='AUTOCOMMIT'"
         )
-    read_only = engine.url.query.get("mode") == "ro" or engine.url.query.get("immutable") == "1"
+    read_only = sqlite_opens_read_only(engine.url)
     settings = SqliteSettings(
         writer_ms=int(writer_busy_timeout * 1000),
         reader_ms=int(reader_busy_timeout * 1000),

@@ -17,7 +17,7 @@ import pytest
 from hermes_store import SessionDB
 from hermes_store.engine.factory import MAX_PATH_BYTES, sqlite_file, to_url
 from hermes_store.engine.files import WRITER_LOCK_SUFFIX, path_from_uri, sqlite_uri
-from hermes_store.errors import InvalidInputError
+from hermes_store.errors import InvalidInputError, ReadOnlyDatabaseError
 from hermes_store.schema import migrate
 
 
@@ -279,3 +279,53 @@ def test_the_uri_parameters_sqlite_takes_still_open_the_file(tmp_path: Path) -> 
             store.ensure_session("s")
     with SessionDB(f"sqlite:///file:{path}?mode=ro&uri=true") as store:
         assert store.get_session("s") is not None
+
+
+@pytest.mark.parametrize("query", ["", "?uri=false", "?uri=0"])
+def test_a_file_name_without_uri_true_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, query: str
+) -> None:
+    """``sqlite:///file:state.db`` without ``uri=true``: SQLAlchemy opens a plain file named
+    ``file:state.db`` while the store read the name as a URI, brought ``state.db`` to head
+    and kept its lock file beside it; the first write then met ``./file:state.db`` with no
+    tables (a raw ``OperationalError``), and two names of the store shared no lock. Refused
+    before anything is created, pointing at ``uri=true``."""
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///file:state.db{query}"
+    with pytest.raises(InvalidInputError, match="only with uri=true"):
+        SessionDB(url)
+    with pytest.raises(InvalidInputError, match="only with uri=true"):
+        migrate.upgrade(url)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_uri_is_read_as_sqlalchemy_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInputError, match="uri='maybe' is not a boolean"):
+        SessionDB("sqlite:///file:state.db?uri=maybe")
+    assert list(tmp_path.iterdir()) == []
+    with SessionDB("sqlite:///file:state.db?uri=yes") as store:  # SQLAlchemy's asbool
+        store.ensure_session("s")
+    assert _files(tmp_path) == ["state.db"]
+    with SessionDB(tmp_path / "state.db") as store:
+        assert store.get_session("s") is not None
+
+
+@pytest.mark.parametrize("flag", ["immutable=1", "immutable=yes", "immutable=on", "mode=ro"])
+def test_every_read_only_spelling_is_opened_read_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, flag: str
+) -> None:
+    """SQLite reads ``immutable=yes`` as true; the store took it for a writable file, tried to
+    switch it to WAL and warned that the file "refuses WAL" and would fall back to DELETE."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.ensure_session("s")
+    before = path.read_bytes()
+    with caplog.at_level("WARNING"), SessionDB(f"sqlite:///file:{path}?{flag}&uri=true") as store:
+        assert store.get_session("s") is not None
+        with pytest.raises(ReadOnlyDatabaseError):
+            store.append_message("s", "user", "no")
+    assert not [r for r in caplog.records if "refuses WAL" in r.getMessage()]
+    assert path.read_bytes() == before
