@@ -218,13 +218,14 @@ def fsync_path(path: Path) -> None:
 
 
 #: What the package builds beside a database under a private name, ``.NAME.PID.HEX.KIND``,
-#: before the file takes the real name: a new database (``new``) and an import's new file
-#: (``import``) are hard-linked into place, then their private name removed; a vacuum swap's
+#: before the file takes the real name: a new database (``new``), an import's new file
+#: (``import``) and a backup's copy (``backup``) are hard-linked into place, then their private
+#: name removed (a backup that may replace its target is renamed over it); a vacuum swap's
 #: compacted copy (``compact``) is renamed over the database.
-PARTIAL_KINDS = ("new", "import", "compact")
+PARTIAL_KINDS = ("new", "import", "backup", "compact")
 #: The kinds hard-linked into place: for a moment (or for good, if the process is killed
 #: then) the database has that second name, which is no alias (see :func:`refuse_aliases`).
-LINKED_KINDS = ("new", "import")
+LINKED_KINDS = ("new", "import", "backup")
 
 
 def partial_path(real: Path, kind: str) -> Path:

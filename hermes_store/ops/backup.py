@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable
@@ -66,6 +65,8 @@ BACKUP_PAGES = 1024
 #: makes those commits queue behind its writeback for hundreds of milliseconds, so the copy
 #: writes in small flushed increments instead.
 SYNC_BYTES = 4 * 1024 * 1024
+#: The private name's kind of a copy being written (``.NAME.PID.HEX.backup`` beside the target).
+_BUILD_KIND = "backup"
 #: How long (seconds) a restore waits for another process's write to end before it gives up:
 #: the copy takes the live file's write lock at its first step, waiting this busy timeout.
 RESTORE_LOCK_WAIT_S = 30.0
@@ -197,7 +198,10 @@ def backup(
     if not target.parent.is_dir():
         raise InvalidInputError(f"the folder {target.parent} does not exist")
 
-    partial = target.parent / f".{target.name}.partial-{secrets.token_hex(6)}"
+    # What a killed backup to this target left (its process gone) goes first: nothing else
+    # would ever remove it.
+    files.remove_dead_partials(target, (_BUILD_KIND,))
+    partial = files.partial_path(target, _BUILD_KIND)
     if not create_private_file(partial):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
     started = time.monotonic()

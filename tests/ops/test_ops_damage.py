@@ -1,7 +1,8 @@
 """Operations on a damaged or oddly named database: a prune refuses a full-text index that lost
 pages before it deletes anything, and says what it had committed when it fails midway; the
 doctor reports a file with a second name (a hard link) as a problem; a backup onto a dangling
-symbolic link is refused as a link, and replaces the link only with ``--force``.
+symbolic link is refused as a link, and replaces the link only with ``--force``; what a killed
+backup left beside its target is removed by the next backup there.
 
 The damage is made with plain ``sqlite3`` on real files: the leaf pages
 of the index deleted (every segment loses its pages: a few reads see it), or overwritten with
@@ -11,7 +12,9 @@ zeros (the rows are there: only a merge that reads them fails, after a step comm
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import signal
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -26,6 +29,8 @@ from hermes_store.engine.factory import to_url
 from hermes_store.errors import InvalidInputError
 from hermes_store.ops import backup, health, retention
 from hermes_store.schema import fulltext
+from tests.support.proc_workers import back_up_until_killed
+from tests.support.waiting import GUARD
 
 SESSIONS = 30
 
@@ -258,3 +263,43 @@ def test_a_backup_onto_a_dangling_symlink_is_refused_as_a_link(
     assert not link.is_symlink() and link.is_file() and not absent.exists()
     with SessionDB(link) as copy:
         assert copy.get_session("s0") is not None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_what_a_killed_backup_left_is_removed_by_the_next_backup_there(
+    tmp_path: Path, signum: int
+) -> None:
+    """A backup killed in its copy left ``.copy.db.partial-HEX`` (and its ``-journal``) beside
+    the target for good: the name said nothing of whose it was, so nothing removed it. The copy
+    is now ``.copy.db.PID.HEX.backup``: the next backup to that target removes what a process
+    that no longer exists left, and never the copy of one still running."""
+    state, out = tmp_path / "state.db", tmp_path / "out"
+    out.mkdir()
+    with SessionDB(state) as store:
+        for n in range(40):
+            store.create_session(f"s{n}", "cli")
+            store.append_message(f"s{n}", "user", "x" * 3000)
+    ctx = mp.get_context("spawn")
+    reached, never = ctx.Event(), ctx.Event()
+    backing_up = ctx.Process(
+        target=back_up_until_killed, args=(str(state), str(out / "copy.db"), reached, never)
+    )
+    backing_up.start()
+    try:
+        assert reached.wait(GUARD), "the backup never reported progress"
+        assert backing_up.pid is not None
+        left = sorted(os.listdir(out))
+        assert len(left) == 1 and left[0].startswith(f".copy.db.{backing_up.pid}.")
+        os.kill(backing_up.pid, signum)
+    finally:
+        backing_up.join(GUARD)
+    assert backing_up.exitcode == -signum
+    assert os.listdir(out) == left  # nobody else removes it
+    running = out / f".copy.db.{os.getpid()}.{'cd' * 8}.backup"  # a live process's copy
+    running.write_bytes(b"")
+    with SessionDB(state) as store:
+        report = store.backup(out / "copy.db", verify=True)
+    assert report.verified
+    assert sorted(os.listdir(out)) == sorted(["copy.db", running.name])
+    with SessionDB(out / "copy.db") as copy:
+        assert len(copy.list_sessions_rich(limit=100)) == 40

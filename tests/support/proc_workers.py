@@ -406,3 +406,16 @@ def write_sessions_in_random_order(
             "lost_groups": sum(s.lost_groups for s in stats),
         }
     )
+
+
+def back_up_until_killed(path: str, target: str, reached: Any, never: Any) -> None:
+    """A backup of ``path`` to ``target`` stopped in its copy: at its first progress report
+    ``reached`` is set, then this process waits on ``never`` for the signal that kills it."""
+    from hermes_store import SessionDB
+
+    def stop(_done: int, _total: int) -> None:
+        reached.set()
+        never.wait(120)
+
+    with SessionDB(path) as store:
+        store.backup(target, progress=stop, pages_per_step=1)

@@ -336,7 +336,7 @@ def test_a_backup_never_writes_through_a_planted_temporary_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hermes_store import UnsafePathError
-    from hermes_store.ops import backup
+    from hermes_store.engine import files
 
     path = tmp_path / "state.db"
     store = SessionDB(path)
@@ -345,8 +345,8 @@ def test_a_backup_never_writes_through_a_planted_temporary_file(
     _other_database(victim)
     out = tmp_path / "out"
     out.mkdir()
-    monkeypatch.setattr(backup, "secrets", _FixedToken)
-    (out / f".copy.db.partial-{'ab' * 6}").symlink_to(victim)
+    monkeypatch.setattr(files, "secrets", _FixedToken)  # the private name's random part
+    (out / f".copy.db.{os.getpid()}.{'ab' * 8}.backup").symlink_to(victim)
     try:
         with pytest.raises(UnsafePathError, match="exists already"):
             store.backup(out / "copy.db")
