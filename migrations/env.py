@@ -110,6 +110,9 @@ def _configure(connection: Connection) -> None:
         compare_type=True,
         compare_server_default=True,
         process_revision_directives=drop_primary_key_nullability,
+        # ``check`` and ``current`` only read: Alembic would otherwise create its empty
+        # version table in a file the original store wrote (adoption is for the upgrades).
+        dont_mutate=not _mutating(),
     )
 
 

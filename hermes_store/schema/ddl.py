@@ -379,3 +379,62 @@ UNMODELLED_COLUMNS = frozenset({PG_TSV_COLUMN})
 def is_fts_shadow_table(name: str) -> bool:
     """FTS5 keeps its index in ``messages_fts_data``, ``_idx``, ``_docsize``, ``_config``."""
     return name.startswith((f"{FTS_TABLE}_", f"{CJK_TABLE}_"))
+
+
+# --- recognising the package's own objects in a file it did not write ----------------------
+
+#: The rows of the main index (FTS5 keeps one ``_docsize`` row per indexed message) and of
+#: ``messages``: an index that holds fewer than there are messages misses some.
+FTS_INDEXED_COUNT = f"SELECT count(*) FROM {FTS_DOCSIZE}"
+MESSAGES_COUNT = "SELECT count(*) FROM messages"
+
+
+def fts5_arguments(sql: str | None) -> tuple[list[str], dict[str, str]] | None:
+    """The columns and options of an FTS5 table's ``CREATE VIRTUAL TABLE`` (quotes removed,
+    names lower-cased); None when ``sql`` does not create an FTS5 table (a plain table, FTS4,
+    another module)."""
+    if sql is None:
+        return None
+    head, sep, rest = sql.partition("(")
+    words = head.lower().split()
+    if not sep or "virtual" not in words or words[-2:-1] != ["using"] or words[-1] != "fts5":
+        return None
+    columns: list[str] = []
+    options: dict[str, str] = {}
+    for part in rest.rpartition(")")[0].split(","):
+        key, eq, value = part.partition("=")
+        name = key.strip().strip("'\"`[]").lower()
+        if eq:
+            options[name] = value.strip().strip("'\"`[]")
+        elif name:
+            columns.append(name)
+    return columns, options
+
+
+def is_store_fts(sql: str | None) -> bool:
+    """Whether ``sql`` creates an index the store can keep in step with ``messages``: FTS5
+    over its ``content`` with the messages as external content, one size row per message
+    (any tokenizer: the original store's is unicode61)."""
+    found = fts5_arguments(sql)
+    if found is None:
+        return False
+    columns, options = found
+    return (
+        columns == ["content"]
+        and options.get("content", "").lower() == "messages"
+        and options.get("content_rowid", "").lower() == "id"
+        and options.get("columnsize", "1") != "0"
+    )
+
+
+def is_store_cjk(sql: str | None) -> bool:
+    """Whether ``sql`` creates the CJK index as ``h7_cjk_index`` does: contentless trigram FTS5."""
+    found = fts5_arguments(sql)
+    if found is None:
+        return False
+    columns, options = found
+    return (
+        columns == ["content"]
+        and options.get("content") == ""
+        and options.get("tokenize", "").lower() == "trigram"
+    )

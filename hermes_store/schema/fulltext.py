@@ -418,6 +418,15 @@ class SqliteFullText:
                 problems.append(f"{ddl.CJK_TABLE} is wrong about {wrong} of {len(rows)} messages")
         return problems
 
+    def covers_messages(self, conn: Connection) -> bool:
+        """Whether the main index holds as many messages as there are: one the original store
+        created on a file that already had messages (its ``CREATE ... IF NOT EXISTS`` makes
+        it empty) holds only those written since. Two counts, no read of the text."""
+        if not has_table(conn, ddl.FTS_DOCSIZE):
+            return False
+        indexed = conn.exec_driver_sql(ddl.FTS_INDEXED_COUNT).scalar()
+        return indexed == conn.exec_driver_sql(ddl.MESSAGES_COUNT).scalar()
+
     def create_main(self, conn: Connection, fill: bool) -> None:
         """The original store's objects only (adoption: the CJK index comes with h7)."""
         for statement in (ddl.SQLITE_FTS_TABLE, *ddl.SQLITE_FTS_TRIGGERS):

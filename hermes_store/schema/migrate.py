@@ -21,6 +21,7 @@ import random
 import re
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
@@ -78,6 +79,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Held around every Alembic command: Alembic keeps the running migration's context and
+#: config in module globals (``alembic.context``, ``alembic.op``), so two commands in two
+#: threads of one process ran on each other's connection (threads opening a new file at once
+#: crashed the interpreter). Taken after the file's migration lock, never before it.
+ALEMBIC_COMMANDS = threading.RLock()
+
 #: Key of the transaction-level advisory lock that serialises migrations on PostgreSQL.
 PG_MIGRATION_LOCK = 0x4865726D6573  # "Hermes"
 
@@ -121,12 +128,30 @@ def legacy_revision(state: DatabaseState) -> str | None:
     them tells its revision (the revisions between change nothing there); on PostgreSQL they
     retype columns in place, so it cannot be told: None."""
     assert state.schema_version is not None
-    ours = [revision for table, revision in OWN_TABLES if table in state.tables]
+    ours = [revision for table, revision in OWN_TABLES if is_own_table(state, table)]
     if not ours:
         return revision_for_version(state.schema_version)
     if state.schema_version != ddl.HEAD_VERSION or state.dialect != "sqlite":
         return None
     return ours[0]
+
+
+def is_own_table(state: DatabaseState, table: str) -> bool:
+    """Whether ``table`` is there with the shape this package gives it (a name alone is
+    no proof: another application may have a ``write_keys`` of its own)."""
+    if table not in state.tables:
+        return False
+    if table == ddl.CJK_TABLE:
+        return ddl.is_store_cjk(state.definitions.get(table))
+    if table == write_keys_table.name and table in state.columns:
+        return state.columns[table] == set(write_keys_table.columns.keys())
+    return True
+
+
+def foreign_tables(state: DatabaseState) -> list[str]:
+    """The tables that bear a name of this package's own objects without their shape."""
+    names = [table for table, _ in OWN_TABLES]
+    return [table for table in names if table in state.tables and not is_own_table(state, table)]
 
 
 def revision_for_version(version: int) -> str:
@@ -209,10 +234,19 @@ class DatabaseState:
     triggers: set[str] = field(default_factory=set)
     indexes: set[str] = field(default_factory=set)
     dialect: str = "sqlite"
+    #: SQLite: the views (a view may stand where the store keeps a table).
+    views: set[str] = field(default_factory=set)
+    #: SQLite: the ``CREATE`` statements of the full-text tables, by name.
+    definitions: dict[str, str] = field(default_factory=dict)
+    #: Every row of the version table (one, normally).
+    revision_rows: list[str] = field(default_factory=list)
+    #: ``schema_version`` exists without a row (the original store stopped while creating the
+    #: file): ``schema_version`` is then the version its tables' shape tells, if any.
+    version_row_missing: bool = False
 
     @property
     def is_empty(self) -> bool:
-        return not (self.tables - ddl.UNMODELLED_TABLES - {self.version_table})
+        return not (self.tables - ddl.UNMODELLED_TABLES - {self.version_table}) and not self.views
 
     @property
     def is_legacy(self) -> bool:
@@ -226,14 +260,15 @@ def read_state(conn: Connection) -> DatabaseState:
     where = placement.of(conn)
     triggers: set[str] = set()
     indexes: set[str] = set()
+    views: set[str] = set()
+    definitions: dict[str, str] = {}
     if conn.dialect.name == "sqlite":
         # One read of sqlite_master gives the tables and the FTS triggers (the open-time check).
-        rows = conn.exec_driver_sql(
-            "SELECT type, name FROM sqlite_master WHERE type IN ('table', 'trigger') "
-            "AND name NOT LIKE 'sqlite~_%' ESCAPE '~'"
-        ).all()
-        tables = {name for kind, name in rows if kind == "table"}
-        triggers = {name for kind, name in rows if kind == "trigger"}
+        rows = conn.exec_driver_sql(_SQLITE_OBJECTS, (ddl.FTS_TABLE, ddl.CJK_TABLE)).all()
+        tables = {name for kind, name, _ in rows if kind == "table"}
+        triggers = {name for kind, name, _ in rows if kind == "trigger"}
+        views = {name for kind, name, _ in rows if kind == "view"}
+        definitions = {name: sql for kind, name, sql in rows if kind == "table" and sql}
     else:
         tables = set(inspector.get_table_names(schema=where.schema))
         if not tables and where.schema is None:
@@ -255,19 +290,48 @@ def read_state(conn: Connection) -> DatabaseState:
         indexes=indexes,
         version_table=where.version_table,
         dialect=conn.dialect.name,
+        views=views,
+        definitions=definitions,
     )
     if where.version_table in tables:
-        state.revision = conn.execute(
-            sa.text(f"SELECT version_num FROM {where.table(where.version_table)}")
-        ).scalar()
-    if "schema_version" in tables:
-        state.schema_version = conn.execute(sa.text("SELECT version FROM schema_version")).scalar()
-    for table in ("sessions", "messages"):
+        state.revision_rows = list(
+            conn.execute(
+                sa.text(f"SELECT version_num FROM {where.table(where.version_table)}")
+            ).scalars()
+        )
+        state.revision = state.revision_rows[0] if state.revision_rows else None
+    # A legacy file's write_keys may be another application's: its columns tell.
+    own = (write_keys_table.name,) if state.revision is None else ()
+    for table in ("sessions", "messages", *own):
         if table in tables:
             state.columns[table] = {
                 c["name"] for c in inspector.get_columns(table, schema=where.schema)
             }
+    if "schema_version" in tables:
+        versions = conn.execute(sa.text("SELECT version FROM schema_version")).scalars().all()
+        state.schema_version = versions[0] if versions else None
+        if not versions and state.revision is None:
+            state.version_row_missing = True
+            state.schema_version = version_by_shape(state.columns)
     return state
+
+
+#: SQLite's tables, triggers and views, with the statements of the full-text tables.
+_SQLITE_OBJECTS = (
+    "SELECT type, name, CASE WHEN name IN (?, ?) THEN sql END FROM sqlite_master "
+    "WHERE type IN ('table', 'trigger', 'view') AND name NOT LIKE 'sqlite~_%' ESCAPE '~'"
+)
+
+
+def version_by_shape(columns: dict[str, set[str]]) -> int | None:
+    """The original store's version whose tables have exactly ``columns`` (the oldest of
+    versions that add no column, so the later one's index is made); None: none has."""
+    found = None
+    for version in range(ddl.HEAD_VERSION, 0, -1):
+        shape = ddl.columns_at(version)
+        if all(columns.get(table) == shape[table] for table in ("sessions", "messages")):
+            found = version
+    return found
 
 
 def _check_search_path(conn: Connection) -> None:
@@ -292,6 +356,7 @@ def _no_schema_message(where: str, search_path: str | None) -> str:
 
 def check_adoptable(state: DatabaseState, where: str) -> None:
     """Raise a clear error unless the database is empty, ours, or a known legacy version."""
+    _refuse_stand_ins(state, where)
     version_type = type(state.schema_version)
     if state.schema_version is not None and version_type is not int:
         raise UnrecognizedSchemaError(
@@ -306,20 +371,37 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
     if state.revision is not None:
         if state.revision not in revisions.REVISIONS:
             raise SchemaTooNewError(
-                f"{where} is at Alembic revision {state.revision!r}, unknown to this "
-                "hermes_store (written by a newer release?)"
+                f"{where} is at Alembic revision {state.revision!r}, which is not one of this "
+                f"hermes_store's revisions ({revisions.REVISIONS[0]} .. {revisions.HEAD}): "
+                "a newer hermes_store wrote it (upgrade hermes_store to open it), or another "
+                "application's migrations did (give the store a database of its own)"
             )
         return
     if state.is_empty:
         return
+    if state.schema_version is None and state.version_row_missing:
+        shapes = "; ".join(
+            f"{table}: {_some(state.columns[table], 4)}"
+            if table in state.columns
+            else f"no {table}"
+            for table in ("sessions", "messages")
+        )
+        raise UnrecognizedSchemaError(
+            f"{where} has a schema_version table without a row (the original store stopped "
+            "while creating it?), and its tables have the shape of no version of the original "
+            f"store ({shapes}): not a Hermes state database as it is; nothing was changed"
+        )
     if state.schema_version is None:
-        found = ", ".join(sorted(state.tables - ddl.UNMODELLED_TABLES - {state.version_table}))
+        found = ", ".join(
+            sorted(state.tables - ddl.UNMODELLED_TABLES - {state.version_table} | state.views)
+        )
         raise UnrecognizedSchemaError(
             f"{where} holds tables ({found}) but no schema_version: not a Hermes state database"
         )
     version = state.schema_version
     if version < 1:
         raise UnrecognizedSchemaError(f"{where} has schema_version {version}, which never existed")
+    _refuse_foreign_tables(state, where)
     if legacy_revision(state) is None:
         own = sorted(table for table, _ in OWN_TABLES if table in state.tables)
         raise UnrecognizedSchemaError(
@@ -344,6 +426,70 @@ def check_adoptable(state: DatabaseState, where: str) -> None:
                 f"{where}: table {table} matches no schema version "
                 f"(schema_version {version}; missing {sorted(missing)}, unknown {sorted(unknown)})"
             )
+
+
+#: What the store keeps as tables, besides the version table.
+_STORE_TABLES = ("schema_version", "sessions", "messages", ddl.FTS_TABLE, *dict(OWN_TABLES))
+
+
+def _refuse_stand_ins(state: DatabaseState, where: str) -> None:
+    """Refuse what stands where the store keeps its own objects and would make every
+    statement on them fail: a view of one of its tables' names, several rows in the version
+    table (Alembic cannot tell which one holds)."""
+    views = sorted(state.views & {*_STORE_TABLES, state.version_table})
+    if views:
+        raise UnrecognizedSchemaError(
+            f"{where} has a view named {', '.join(views)} where hermes_store keeps a table: "
+            "not a Hermes state database as it is; nothing was changed. Drop or rename the "
+            "view (another application's?), then open it"
+        )
+    if len(state.revision_rows) > 1:
+        raise UnrecognizedSchemaError(
+            f"{where}: its {state.version_table} holds {len(state.revision_rows)} rows "
+            f"({', '.join(map(repr, state.revision_rows[:4]))}), where Alembic keeps one, so its "
+            "revision cannot be told; nothing was changed. Keep the one row of the revision "
+            f"the tables are at ({revisions.HEAD} is this release's head, `hermes-store db "
+            "history` lists them), then open it"
+        )
+
+
+def _refuse_foreign_tables(state: DatabaseState, where: str) -> None:
+    """Refuse a legacy file whose tables bear the names of this package's own objects without
+    their shape (another application's), or whose ``messages_fts`` is not a full-text index
+    the store can keep in step (a plain table, FTS4, an FTS5 table of its own content)."""
+    foreign = foreign_tables(state)
+    if foreign:
+        described = "; ".join(
+            f"{table} ({_some(state.columns[table], 4)})"
+            if table in state.columns
+            else f"{table} ({_first_line(state.definitions.get(table))})"
+            for table in foreign
+        )
+        raise UnrecognizedSchemaError(
+            f"{where} holds tables named as hermes_store's own but not made by it: "
+            f"{described}; nothing was changed. Another application's tables: rename them "
+            "or give the store a database of its own"
+        )
+    if ddl.FTS_TABLE in state.tables and not ddl.is_store_fts(state.definitions.get(ddl.FTS_TABLE)):
+        raise UnrecognizedSchemaError(
+            f"{where}: its {ddl.FTS_TABLE} is not the original store's full-text index (FTS5 "
+            "over messages.content with content=messages, content_rowid=id); it is "
+            f"{_first_line(state.definitions.get(ddl.FTS_TABLE))}. Nothing was changed. If it "
+            f"holds nothing of yours, drop it and its triggers ({_DROP_FTS}) and open the "
+            "file again: the index is rebuilt from the messages; else rename it"
+        )
+
+
+#: What a refusal of a foreign ``messages_fts`` advises (its triggers go with it).
+_DROP_FTS = "DROP TABLE " + ddl.FTS_TABLE
+
+
+def _first_line(sql: str | None) -> str:
+    """A table's CREATE statement on one short line (a message quotes it)."""
+    if sql is None:
+        return "a plain table"
+    flat = " ".join(sql.split())
+    return flat if len(flat) <= 120 else flat[:117] + "..."
 
 
 def check_recorded_tables(state: DatabaseState, where: str) -> None:
@@ -371,7 +517,12 @@ def check_recorded_tables(state: DatabaseState, where: str) -> None:
             )
     if version < ddl.HEAD_VERSION and "schema_version" not in state.tables:
         found.append("no schema_version table (the later versions update it)")
-    # (h7's messages_cjk is made IF NOT EXISTS: one already there stops nothing.)
+    # h7 makes messages_cjk IF NOT EXISTS: one already there is kept, so it must be its own.
+    if ddl.CJK_TABLE in state.tables and not ddl.is_store_cjk(state.definitions.get(ddl.CJK_TABLE)):
+        found.append(
+            f"a {ddl.CJK_TABLE} table that is not the CJK index "
+            f"({_first_line(state.definitions.get(ddl.CJK_TABLE))})"
+        )
     creator = dict(OWN_TABLES)[write_keys_table.name]
     if write_keys_table.name in state.tables and creator not in ran:
         found.append(f"a {write_keys_table.name} table, which the later {creator} creates")
@@ -507,13 +658,20 @@ def adopt(conn: Connection) -> DatabaseState:
             "adopting a legacy database at schema_version %s as %s", state.schema_version, revision
         )
         _migration_context(conn).stamp(revisions.scripts(), revision)
+        if state.version_row_missing:
+            # What the original store does on opening such a file: it writes the row.
+            conn.execute(
+                sa.text("INSERT INTO schema_version (version) VALUES (:v)"),
+                {"v": state.schema_version},
+            )
         # The original store always created the FTS objects and title index; put back any that
         # are gone.
         if conn.dialect.name == "sqlite":
             had_fts = ddl.FTS_TABLE in state.tables
             started = time.monotonic()
-            fulltext.SQLITE.create_main(conn, fill=not had_fts)
-            if not had_fts:
+            fill = not had_fts or not fulltext.SQLITE.covers_messages(conn)
+            fulltext.SQLITE.create_main(conn, fill=fill)
+            if fill:
                 log.info(
                     "built the full-text index of the adopted file in %.2f s (under the write "
                     "lock: other writers waited behind its heartbeat)",
@@ -804,7 +962,7 @@ def upgrade(
         where = _describe(conn)
         state = read_state(conn)  # under the lock: what the revisions will run on
         check_recorded_tables(state, where)
-        with _unexpected_tables(where, state.revision):
+        with _unexpected_tables(where, state.revision), ALEMBIC_COMMANDS:
             command.upgrade(alembic_config(conn), revision)
         reached = _current_revision(conn)
         if reached == head_revision():
@@ -924,7 +1082,8 @@ def upgrade_sql(target: Target, revision: str = "head", *, start: str | None = N
     config.output_buffer = buffer
     config.attributes["url"] = url
     destination = f"{start}:{revision}" if start else revision
-    command.upgrade(config, destination, sql=True)
+    with ALEMBIC_COMMANDS:
+        command.upgrade(config, destination, sql=True)
     return buffer.getvalue()
 
 
@@ -934,7 +1093,8 @@ def downgrade(target: Target, revision: str) -> str | None:
 
     revision = resolve_revision(revision)
     with migration_connection(target) as conn:
-        command.downgrade(alembic_config(conn), revision)
+        with ALEMBIC_COMMANDS:
+            command.downgrade(alembic_config(conn), revision)
         return _current_revision(conn)
 
 
@@ -943,7 +1103,7 @@ def stamp(target: Target, revision: str) -> None:
     from alembic import command
 
     revision = resolve_revision(revision)
-    with migration_connection(target) as conn:
+    with migration_connection(target) as conn, ALEMBIC_COMMANDS:
         command.stamp(alembic_config(conn), revision)
 
 
@@ -971,34 +1131,73 @@ def ensure_head(target: Engine | sa.URL, *, retry: RetryPolicy | None = None) ->
     not queue for the write lock; the upgrade itself re-checks under the lock, and waits for
     it with the writes' retry policy. ``target`` is an Engine, or a SQLite file's URL.
     """
-    head = head_revision()
     url = target.url if isinstance(target, Engine) else target
     path = sqlite_file(url)
-    with open_errors(path or _describe_url(url)):
-        if path is not None and not path.exists():
-            _create_sqlite_at_head(path)
-            return
-        if path is not None:
-            state = preflight_sqlite(path)
-        else:
+    where = _describe_url(url)
+    with open_errors(path or where):
+        if path is None:
             assert isinstance(target, Engine), "ensure_head takes an Engine for servers"
             with mapped_errors(), target.connect() as conn:
                 state = read_state(conn)
                 # Only a server can be a standby (an in-memory SQLite database reaches here too).
-                if target.dialect.name == "postgresql" and opened_read_only(
-                    conn, state, _describe_url(url)
-                ):
+                if target.dialect.name == "postgresql" and opened_read_only(conn, state, where):
                     return
-            check_adoptable(state, _describe_url(url))
-        if state is not None and state.revision == head:
-            # At head: repair only when something is wrong, so a sound database takes no lock.
-            dialect = "sqlite" if path is not None else url.get_backend_name()
-            if find_damage(state, dialect, _describe_url(url)):
-                repair(target, retry=retry)
+            check_adoptable(state, where)
+            _reach_head(target, state, where, where, url.get_backend_name(), retry)
+        elif path.exists():
+            _reach_head_of_file(target, path, where, retry, created_meanwhile=False)
+        elif not _create_sqlite_at_head(path):
+            _reach_head_of_file(target, path, where, retry, created_meanwhile=True)
+
+
+#: How long an opener whose new file lost the race to another process's waits for that
+#: process to finish creating its own: the original store creates its tables one statement
+#: at a time, so its file is for a moment empty, or holds some of them.
+CREATION_GRACE_S = 5.0
+
+
+def _reach_head_of_file(
+    target: Engine | sa.URL,
+    path: Path,
+    where: str,
+    retry: RetryPolicy | None,
+    *,
+    created_meanwhile: bool,
+) -> None:
+    """Bring an existing SQLite file to head. One another process created meanwhile (it won
+    the race to the path) is opened the same way, under the same lock, whoever made it: a
+    file of the original store is adopted. Until its creator is done it may look empty or
+    unknown: it is looked at again for a while before it is refused."""
+    deadline = time.monotonic() + CREATION_GRACE_S
+    while True:
+        try:
+            _reach_head(target, preflight_sqlite(path), str(path), where, "sqlite", retry)
             return
-        if state is not None:  # refused before the write lock is taken
-            check_recorded_tables(state, str(path) if path is not None else _describe_url(url))
-        upgrade(target, "head", retry=retry)
+        except (NotADatabaseError, UnrecognizedSchemaError) as error:
+            if not created_meanwhile or time.monotonic() >= deadline:
+                raise
+            log.debug("%s, created by another process meanwhile, is not ready: %s", path, error)
+            time.sleep(0.05)
+
+
+def _reach_head(
+    target: Engine | sa.URL,
+    state: DatabaseState | None,
+    where: str,
+    url_where: str,
+    dialect: str,
+    retry: RetryPolicy | None,
+) -> None:
+    """Migrate a database whose state was read and checked only when behind head; repair
+    one at head only when damaged."""
+    if state is not None and state.revision == head_revision():
+        # At head: repair only when something is wrong, so a sound database takes no lock.
+        if find_damage(state, dialect, url_where):
+            repair(target, retry=retry)
+        return
+    if state is not None:  # refused before the write lock is taken
+        check_recorded_tables(state, where)
+    upgrade(target, "head", retry=retry)
 
 
 def opened_read_only(conn: Connection, state: DatabaseState, where: str) -> bool:
@@ -1068,9 +1267,11 @@ def check_head(target: Engine | sa.URL) -> None:
         ).with_cli_message(behind + "run `hermes-store db upgrade`")
 
 
-def _create_sqlite_at_head(path: Path) -> None:
+def _create_sqlite_at_head(path: Path) -> bool:
     """Build a new file beside ``path`` and link it into place, so a path either does not
-    exist or holds a complete database at head, whatever other processes do meanwhile."""
+    exist or holds a complete database whatever other processes do meanwhile. False when
+    another process created ``path`` first: that file may be anything (the original store's,
+    or one it is still creating), and is opened as any existing file is."""
     from alembic import command
 
     make_private_dirs(path.parent)
@@ -1084,7 +1285,7 @@ def _create_sqlite_at_head(path: Path) -> None:
         try:
             with mapped_errors(), engine.connect() as conn:
                 conn.execution_options(**{WRITE_OPTION: True})
-                with conn.begin():
+                with conn.begin(), ALEMBIC_COMMANDS:
                     command.upgrade(alembic_config(conn), "head")
         finally:
             engine.dispose()
@@ -1092,8 +1293,9 @@ def _create_sqlite_at_head(path: Path) -> None:
         try:
             os.link(temp, path)
         except FileExistsError:
-            # Another process linked its complete database first; it is at head too.
             log.debug("%s was created by another process meanwhile", path)
+            return False
+        return True
     finally:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{temp}{suffix}").unlink(missing_ok=True)
@@ -1241,15 +1443,22 @@ def check_drift(target: Target) -> DriftReport:
     engine = create_engine(url, foreign_keys=False, poolclass=NullPool, **same_connection(target))
     differences: str | None = None
     try:
-        with mapped_errors(), engine.connect() as conn:
-            transaction = conn.begin()
+        with _lock_errors(url), mapped_errors():
+            if state.is_legacy:  # adopted (then rolled back): waits for the lock as migrations do
+                conn, transaction = _begin_migration(engine, RetryPolicy())
+            else:
+                conn = engine.connect()
+                transaction = conn.begin()
+        with mapped_errors(), conn:
             try:
                 adopt(conn)
                 config = alembic_config(conn)
                 config.stdout = io.StringIO()
                 if current_legacy:
-                    command.upgrade(config, "head")
-                command.check(config)
+                    with ALEMBIC_COMMANDS:
+                        command.upgrade(config, "head")
+                with ALEMBIC_COMMANDS:
+                    command.check(config)
             except AutogenerateDiffsDetected as error:
                 differences = str(error)
             finally:

@@ -162,6 +162,127 @@ def test_legacy_file_without_fts_is_indexed_on_adoption(tmp_path: Path) -> None:
     fts_integrity_check(path)
 
 
+@pytest.mark.parametrize("how", ADOPTERS)
+def test_an_index_the_original_store_created_empty_is_filled_on_adoption(
+    tmp_path: Path, how: str
+) -> None:
+    """A legacy file without FTS objects, opened first by the original store: its ``CREATE
+    ... IF NOT EXISTS`` makes an empty external-content index and its triggers, which hold
+    only what it writes since. Adoption sees that the index holds fewer messages than there
+    are and rebuilds it: the old messages are found (they were not, and nothing repaired it)."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    legacy.drop_full_text(path)
+    seed = SeedSessionDB(path)
+    try:
+        since = seed.append_message(legacy.S_TG, "user", "written after the index: a quagga")
+    finally:
+        seed.close()
+    adopt(how, path, tmp_path)
+    url = sqlite_url(path)
+    assert full_text_ids(url, "zebracorn") == [6]
+    assert full_text_ids(url, "quagga") == [since]
+    fts_integrity_check(path)
+    with SessionDB(path) as db:
+        assert db.check_search_index()
+
+
+def test_a_sound_index_is_not_rebuilt_on_adoption(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The check that finds an index missing messages costs two counts: a sound index is
+    kept as it is (no rebuild under the write lock)."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 6)
+    with caplog.at_level("INFO", logger="hermes_store.schema.migrate"):
+        assert hermes_store.upgrade(path) == HEAD
+    assert not [r for r in caplog.records if "built the full-text index" in r.getMessage()]
+    assert full_text_ids(sqlite_url(path), "zebracorn") == [6]
+
+
+SHARED_TITLE = "Same title"
+
+
+@pytest.mark.parametrize("how", ADOPTERS)
+def test_a_v3_file_with_shared_titles_is_refused_naming_them(tmp_path: Path, how: str) -> None:
+    """Version 3 let two sessions share a title; version 4's unique index cannot be built on
+    them. A package error names the titles and what to do (it was a raw IntegrityError, and a
+    traceback from Alembic), and nothing is changed; once retitled, the file is adopted."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    with sqlite3.connect(path) as con:
+        con.execute(
+            "UPDATE sessions SET title = ? WHERE id IN (?, ?)",
+            (SHARED_TITLE, legacy.S_ROOT, legacy.S_CHILD),
+        )
+    con.close()
+    before = legacy.dump_rows(path, typed=True)
+    digest = file_state(path)[0]
+    found = r"1 title\(s\) are held by several sessions each \('Same title' \(2 sessions\)\)"
+    if how == "alembic":
+        result = alembic_cli("upgrade", "head", env_url=f"sqlite:///{path}", tmp_path=tmp_path)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and "Traceback" not in output, output
+        failed = [line for line in output.splitlines() if line.startswith("FAILED: ")]
+        assert len(failed) == 1 and re.search(found, failed[0]), output
+        assert "set_session_title" in failed[0]
+    else:
+        with pytest.raises(UnrecognizedSchemaError, match=found) as caught:
+            if how == "upgrade":
+                hermes_store.upgrade(path)
+            else:
+                SessionDB(path)
+        assert str(path) in str(caught.value) and "nothing was changed" in str(caught.value)
+    assert file_state(path)[0] == digest
+    assert legacy.dump_rows(path, typed=True) == before
+    assert "alembic_version" not in table_names(sqlite_url(path))
+
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE sessions SET title = 'Renamed' WHERE id = ?", (legacy.S_CHILD,))
+    con.close()
+    assert hermes_store.upgrade(path) == HEAD
+
+
+@pytest.mark.parametrize("how", ADOPTERS)
+@pytest.mark.parametrize("version", [6, 3, 1])
+def test_a_schema_version_without_its_row_is_adopted_as_the_original_store_does(
+    tmp_path: Path, version: int, how: str
+) -> None:
+    """The original store stopped between creating its tables and writing its version row:
+    it opens such a file and writes the row. hermes_store adopts it at the version its tables'
+    shape tells and writes the row too (it refused it, saying it had no schema_version while
+    naming that table), and the original store keeps using it."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, version)
+    with sqlite3.connect(path) as con:
+        con.execute("DELETE FROM schema_version")
+    con.close()
+    before = legacy.dump_rows(path, typed=True)
+    adopt(how, path, tmp_path)
+    url = sqlite_url(path)
+    assert alembic_revision(url) == HEAD and schema_version(url) == 6
+    assert count(url, "schema_version") == 1
+    after = legacy.dump_rows(path, typed=True)
+    assert [{c: row[c] for c in before["messages"][0]} for row in after["messages"]] == before[
+        "messages"
+    ]
+    assert legacy.schema_signature(path, trigger_sql=True) == seed_v6_signature(tmp_path)
+    assert_seed_can_use(path)
+    assert count(url, "schema_version") == 1
+
+
+def test_alembic_check_leaves_a_legacy_file_as_it_was(tmp_path: Path) -> None:
+    """``alembic check`` only reads: it no longer creates an empty alembic_version table in a
+    file the original store wrote."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 3)
+    before = file_state(path)
+    result = alembic_cli("check", env_url=f"sqlite:///{path}", tmp_path=tmp_path)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "alembic_version" not in table_names(sqlite_url(path))
+    assert file_state(path) == before
+
+
 def test_seed_reads_and_writes_a_hermes_file(tmp_path: Path) -> None:
     """A file created and written by hermes_store is a valid state.db for the original store,
     and what the original store writes into it is read back by hermes_store."""
@@ -288,9 +409,109 @@ def make_future_revision(path: Path) -> None:
     con.close()
 
 
+def legacy_v6_with(*statements: str) -> Callable[[Path], None]:
+    """A maker: the original store's v6 file, then ``statements`` run on it."""
+
+    def make(path: Path) -> None:
+        legacy.build_legacy_db(path, 6)
+        con = sqlite3.connect(path)
+        try:
+            con.executescript(";\n".join(statements))
+        finally:
+            con.close()
+
+    return make
+
+
+def make_only_a_sessions_view(path: Path) -> None:
+    con = sqlite3.connect(path)
+    con.execute("CREATE VIEW sessions AS SELECT 1 AS id")
+    con.commit()
+    con.close()
+
+
+def make_empty_schema_version_unknown_shape(path: Path) -> None:
+    """Version row missing, and the tables match no version (an extra column)."""
+    legacy.build_legacy_db(path, 6)
+    con = sqlite3.connect(path)
+    con.execute("DELETE FROM schema_version")
+    con.execute("ALTER TABLE sessions ADD COLUMN mood TEXT")
+    con.commit()
+    con.close()
+
+
+DROP_FTS = (
+    "DROP TRIGGER messages_fts_insert",
+    "DROP TRIGGER messages_fts_delete",
+    "DROP TRIGGER messages_fts_update",
+    "DROP TABLE messages_fts",
+)
+ALEMBIC_TABLE = "CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)"
+NOT_THE_INDEX = r"messages_fts is not the original store's full-text index"
+
 REFUSALS: dict[str, tuple[Callable[[Path], None], type[SchemaError], str]] = {
     "schema-v7": (make_v7, SchemaTooNewError, r"schema_version 7"),
-    "future-revision": (make_future_revision, SchemaTooNewError, r"'v7_future_feature'"),
+    "future-revision": (
+        make_future_revision,
+        SchemaTooNewError,
+        r"'v7_future_feature', which is not one of this hermes_store's revisions",
+    ),
+    "two-alembic-rows": (
+        legacy_v6_with(
+            ALEMBIC_TABLE,
+            "INSERT INTO alembic_version VALUES ('v6_reasoning_columns')",
+            f"INSERT INTO alembic_version VALUES ('{HEAD}')",
+        ),
+        UnrecognizedSchemaError,
+        r"alembic_version holds 2 rows",
+    ),
+    "alembic-version-view": (
+        legacy_v6_with(f"CREATE VIEW alembic_version AS SELECT '{HEAD}' AS version_num"),
+        UnrecognizedSchemaError,
+        r"view named alembic_version",
+    ),
+    "messages-cjk-view": (
+        legacy_v6_with("CREATE VIEW messages_cjk AS SELECT id AS rowid, content FROM messages"),
+        UnrecognizedSchemaError,
+        r"view named messages_cjk",
+    ),
+    "only-a-sessions-view": (
+        make_only_a_sessions_view,
+        UnrecognizedSchemaError,
+        r"view named sessions",
+    ),
+    "fts-plain-table": (
+        legacy_v6_with(*DROP_FTS, "CREATE TABLE messages_fts (content TEXT)"),
+        UnrecognizedSchemaError,
+        NOT_THE_INDEX,
+    ),
+    "fts4": (
+        legacy_v6_with(
+            *DROP_FTS, "CREATE VIRTUAL TABLE messages_fts USING fts4(content, content=messages)"
+        ),
+        UnrecognizedSchemaError,
+        NOT_THE_INDEX,
+    ),
+    "fts5-own-content": (
+        legacy_v6_with(*DROP_FTS, "CREATE VIRTUAL TABLE messages_fts USING fts5(content)"),
+        UnrecognizedSchemaError,
+        NOT_THE_INDEX,
+    ),
+    "foreign-write-keys": (
+        legacy_v6_with("CREATE TABLE write_keys (k TEXT, note TEXT)"),
+        UnrecognizedSchemaError,
+        r"not made by it: write_keys \(k, note\)",
+    ),
+    "foreign-messages-cjk": (
+        legacy_v6_with("CREATE TABLE messages_cjk (content TEXT)"),
+        UnrecognizedSchemaError,
+        r"not made by it: messages_cjk",
+    ),
+    "schema-version-without-row-unknown-shape": (
+        make_empty_schema_version_unknown_shape,
+        UnrecognizedSchemaError,
+        r"schema_version table without a row .* shape of no version",
+    ),
     "garbage": (make_garbage, NotADatabaseError, r"not a SQLite database"),
     "empty": (make_empty, NotADatabaseError, r"empty file \(0 bytes\)"),
     "truncated": (make_truncated, NotADatabaseError, r"malformed|not a readable"),

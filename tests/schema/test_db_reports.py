@@ -13,7 +13,7 @@ from sqlalchemy.pool import NullPool
 
 from hermes_store.errors import SchemaTooNewError
 from hermes_store.schema import migrate
-from tests.support import legacy
+from tests.support import legacy, proc_workers
 from tests.support.backends import url_string
 
 HEAD = migrate.head_revision()
@@ -122,3 +122,21 @@ def test_an_older_legacy_file_is_not_compared(tmp_path: Path) -> None:
     assert report.exists and not report.compared and report.revision == "v3_session_title"
     state = migrate.state_of(path)
     assert state is not None and state.is_legacy
+
+
+def test_comparing_a_legacy_file_waits_for_another_processs_writer(tmp_path: Path) -> None:
+    """Another process holds the write lock for 1.5 s (past the writer's 1 s busy timeout):
+    the rolled-back adoption waits for it with the migrations' retries, instead of failing
+    at once with "database is locked"."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 6)
+    holder, ready = proc_workers.spawn(proc_workers.hold_write_lock, str(path), 1.5)
+    try:
+        assert ready.wait(timeout=120), "the other process never took the lock"
+        report = migrate.check_drift(path)
+    finally:
+        holder.join(timeout=60)
+    assert holder.exitcode == 0
+    assert report.compared and not report.drifted
+    state = migrate.state_of(path)
+    assert state is not None and state.is_legacy  # still not adopted
