@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         TitleInUseError,
         TitleTooLongError,
         TransactionMisuseError,
+        UndecodableTextError,
         UnknownSessionError,
         UnrecognizedSchemaError,
         UnsafePathError,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
         WalDeletedError,
         WriteNotLandedError,
         WriteOutcomeUnknownError,
+        WriteRefusedError,
     )
     from hermes_store.models import Base, ChatSession, Message, SchemaVersion
     from hermes_store.schema.migrate import current, downgrade, upgrade
@@ -97,6 +99,8 @@ _LAZY = {
             "DatabaseAliasError",
             "WriteNotLandedError",
             "WriteOutcomeUnknownError",
+            "UndecodableTextError",
+            "WriteRefusedError",
         ),
         "errors",
     ),
@@ -165,6 +169,7 @@ __all__ = [
     "TitleInUseError",
     "TitleTooLongError",
     "TransactionMisuseError",
+    "UndecodableTextError",
     "UnitOfWork",
     "UnknownSessionError",
     "UnrecognizedSchemaError",
@@ -173,6 +178,7 @@ __all__ = [
     "WalDeletedError",
     "WriteNotLandedError",
     "WriteOutcomeUnknownError",
+    "WriteRefusedError",
     "convert_scratchpad_to_think",
     "create_engine",
     "current",

@@ -25,8 +25,13 @@ SQLITE_NOTADB = 26
 #: SQLITE_IOERR_SHMSIZE: the shared-memory (-shm) file could not be grown, which on a local
 #: file system means no space left (a fresh process opening a WAL database on a full disk).
 SQLITE_IOERR_SHMSIZE = SQLITE_IOERR | (19 << 8)
+SQLITE_CONSTRAINT = 19
 # PostgreSQL SQLSTATEs that mean "run the transaction again".
 PG_RETRYABLE = frozenset({"40001", "40P01"})
+#: PostgreSQL's raise_exception: what PL/pgSQL's ``RAISE EXCEPTION`` (a trigger's) says.
+PG_RAISE = "P0001"
+#: How Python's sqlite3 refuses a TEXT value that is not valid UTF-8 (no SQLite error code).
+UNDECODABLE = "Could not decode to UTF-8"
 
 
 class HermesStoreError(Exception):
@@ -56,6 +61,19 @@ class TitleTooLongError(HermesStoreError, ValueError):
 
 class InvalidInputError(HermesStoreError, ValueError):
     """An argument cannot be stored as given (checked before anything is written)."""
+
+
+class WriteRefusedError(HermesStoreError):
+    """The database refused a write by a rule of its own that the store cannot name: a
+    constraint or a trigger another tool added (SQLite's ``RAISE(ABORT, ...)``, PostgreSQL's
+    ``RAISE EXCEPTION``), or a constraint the stored rows already break. The message carries
+    the database's own words; the refused statement wrote nothing."""
+
+
+class UndecodableTextError(HermesStoreError):
+    """A text stored in a SQLite file is not valid UTF-8 (another program wrote these bytes as
+    TEXT), so it cannot be read as a string: the message names the column and says how to find
+    and repair the row. Nothing was changed."""
 
 
 class DatabaseLockedError(HermesStoreError):
@@ -234,6 +252,16 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     # SQLite's abs() of the smallest integer: how the counter updates refuse an overflow.
     if code is not None and text == "integer overflow":
         return InvalidInputError("a counter would overflow a 64-bit integer; nothing was written")
+    # Class 23 (integrity constraint violation) and a trigger's RAISE: the store's own
+    # constraints are named where they are met (a title in use, an unknown session).
+    if code == SQLITE_CONSTRAINT or (sqlstate or "").startswith("23") or sqlstate == PG_RAISE:
+        return WriteRefusedError(
+            f"the database refused the write ({text.strip()}): a constraint or trigger of the "
+            "database (another tool's, or one the stored rows break) rejected it; nothing was "
+            "written"
+        )
+    if code is None and text.startswith(UNDECODABLE) and type(orig).__module__ == "sqlite3":
+        return _undecodable(text)
     # psycopg refuses NUL in text before sending anything: the input is wrong, not the server.
     if isinstance(error, sa_exc.DataError) and sqlstate is None and "NUL" in text:
         return InvalidInputError(f"a text argument contains a NUL character: {text}")
@@ -245,6 +273,28 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     ):
         return DatabaseUnavailableError(_connect_failure(text))
     return None
+
+
+def _undecodable(text: str) -> UndecodableTextError:
+    """sqlite3's refusal of a TEXT value that is not UTF-8 (``Could not decode to UTF-8 column
+    'content' with text '...'``), naming the column (the query's label) and its text as far
+    as it could be read, with the way to find and repair the row."""
+    detail = text[len(UNDECODABLE) :].strip()
+    if len(detail) > 200:
+        detail = f"{detail[:200]}..."
+    return UndecodableTextError(
+        f"a text stored in the database is not valid UTF-8 ({detail}): another program wrote "
+        "these bytes as TEXT. " + _UNDECODABLE_REPAIR
+    )
+
+
+#: How to find and repair a text that is not UTF-8 (a message's, a title...).
+_UNDECODABLE_REPAIR = (
+    "Find the row by reading the column as bytes (Python's sqlite3 with "
+    "text_factory=bytes, or SELECT rowid, hex(column) FROM its table), then rewrite the value "
+    "as valid UTF-8 text (UPDATE messages SET content = ? WHERE id = ?, or "
+    "UPDATE sessions SET title = ? WHERE id = ?); nothing was changed"
+)
 
 
 #: A server's (or libpq's, or PgBouncer's) refusal of a login that no wait cures: the

@@ -17,10 +17,11 @@ from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert
 
-from hermes_store.errors import HermesStoreError, TitleInUseError
+from hermes_store.errors import HermesStoreError, TitleInUseError, WriteRefusedError
 from hermes_store.repo import listing, pgstream
 from hermes_store.repo.statements import (
     CREATE_COLUMNS,
+    UNIQUE_VIOLATION,
     Statements,
     WriteKey,
     known_message,
@@ -28,6 +29,7 @@ from hermes_store.repo.statements import (
     missing_parent,
     missing_session,
     title_holder,
+    title_taken,
     token_params,
     token_statement,
 )
@@ -40,7 +42,6 @@ from hermes_store.uow import pggroup
 from hermes_store.uow.unit import UnitOfWork
 
 FOREIGN_KEY_VIOLATION = "23503"
-UNIQUE_VIOLATION = "23505"
 #: A keyed append whose key another call recorded concurrently is run again this often: each
 #: rerun sees the key the winner committed, so one is enough unless keys are being deleted.
 KEY_RACE_ATTEMPTS = 5
@@ -48,6 +49,22 @@ KEY_RACE_ATTEMPTS = 5
 
 def sqlstate(error: sa.exc.DBAPIError) -> str | None:
     return getattr(error.orig, "sqlstate", None)
+
+
+def key_taken(error: sa.exc.DBAPIError) -> bool:
+    """Whether a unique violation was the write keys' (a concurrent same-key write), not
+    another table's unique index."""
+    diag = getattr(error.orig, "diag", None)
+    return diag is not None and diag.table_name == K.name
+
+
+def refused(error: WriteRefusedError) -> sa.exc.DBAPIError:
+    """The driver error a refused write (a constraint's, or a trigger's) was named from: the
+    writes that meet the store's own constraints tell them apart by it."""
+    cause = error.__cause__
+    if not isinstance(cause, sa.exc.DBAPIError):
+        raise error
+    return cause
 
 
 @functools.cache
@@ -238,8 +255,8 @@ class PostgresqlStatements(Statements):
                 lambda conn: conn.execute(create_child_statement(), values).scalar(),
                 idempotent=True,
             )
-        except sa.exc.IntegrityError as error:  # the parent was deleted meanwhile
-            if sqlstate(error) != FOREIGN_KEY_VIOLATION:
+        except WriteRefusedError as error:  # the parent was deleted meanwhile
+            if sqlstate(refused(error)) != FOREIGN_KEY_VIOLATION:
                 raise
             found = False
         if not found:
@@ -255,8 +272,8 @@ class PostgresqlStatements(Statements):
             changed = uow.run_statement(
                 lambda conn: conn.execute(statement).rowcount, idempotent=True
             )
-        except sa.exc.IntegrityError as error:
-            if sqlstate(error) != UNIQUE_VIOLATION:
+        except WriteRefusedError as error:
+            if not title_taken(refused(error)):  # another constraint, or a trigger
                 raise
             holder = uow.read_scalar(title_holder(session_id, title))
             held = f" by session {holder}" if holder is not None else ""
@@ -356,8 +373,8 @@ class PostgresqlStatements(Statements):
                 idempotent=False,
                 grouped=pggroup.Grouped(statement, params, session_id, message_id),
             )
-        except sa.exc.IntegrityError as error:
-            if sqlstate(error) != FOREIGN_KEY_VIOLATION:
+        except WriteRefusedError as error:
+            if sqlstate(refused(error)) != FOREIGN_KEY_VIOLATION:
                 raise
             raise missing_session(session_id) from error
 
@@ -387,10 +404,11 @@ class PostgresqlStatements(Statements):
                     idempotent=True,
                     grouped=pggroup.Grouped(statement, params, session_id, keyed_message),
                 )
-            except sa.exc.IntegrityError as error:
-                if sqlstate(error) == FOREIGN_KEY_VIOLATION:
+            except WriteRefusedError as error:
+                state = sqlstate(refused(error))
+                if state == FOREIGN_KEY_VIOLATION:
                     raise missing_session(session_id) from error
-                if sqlstate(error) != UNIQUE_VIOLATION:
+                if state != UNIQUE_VIOLATION or not key_taken(refused(error)):
                     raise
                 continue  # a concurrent same-key append committed first: look again
             if found is not None:

@@ -87,7 +87,8 @@ def token_statement(absolute: bool, guards: tuple[int, ...] = (), priced: bool =
     ``guards`` (SQLite's additions; see :func:`token_guards`): per counter of :data:`COUNTERS`,
     1 when its increment is positive, -1 when negative, 0 when zero. A nonzero increment adds
     the condition that the sum stays within 64 bits, as a bound computed from the increment
-    (``coalesce(counter, 0) <= :p_bound_counter``, or ``>=`` for a negative one): SQLite would
+    (``coalesce(counter, 0) + 0 <= :p_bound_counter``, or ``>=`` for a negative one; ``+ 0``
+    compares the number SQLite's addition reads from the counter, a TEXT one too): SQLite would
     silently turn an overflowing integer sum into a REAL. A row the bounds exclude is left
     unchanged, and the caller tells an overflow from an unknown session
     (:func:`counter_overflow`). PostgreSQL passes no guards: its BIGINT addition fails with
@@ -123,8 +124,10 @@ def token_statement(absolute: bool, guards: tuple[int, ...] = (), priced: bool =
     for name, sign in zip(COUNTERS, guards or (0,) * len(COUNTERS), strict=True):
         if sign and not absolute:
             bound = sa.bindparam(f"p_bound_{name}", type_=Counter)
-            current = func.coalesce(S.c[name], zero)
-            statement = statement.where(current <= bound if sign > 0 else current >= bound)
+            # ``+ 0``: the number the sum adds to. coalesce() carries no affinity, so a counter
+            # another program left as TEXT ('', 'abc') would compare above every integer.
+            number = func.coalesce(S.c[name], zero) + zero
+            statement = statement.where(number <= bound if sign > 0 else number >= bound)
     return statement
 
 
@@ -254,6 +257,30 @@ def exists(conn: Connection, session_id: str) -> bool:
     return conn.execute(select(S.c.id).where(S.c.id == session_id)).first() is not None
 
 
+#: The unique index of the titles (the original store's name, kept by every revision).
+TITLE_INDEX = "idx_sessions_title_unique"
+#: SQLite's extended result code for a UNIQUE constraint (a trigger's RAISE has another).
+SQLITE_CONSTRAINT_UNIQUE = 2067
+#: PostgreSQL's unique_violation.
+UNIQUE_VIOLATION = "23505"
+
+
+def title_taken(error: sa.exc.DBAPIError) -> bool:
+    """Whether a refused title UPDATE met the unique title index (another session holds the
+    title), not another constraint or a trigger: those are the database's own refusals."""
+    orig = error.orig
+    diag = getattr(orig, "diag", None)
+    if diag is not None:  # psycopg: the constraint is named by the server
+        return bool(
+            getattr(orig, "sqlstate", None) == UNIQUE_VIOLATION
+            and diag.constraint_name == TITLE_INDEX
+        )
+    if getattr(orig, "sqlite_errorcode", None) != SQLITE_CONSTRAINT_UNIQUE:
+        return False
+    # SQLite names a unique index on columns by its columns, one on expressions by its name.
+    return str(orig).endswith(("sessions.title", f"index '{TITLE_INDEX}'"))
+
+
 def title_holder(session_id: str, title: str | None) -> sa.Select[Any]:
     """The id of another session holding ``title``, if any."""
     return select(S.c.id).where(S.c.title == title, S.c.id != session_id).limit(1)
@@ -314,7 +341,10 @@ class Statements(abc.ABC):
             try:
                 with conn.begin_nested():
                     conn.execute(update(S).where(S.c.id == session_id).values(title=title))
-            except sa.exc.IntegrityError as error:  # a concurrent writer took it (PostgreSQL)
+            except sa.exc.IntegrityError as error:
+                if not title_taken(error):  # another constraint or a trigger: mapped as such
+                    raise
+                # A concurrent writer took it (PostgreSQL).
                 raise TitleInUseError(f"Title '{title}' is already in use") from error
             return True
 

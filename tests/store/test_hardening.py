@@ -26,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
 from hermes_store import (
     AccessDeniedError,
@@ -37,11 +40,13 @@ from hermes_store import (
     NotADatabaseError,
     SessionDB,
     StorageFullError,
+    TitleInUseError,
     UnrecognizedSchemaError,
     timestamps,
     validate,
 )
 from hermes_store.cli import cli
+from hermes_store.errors import UndecodableTextError, WriteRefusedError
 from hermes_store.schema.migrate import remove_stale_temps
 from tests.support import disks
 
@@ -702,3 +707,197 @@ def test_backup_to_a_path_with_nul_is_invalid_input_and_writes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["work", *(p.name for p in tmp_path.glob("state.db*"))]
     )
+
+
+# -- another tool's constraints and triggers, and text that is not UTF-8 -----------------------
+
+
+def _add_refusal(db_url: URL, backend: str, table: str, event: str, message: str) -> None:
+    """A trigger another tool could have added: it refuses ``event`` on ``table``."""
+    engine = sa.create_engine(db_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        if backend == "sqlite":
+            conn.exec_driver_sql(
+                f"CREATE TRIGGER audit_refusal BEFORE {event} ON {table} "
+                f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
+            )
+        else:
+            conn.exec_driver_sql(
+                "CREATE FUNCTION audit_refusal() RETURNS trigger LANGUAGE plpgsql AS "
+                f"$$ BEGIN RAISE EXCEPTION '{message}'; END $$"
+            )
+            conn.exec_driver_sql(
+                f"CREATE TRIGGER audit_refusal BEFORE {event} ON {table} "
+                "FOR EACH ROW EXECUTE FUNCTION audit_refusal()"
+            )
+    engine.dispose()
+
+
+def _contents(db_url: URL) -> dict[str, list[tuple[Any, ...]]]:
+    engine = sa.create_engine(db_url, poolclass=NullPool)
+    with engine.connect() as conn:
+        found = {
+            table: sorted(map(tuple, conn.exec_driver_sql(f"SELECT * FROM {table}")), key=repr)
+            for table in ("sessions", "messages", "write_keys")
+        }
+    engine.dispose()
+    return found
+
+
+#: Each write method, and the trigger (table, event) that refuses it.
+_REFUSED_WRITES: dict[str, tuple[str, str, Callable[[SessionDB], object]]] = {
+    "create_session": ("sessions", "INSERT", lambda db: db.create_session("new", "cli")),
+    "create_child": (
+        "sessions",
+        "INSERT",
+        lambda db: db.create_session("child", "cli", parent_session_id="s"),
+    ),
+    "append_message": ("messages", "INSERT", lambda db: db.append_message("s", "tool", "out")),
+    "append_message_keyed": (
+        "messages",
+        "INSERT",
+        lambda db: db.append_message("s", "tool", "out", idempotency_key="k-append"),
+    ),
+    "append_message_bump": ("sessions", "UPDATE", lambda db: db.append_message("s", "user", "x")),
+    "append_messages": (
+        "messages",
+        "INSERT",
+        lambda db: db.append_messages("s", [{"role": "user", "content": "a"}]),
+    ),
+    "update_token_counts": (
+        "sessions",
+        "UPDATE",
+        lambda db: db.update_token_counts("s", input_tokens=5),
+    ),
+    "update_token_counts_keyed": (
+        "sessions",
+        "UPDATE",
+        lambda db: db.update_token_counts("s", input_tokens=5, idempotency_key="k-tokens"),
+    ),
+    "update_token_counts_absolute": (
+        "sessions",
+        "UPDATE",
+        lambda db: db.update_token_counts("s", input_tokens=5, absolute=True),
+    ),
+    "end_session": ("sessions", "UPDATE", lambda db: db.end_session("s", "done")),
+    "set_session_title": (
+        "sessions",
+        "UPDATE OF title",
+        lambda db: db.set_session_title("s", "A title nobody holds"),
+    ),
+    "delete_session": ("sessions", "DELETE", lambda db: db.delete_session("s")),
+    "delete_session_messages": ("messages", "DELETE", lambda db: db.delete_session("s")),
+    "clear_messages": ("messages", "DELETE", lambda db: db.clear_messages("s")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_REFUSED_WRITES))
+def test_a_trigger_refusing_a_write_is_a_write_refused_error(
+    store: SessionDB, db_url: URL, backend: str, case: str
+) -> None:
+    """Another tool's trigger refuses the write: one package error carrying the trigger's own
+    words, for every write method (a title nobody holds is not "already in use"); nothing
+    was written."""
+    store.create_session("s", "cli")
+    store.append_message("s", "user", "kept")
+    table, event, call = _REFUSED_WRITES[case]
+    _add_refusal(db_url, backend, table, event, "refused by the audit tool")
+    before = _contents(db_url)
+    with pytest.raises(WriteRefusedError, match="refused by the audit tool") as raised:
+        call(store)
+    assert not isinstance(raised.value, TitleInUseError)
+    assert _contents(db_url) == before
+
+
+def test_a_title_held_by_another_session_is_still_in_use(
+    store: SessionDB, db_url: URL, backend: str
+) -> None:
+    """With another tool's trigger on the titles that lets the write through, the unique
+    title index still says :class:`TitleInUseError`."""
+    store.create_session("a", "cli")
+    store.create_session("b", "cli")
+    store.set_session_title("a", "Taken")
+    engine = sa.create_engine(db_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE audit_log (title TEXT)")
+        if backend == "sqlite":
+            conn.exec_driver_sql(
+                "CREATE TRIGGER audit_titles AFTER UPDATE OF title ON sessions "
+                "BEGIN INSERT INTO audit_log VALUES (new.title); END"
+            )
+    engine.dispose()
+    with pytest.raises(TitleInUseError, match="Taken"):
+        store.set_session_title("b", "Taken")
+    with store.transaction(), pytest.raises(TitleInUseError, match="Taken"):
+        store.set_session_title("b", "Taken")
+    assert store.get_session_title("b") is None
+
+
+def test_a_trigger_refusal_inside_a_transaction_is_raised_at_the_block(
+    store: SessionDB, db_url: URL, backend: str
+) -> None:
+    """Inside a ``transaction()`` block the refused title write is not "in use" either."""
+    store.create_session("s", "cli")
+    _add_refusal(db_url, backend, "sessions", "UPDATE OF title", "titles are frozen")
+    with pytest.raises(WriteRefusedError, match="titles are frozen"), store.transaction():
+        store.set_session_title("s", "Fresh")
+    assert store.get_session_title("s") is None
+
+
+def _undecodable_store(tmp_path: Path) -> SessionDB:
+    """A store whose session "s" has a title and a message whose bytes are not UTF-8 (the
+    original store's SQLite keeps whatever another program wrote as TEXT)."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli", model="m")
+        store.set_session_title("s", "fine")
+        store.append_message("s", "user", "hello world")
+    with contextlib.closing(sqlite3.connect(path)) as raw, raw:
+        raw.execute("UPDATE messages SET content = CAST(X'C328' AS TEXT)")
+        raw.execute("UPDATE sessions SET title = CAST(X'66C328' AS TEXT)")
+    return SessionDB(path)
+
+
+#: Every read that meets the title or the content, twice (the second call on the thread's
+#: held read connection, past its first read).
+_UNDECODABLE_READS: dict[str, Callable[[SessionDB], object]] = {
+    "get_session": lambda db: db.get_session("s"),
+    "get_session_title": lambda db: db.get_session_title("s"),
+    "get_messages": lambda db: db.get_messages("s"),
+    "iter_messages": lambda db: list(db.iter_messages("s")),
+    "get_messages_as_conversation": lambda db: db.get_messages_as_conversation("s"),
+    "list_sessions_rich": lambda db: db.list_sessions_rich(),
+    "list_sessions_rich_source": lambda db: db.list_sessions_rich(source="cli"),
+    "search_sessions": lambda db: db.search_sessions(),
+    "export_session": lambda db: db.export_session("s"),
+    "export_all": lambda db: db.export_all(),
+    "iter_export": lambda db: list(db.iter_export()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_UNDECODABLE_READS))
+def test_text_that_is_not_utf8_is_a_clear_error(tmp_path: Path, case: str) -> None:
+    """sqlite3 cannot turn those bytes into a str: the read says which column holds text that
+    is not UTF-8 and how to repair it, as a package error; the file is left as it was."""
+    read = _UNDECODABLE_READS[case]
+    with _undecodable_store(tmp_path) as store:
+        for _ in range(2):
+            with pytest.raises(UndecodableTextError, match="not valid UTF-8") as raised:
+                read(store)
+            assert "column '" in str(raised.value) and "text_factory=bytes" in str(raised.value)
+        store.append_message("s", "user", "still writable")  # writes go on
+    with contextlib.closing(sqlite3.connect(tmp_path / "state.db")) as raw:
+        raw.text_factory = bytes
+        assert raw.execute("SELECT content FROM messages ORDER BY id").fetchall() == [
+            (b"\xc3(",),
+            (b"still writable",),
+        ]
+
+
+def test_text_that_is_not_utf8_through_the_cli_is_a_clear_error(tmp_path: Path) -> None:
+    _undecodable_store(tmp_path).close()
+    args = ["--db", str(tmp_path / "state.db"), "sessions", "list", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0
+    assert "not valid UTF-8" in result.output
+    assert "Traceback" not in result.output

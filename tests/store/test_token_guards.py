@@ -3,18 +3,22 @@ increment (a WHERE condition computed from the increment) and tells an overflow 
 nothing written) from an unknown session (a no-op) when no row changed.
 
 The cases an exact guard must keep: a counter the original store already turned into a REAL
-(or that holds text) is left alone by an increment of 0, refused by a nonzero one; every
-counter's bound holds on its own; the refusal leaves the row, and a ``transaction()`` block's
-other writes, as they were until the block decides.
+is left alone by an increment of 0, refused by a nonzero one; a counter holding text counts
+as SQLite's ``+`` reads it, as in the original store; every counter's bound holds on its own;
+the refusal leaves the row, and a ``transaction()`` block's other writes, as they were until
+the block decides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+from pathlib import Path
 
 import pytest
 
 from hermes_store import InvalidInputError, SessionDB
+from tests.support.seed_store import SeedSessionDB
 
 pytestmark = pytest.mark.unit
 
@@ -97,13 +101,13 @@ def test_an_unknown_session_is_a_no_op_even_at_the_edge(db: SessionDB) -> None:
     assert db.get_session("nobody") is None
 
 
-@pytest.mark.parametrize(("held", "after_zero"), [(1e30, 1e30), (-1e30, -1e30), ("text", 0)])
+@pytest.mark.parametrize(("held", "after_zero"), [(1e30, 1e30), (-1e30, -1e30)])
 def test_a_counter_left_out_of_range_is_refused_a_step_but_not_a_zero(
     db: SessionDB, held: object, after_zero: object
 ) -> None:
-    """The original store overflowed into a REAL (or another program wrote text): a nonzero
-    step on that counter is refused, nothing written; a call that adds 0 to it (a step on
-    another counter) lands, the counter as SQLite's arithmetic leaves it (+ 0)."""
+    """The original store overflowed into a REAL: a nonzero step on that counter is refused,
+    nothing written; a call that adds 0 to it (a step on another counter) lands, the counter
+    as SQLite's arithmetic leaves it (+ 0)."""
     _raw_set(db, "input_tokens", held)
     step = -1 if held == -1e30 else 1
     with pytest.raises(InvalidInputError):
@@ -113,6 +117,74 @@ def test_a_counter_left_out_of_range_is_refused_a_step_but_not_a_zero(
     db.update_token_counts("s", output_tokens=7)
     row = db.get_session("s")
     assert row is not None and row["input_tokens"] == after_zero and row["output_tokens"] == 7
+
+
+#: Counters another program (or an old bug) left as text or bytes, and steps on them: a text
+#: that reads as no number counts from 0, one that does as that number, one past 64 bits (a
+#: REAL to SQLite's ``+``) is refused like a REAL.
+_ODD_COUNTERS: list[tuple[object, int]] = [
+    ("", 10),
+    ("abc", 10),
+    ("abc", -3),
+    ("12abc", 5),
+    ("7.5 tokens", 2),
+    (b"31", 4),
+    (f"{TOP - 1} tokens", 1),
+    (f"{BOTTOM + 1} tokens", -1),
+]
+
+
+def _with_counter(path: Path, value: object) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as raw, raw:
+        raw.execute("UPDATE sessions SET output_tokens = ? WHERE id = 's'", (value,))
+
+
+def _output_tokens(path: Path) -> tuple[object, str]:
+    with contextlib.closing(sqlite3.connect(path)) as raw:
+        found = raw.execute("SELECT output_tokens, typeof(output_tokens) FROM sessions").fetchone()
+    return found[0], found[1]
+
+
+@pytest.mark.parametrize(("held", "step"), _ODD_COUNTERS)
+def test_a_counter_holding_text_adds_as_the_original_store_adds(
+    db: SessionDB, tmp_path: Path, held: object, step: int
+) -> None:
+    """The guard compares the number SQLite's ``+`` reads from the counter: a counter holding
+    '' or 'abc' is updated to what the original store's ``output_tokens + ?`` gives, not
+    refused as an overflow; value and storage type alike."""
+    path = tmp_path / "state.db"
+    _with_counter(path, held)
+    theirs = tmp_path / "theirs.db"
+    with (
+        contextlib.closing(sqlite3.connect(path)) as source,
+        contextlib.closing(sqlite3.connect(theirs)) as copy,
+    ):
+        source.backup(copy)
+    db.update_token_counts("s", output_tokens=step, input_tokens=1)
+    seed = SeedSessionDB(theirs)
+    seed.update_token_counts("s", output_tokens=step, input_tokens=1)
+    seed.close()
+    assert _output_tokens(path) == _output_tokens(theirs)
+    row = db.get_session("s")
+    assert row is not None and row["input_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("held", "step"), [(f"{TOP} tokens", 1), (f"{BOTTOM} tokens", -1), ("1e30 tokens", 1)]
+)
+def test_a_counter_holding_text_past_64_bits_is_refused(
+    db: SessionDB, tmp_path: Path, held: str, step: int
+) -> None:
+    """Text that reads as a number the step would take past 64 bits is refused as an
+    overflow, nothing written; a step of 0 on it still lands."""
+    path = tmp_path / "state.db"
+    _with_counter(path, held)
+    with pytest.raises(InvalidInputError, match="overflow"):
+        db.update_token_counts("s", output_tokens=step, input_tokens=1)
+    assert _output_tokens(path) == (held, "text")
+    assert _counters(db)[0] == 0
+    db.update_token_counts("s", input_tokens=1)
+    assert _counters(db)[0] == 1
 
 
 def test_a_null_counter_counts_from_zero(db: SessionDB) -> None:

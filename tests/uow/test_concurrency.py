@@ -27,7 +27,7 @@ from hermes_store import (
     SessionDB,
     UnitOfWork,
 )
-from hermes_store.errors import is_retryable
+from hermes_store.errors import WriteRefusedError, is_retryable
 from tests.support import proc_workers
 from tests.support.backends import url_string
 from tests.support.proc_workers import Shape
@@ -199,14 +199,15 @@ def test_lock_error_inside_a_unit_reruns_the_whole_unit(
 
 
 def test_non_lock_error_is_not_retried(store: SessionDB) -> None:
-    """An IntegrityError (NOT NULL) propagates at once: exactly one attempt, nothing written."""
+    """A constraint's refusal (NOT NULL) propagates at once, as the package's WriteRefusedError:
+    exactly one attempt, nothing written."""
     calls: list[int] = []
 
     def unit(conn: Connection) -> None:
         calls.append(1)
         conn.execute(sa.text("INSERT INTO sessions (id, source, started_at) VALUES ('n', NULL, 0)"))
 
-    with pytest.raises(sa.exc.IntegrityError):
+    with pytest.raises(WriteRefusedError, match=r"(?i)not[ -]null"):
         store.uow.run(unit)
     assert len(calls) == 1
     assert store.get_session("n") is None
@@ -219,7 +220,7 @@ def test_non_lock_error_on_the_hot_path_is_not_retried(sqlite_store: SessionDB) 
         calls.append(1)
         cursor.execute("INSERT INTO sessions (id, source, started_at) VALUES ('n', NULL, 0)")
 
-    with pytest.raises(sa.exc.IntegrityError):
+    with pytest.raises(WriteRefusedError, match="NOT NULL"):
         sqlite_store.uow.run_driver(unit)
     assert len(calls) == 1
     assert sqlite_store.get_session("n") is None
