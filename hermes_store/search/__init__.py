@@ -3,9 +3,10 @@
 ``query`` parses (pure text: the original store's sanitizer, terms, AND/OR/NOT); ``pipeline``
 holds each backend's :class:`Searcher`, which a store looks up once (``for_dialect``), built
 from the searchers ``fts5`` (SQLite FTS5), ``cjk`` (SQLite's CJK trigram index), ``tsvector``
-(PostgreSQL) and ``substring``; ``snippets`` and ``hits`` (page, filters, same-session context)
-are what they share. May import: ``hermes_store.repo``, ``hermes_store.schema``,
-``hermes_store.engine`` and the leaves.
+(PostgreSQL) and ``substring``; ``snippets``, ``hits`` (page, filters, same-session context)
+and ``stored`` (how a SQLite file stores its text: UTF-8 or UTF-16) are what they share.
+May import: ``hermes_store.repo``, ``hermes_store.schema``, ``hermes_store.engine`` and the
+leaves.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """SQLite contents read through read-only blob handles, only as far as a snippet or a context
 needs: SQLite loads a whole value for any function of it (50 MB for a pasted log, whether it is
-the match or its neighbour)."""
+the match or its neighbour). The bytes are as the file stores them: decoded with its encoding
+(:class:`.stored.Stored`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import codecs
 import re
 import sqlite3
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy.engine import Connection
 
 from hermes_store.search.snippets import SNIPPET_INLINE_CHARS, SNIPPET_REACH, SNIPPET_SEARCH_CHARS
+
+if TYPE_CHECKING:
+    from hermes_store.search.stored import Stored
 
 _BLOB_CHUNK = 64 * 1024
 
@@ -23,8 +28,9 @@ def driver(conn: Connection) -> sqlite3.Connection:
     return raw
 
 
-def content_prefix(raw: sqlite3.Connection, message_id: int, chars: int) -> str:
-    """The first ``chars`` characters of a content ("" for NULL), reading at most 4 bytes each."""
+def content_prefix(raw: sqlite3.Connection, message_id: int, chars: int, stored: Stored) -> str:
+    """The first ``chars`` characters of a content ("" for NULL), reading at most 4 bytes each
+    (UTF-8, or UTF-16's surrogate pairs)."""
     try:
         blob = raw.blobopen("messages", "content", message_id, readonly=True)
     except sqlite3.OperationalError as error:
@@ -36,11 +42,11 @@ def content_prefix(raw: sqlite3.Connection, message_id: int, chars: int) -> str:
         complete = blob.tell() >= len(blob)
     # The incremental decoder's own function: a character cut at the read's end is held
     # back, not replaced, unless the value ends there (no decoder object made per call).
-    return codecs.utf_8_decode(data, "replace", complete)[0][:chars]
+    return stored.decode(data, "replace", complete)[0][:chars]
 
 
 def read_content(
-    raw: sqlite3.Connection, message_id: int, patterns: Sequence[re.Pattern[str]]
+    raw: sqlite3.Connection, message_id: int, patterns: Sequence[re.Pattern[str]], stored: Stored
 ) -> tuple[str, bool]:
     """A message's content, in chunks, only as far as a bounded snippet needs (the first match
     and its window); and whether that is the whole content."""
@@ -53,8 +59,8 @@ def read_content(
     with blob:
         size = len(blob)
         if size <= SNIPPET_INLINE_CHARS * 4:
-            return blob.read().decode("utf-8", "replace"), True
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            return blob.read().decode(stored.codec, "replace"), True
+        decoder = codecs.getincrementaldecoder(stored.codec)("replace")
         text, searched, first = "", 0, None
         while True:
             chunk = blob.read(_BLOB_CHUNK)

@@ -23,7 +23,7 @@ from sqlalchemy.sql.elements import ColumnClause, ColumnElement
 
 from hermes_store.engine import fastpath
 from hermes_store.schema import ddl
-from hermes_store.search import blobs, hits
+from hermes_store.search import blobs, hits, stored
 from hermes_store.search.hits import CONTEXT_CHARS, Filters, Hit, Page, columns, dicts
 from hermes_store.search.query import QUOTED_PHRASE, Item, Query
 from hermes_store.search.snippets import SNIPPET_INLINE_CHARS, bounded_snippet, term_patterns
@@ -71,16 +71,17 @@ class Fts5:
         index. Syntax never reaches the caller: a query FTS5 cannot parse runs again with every
         term quoted. Errors other than FTS5 syntax propagate."""
         read: dict[int, str] = {}
-        rows = self._page(conn, query, filters, page, read)
+        text = stored.of(conn)
+        rows = self._page(conn, query, filters, page, text, read)
         if rows:
-            contexts = _contexts(conn, [row["id"] for row in rows], read)
+            contexts = _contexts(conn, [row["id"] for row in rows], read, text)
             for row in rows:
                 row["context"] = contexts.get(row["id"], [])
         return rows
 
     def matches_any(self, conn: Connection, query: Query, filters: Filters, sort: str) -> bool:
         """Whether the query has any match at all (a page past the end is empty too)."""
-        return bool(self._page(conn, query, filters, Page(1, 0, sort)))
+        return bool(self._page(conn, query, filters, Page(1, 0, sort), stored.of(conn)))
 
     def _page(
         self,
@@ -88,10 +89,12 @@ class Fts5:
         query: Query,
         filters: Filters,
         page: Page,
+        text: stored.Stored,
         read: dict[int, str] | None = None,
     ) -> list[Hit] | None:
         """:meth:`find` without the context; ``read`` gets the start of each row's content (its
-        first CONTEXT_CHARS characters), read for the snippet anyway."""
+        first CONTEXT_CHARS characters), read for the snippet anyway; ``text``: how the file
+        stores it."""
         terms = query.indexable()
         if terms is None:
             return None
@@ -104,7 +107,7 @@ class Fts5:
                 rows = dicts(conn.execute(statement, params))
             else:
                 rows = fastpath.rows(conn, statement, params)  # built once: run on the driver
-            _add_snippets(conn, rows, params["fts_query"], patterns, read)
+            _add_snippets(conn, rows, params["fts_query"], patterns, text, read)
             return rows
 
         params = {**page.params("fts"), "fts_window": page.window()}
@@ -138,6 +141,7 @@ def _add_snippets(
     rows: list[Hit],
     fts_query: str,
     patterns: list[re.Pattern[str]],
+    text: stored.Stored,
     read: dict[int, str] | None,
 ) -> None:
     """FTS5's own snippet for the contents of at most SNIPPET_INLINE_CHARS, a bounded one
@@ -146,7 +150,7 @@ def _add_snippets(
     raw = blobs.driver(conn)
     short: list[int] = []
     for row in rows:
-        prefix, complete = blobs.read_content(raw, row["id"], patterns)
+        prefix, complete = blobs.read_content(raw, row["id"], patterns, text)
         if read is not None:
             read[row["id"]] = prefix[:CONTEXT_CHARS]  # read from the start, at least that far
         if complete and len(prefix) <= SNIPPET_INLINE_CHARS:
@@ -241,7 +245,7 @@ def _fts_snippet_statement() -> Select[Any]:
 
 
 def _contexts(
-    conn: Connection, ids: list[int], read: dict[int, str]
+    conn: Connection, ids: list[int], read: dict[int, str], text: stored.Stored
 ) -> dict[int, list[dict[str, str]]]:
     """Previous message, the match and next message of the SAME session, by (timestamp, id),
     for a whole page, in one query: the seeks (on idx_messages_session, which covers timestamp
@@ -257,12 +261,12 @@ def _contexts(
     if rows is None:
         rows = fastpath.rows(conn, _neighbour_ids_statement(), {"ids": ids}, expanding=["ids"])
         for row in rows:
-            row["context_previous"] = _read_neighbour(raw, row["context_previous"])
-            row["context_next"] = _read_neighbour(raw, row["context_next"])
+            row["context_previous"] = _read_neighbour(raw, row["context_previous"], text)
+            row["context_next"] = _read_neighbour(raw, row["context_next"], text)
     out: dict[int, list[dict[str, str]]] = {}
     for row in rows:
         row["context_content"] = read[row["id"]]  # every match's start, read for its snippet
-        out[row["id"]] = hits.folded_context(row)
+        out[row["id"]] = hits.folded_context(row, text.unpack)
     return out
 
 
@@ -289,14 +293,14 @@ def _neighbours_loaded(
         uninterrupted(restore)  # a pooled connection never keeps the lowered limit
 
 
-def _read_neighbour(raw: sqlite3.Connection, packed: str | None) -> str | None:
+def _read_neighbour(raw: sqlite3.Connection, packed: str | None, text: stored.Stored) -> str | None:
     """``<id>:<role>`` as :func:`~hermes_store.search.hits.context_columns` packs a neighbour
     (``<bytes of role>:<role><start>``), its start read through a blob handle."""
     if packed is None:
         return None
     number, _, role = packed.partition(":")
-    start = blobs.content_prefix(raw, int(number), CONTEXT_CHARS)
-    return f"{len(role.encode())}:{role}{start}"
+    start = blobs.content_prefix(raw, int(number), CONTEXT_CHARS, text)
+    return f"{text.octets(role)}:{role}{start}"
 
 
 @functools.cache

@@ -140,8 +140,9 @@ def context_columns(
 
     A neighbour comes back as one text value, ``<bytes of role>:<role><content>``, so a
     single seek yields both fields; NULL when there is no such message. ``octets`` is the
-    backend's length of a text in UTF-8 bytes: SQLite's character ``length()`` stops at a NUL,
-    which SQLite text may hold.
+    backend's length of a text in the bytes it stores it in (UTF-8, or a SQLite file's
+    UTF-16: :mod:`.stored`, whose ``unpack`` reads it back): SQLite's character ``length()``
+    stops at a NUL, which SQLite text may hold.
     """
     near, same_session, before, after = neighbours()
     packed = (
@@ -174,7 +175,12 @@ def context_columns(
     )
 
 
-def _unpack(packed: str) -> dict[str, str]:
+#: Reads a packed neighbour back as ``{"role", "content"}``.
+Unpack = Callable[[str], dict[str, str]]
+
+
+def unpack_utf8(packed: str) -> dict[str, str]:
+    """A neighbour packed by :func:`context_columns` where text is stored as UTF-8."""
     size, _, rest = packed.partition(":")
     cut = int(size)
     role = rest[:cut]
@@ -185,19 +191,32 @@ def _unpack(packed: str) -> dict[str, str]:
     return {"role": data[:cut].decode("utf-8"), "content": content[:CONTEXT_CHARS]}
 
 
-def folded_context(row: Hit) -> list[dict[str, str]]:
+def unpack_in(codec: str) -> Unpack:
+    """:func:`unpack_utf8` where text is stored in ``codec`` (a SQLite file's UTF-16), whose
+    bytes the role's length counts."""
+
+    def unpack(packed: str) -> dict[str, str]:
+        size, _, rest = packed.partition(":")
+        data, cut = rest.encode(codec), int(size)
+        content = data[cut:].decode(codec)[:CONTEXT_CHARS]
+        return {"role": data[:cut].decode(codec), "content": content}
+
+    return unpack
+
+
+def folded_context(row: Hit, unpack: Unpack = unpack_utf8) -> list[dict[str, str]]:
     """Pop the context columns of :func:`context_columns` into the contract's list."""
     previous, following = row.pop("context_previous"), row.pop("context_next")
     content = row.pop("context_content")
-    context = [] if previous is None else [_unpack(previous)]
+    context = [] if previous is None else [unpack(previous)]
     context.append({"role": row["role"], "content": (content or "")[:CONTEXT_CHARS]})
     if following is not None:
-        context.append(_unpack(following))
+        context.append(unpack(following))
     return context
 
 
-def fold_contexts(rows: list[Hit]) -> list[Hit]:
+def fold_contexts(rows: list[Hit], unpack: Unpack = unpack_utf8) -> list[Hit]:
     """Each row's context columns folded into its ``context``; the rows, for chaining."""
     for row in rows:
-        row["context"] = folded_context(row)
+        row["context"] = folded_context(row, unpack)
     return rows

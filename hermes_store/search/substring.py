@@ -22,15 +22,17 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.elements import ColumnElement
 
 from hermes_store.engine import fastpath
-from hermes_store.search import cjk
+from hermes_store.search import cjk, stored
 from hermes_store.search.hits import (
     Filters,
     Hit,
     Page,
+    Unpack,
     columns,
     context_columns,
     dicts,
     fold_contexts,
+    unpack_utf8,
 )
 from hermes_store.search.query import Item, Query, Term, fold, positive_pieces
 from hermes_store.search.snippets import substring_snippet
@@ -60,6 +62,10 @@ class Substring(abc.ABC):
     ) -> Select[Any]:
         """The page of matches of ``predicates`` in ``sort`` order (bound ``sub_limit`` and
         ``sub_offset``) with the contract's columns and the context columns."""
+
+    def unpacker(self, conn: Connection) -> Unpack:
+        """How the context columns read back (:func:`.hits.context_columns`): UTF-8."""
+        return unpack_utf8
 
     def predicate(self, items: Sequence[Item]) -> ColumnElement[bool]:
         """The query as LIKE/ILIKE predicates, with FTS5's precedence."""
@@ -126,7 +132,7 @@ class Substring(abc.ABC):
         pieces = positive_pieces(items)
         for row in rows:
             row["snippet"] = substring_snippet(row["snippet"] or "", pieces)
-        return fold_contexts(rows)
+        return fold_contexts(rows, self.unpacker(conn))
 
 
 def _bounds() -> tuple[sa.BindParameter[int], sa.BindParameter[int]]:
@@ -136,6 +142,10 @@ def _bounds() -> tuple[sa.BindParameter[int], sa.BindParameter[int]]:
 
 
 class SqliteSubstring(Substring):
+    def unpacker(self, conn: Connection) -> Unpack:
+        """In the file's encoding (:func:`sqlite_octets` counts its bytes)."""
+        return stored.of(conn).unpack
+
     def matches(self, pattern: str | sa.BindParameter[Any]) -> ColumnElement[bool]:
         return M.c.content.like(pattern, escape="\\")
 
@@ -223,5 +233,6 @@ class PostgresSubstring(Substring):
 
 
 def sqlite_octets(text: ColumnElement[Any]) -> ColumnElement[Any]:
-    """A text's length in UTF-8 bytes on SQLite (``length()`` of it as a BLOB)."""
+    """A text's length in the bytes the SQLite file stores it in (``length()`` of it as a
+    BLOB): UTF-8, or UTF-16 (:mod:`.stored`)."""
     return func.length(sa.cast(text, sa.LargeBinary))

@@ -9,6 +9,7 @@ import itertools
 import logging
 import random
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from hermes_store.schema import ddl
 from hermes_store.search import fts5, pipeline, snippets
 from hermes_store.search import query as query_module
 from hermes_store.search.fts5 import fts5_query
+from hermes_store.search.hits import SORTS
 from hermes_store.search.query import (
     contains_cjk,
     parse_query,
@@ -32,6 +34,7 @@ from hermes_store.search.query import (
 )
 from hermes_store.search.tsvector import tsquery
 from tests.support.backends import FLAVORS, NO_CJK_INDEX, SEARCH_BACKENDS
+from tests.support.clock import FakeClock
 from tests.support.query_plans import captured_selects, explain
 from tests.support.search_corpus import CORPUS
 from tests.support.search_rows import T0, add, ids
@@ -479,6 +482,94 @@ def test_other_database_errors_propagate(sqlite_store: SessionDB) -> None:
             conn.exec_driver_sql(statement)
     with pytest.raises(sa.exc.OperationalError, match="no such table"):
         sqlite_store.search_messages("hello")
+
+
+# -- files that store text as UTF-16 -------------------------------------------------------------
+
+#: The text encodings a SQLite file may have (``PRAGMA encoding``, fixed by its first table).
+FILE_ENCODINGS = ("UTF-8", "UTF-16le", "UTF-16be")
+_LONG_ROLE_NEIGHBOUR = "\u00e9" + "x" * fts5.NEIGHBOUR_LOAD_LIMIT  # read through a blob handle
+#: Past a blob chunk (64 KiB) and the inline snippet: read in chunks, decoded incrementally,
+#: with two-byte UTF-8 and surrogate-pair UTF-16 characters across the chunk boundaries.
+_LONG_MATCH = "é😀x " * 20_000 + "zebra stripes " + "ü" * 300 + "😀" * 300
+_ENCODED_MESSAGES = (
+    ("a", "user", "first question about zebras"),
+    ("b", "user", "bravo interleaved"),
+    ("a", "assistant", "zebra answer"),
+    ("a", "rôle-é", "third message, the zebra again"),
+    ("a", "工具", "数据库迁移完成了"),
+    ("a", "user\x00nul", "好的迁移 😀 \U00020000 zebra"),
+    ("b", "tool", _LONG_ROLE_NEIGHBOUR),
+    ("b", "user", "needle here, the chat-send tool"),
+    ("b", "assistant", "nul\x00inside the needle answer"),
+    ("a", "tool", _LONG_MATCH),
+    ("a", "🛠️", "a last zebra after the long one, é" + "ß" * 300),
+)
+_ENCODED_QUERIES = (
+    "zebra", "zebra*", '"zebra answer"', "answer", "needle", "迁移", "数据库", "好的",
+    "chat-send", "é", "stripes", "zebra OR needle", "😀",
+)  # fmt: skip
+
+
+def _store_in(path: Path, encoding: str) -> SessionDB:
+    """A store on a new file whose text is stored in ``encoding`` (set before its first table,
+    as another program may), with the same messages at the same times in every encoding."""
+    raw = sqlite3.connect(path)
+    raw.execute(f"PRAGMA encoding = '{encoding}'")
+    raw.execute("CREATE TABLE t(x)")
+    raw.execute("DROP TABLE t")
+    raw.close()
+    store = SessionDB(path, clock=FakeClock(start=T0))
+    store.create_session("a", "cli")
+    store.create_session("b", "telegram")
+    for i, (session_id, role, content) in enumerate(_ENCODED_MESSAGES):
+        add(store, session_id, (role, content), t=T0 + 10 * i)
+    return store
+
+
+def _encoded_answers(store: SessionDB) -> dict[tuple[str, str, str], Any]:
+    found: dict[tuple[str, str, str], Any] = {}
+    for query, sort in itertools.product(_ENCODED_QUERIES, SORTS):
+        found[query, sort, ""] = store.search_messages(query, sort=sort, limit=50)
+        for role in ("rôle-é", "user\x00nul", "🛠️"):
+            found[query, sort, role] = store.search_messages(query, sort=sort, role_filter=role)
+        found[query, sort, "telegram"] = store.search_messages(
+            query, sort=sort, source_filter="telegram"
+        )
+    return found
+
+
+def test_a_file_storing_utf16_searches_as_a_utf8_one(tmp_path: Path) -> None:
+    """SQLite converts text for every function and for the driver, but a text CAST AS BLOB and
+    a blob handle give the bytes as the file stores them: full-text, CJK and substring search,
+    snippets (inline and bounded) and contexts (in SQL and through blob handles) answer alike
+    in a UTF-8, a UTF-16le and a UTF-16be file."""
+    answers = {}
+    for encoding in FILE_ENCODINGS:
+        store = _store_in(tmp_path / f"{encoding}.db", encoding)
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA encoding").scalar() == encoding
+        answers[encoding] = _encoded_answers(store)
+        store.close()
+    utf8 = answers["UTF-8"]
+    assert all(utf8[query, "rank", ""] for query in _ENCODED_QUERIES)
+    [third] = utf8['"zebra answer"', "rank", ""]
+    assert [c["role"] for c in third["context"]] == ["user", "assistant", "rôle-é"]
+    [nul] = utf8["迁移", "oldest", "user\x00nul"]
+    assert nul["context"] == [
+        {"role": "工具", "content": "数据库迁移完成了"},
+        {"role": "user\x00nul", "content": "好的迁移 😀 \U00020000 zebra"},
+        {"role": "tool", "content": _LONG_MATCH[:200]},
+    ]
+    needle = utf8["needle", "oldest", "telegram"][0]
+    assert needle["context"][0] == {"role": "tool", "content": _LONG_ROLE_NEIGHBOUR[:200]}
+    [long] = utf8["stripes", "rank", ""]
+    assert ">>>stripes<<<" in long["snippet"]
+    assert long["context"][1] == {"role": "tool", "content": _LONG_MATCH[:200]}
+    assert long["context"][2]["role"] == "🛠️"
+    for encoding in FILE_ENCODINGS[1:]:
+        for key, rows in utf8.items():
+            assert answers[encoding][key] == rows, (encoding, key)
 
 
 # -- properties ----------------------------------------------------------------------------------
