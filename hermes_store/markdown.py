@@ -5,6 +5,10 @@ Input is what :meth:`SessionDB.export_session` / ``iter_export`` yield (a sessio
 tool calls and tool results are folded into ``<details>`` blocks, which GitHub, GitLab and most
 editors render collapsed. Times are UTC, so the same database renders the same bytes anywhere.
 No file access here: the CLI writes the text.
+
+A file the original store wrote may hold any value in any column (SQLite's dynamic typing):
+text where a number belongs is shown as the text, a blob as its size and bytes in hex
+(:func:`plain`), a timestamp no date holds as the value itself.
 """
 
 from __future__ import annotations
@@ -27,7 +31,41 @@ REDACTED_NOTE = (
 )
 
 
-def _when(ts: float | None) -> str:
+#: The most bytes of a blob shown in hex where a line is short (a listing, a folded turn).
+BLOB_SHOWN = 64
+
+
+def plain(value: object, *, limit: int | None = None) -> str:
+    """``value`` as text for people: text as it is, a blob as ``[blob: N bytes, hex ...]``
+    (the first ``limit`` bytes, all without one), any other value as Python prints it."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        shown = data if limit is None else data[:limit]
+        more = "…" if len(shown) < len(data) else ""
+        size = f"{len(data):,} byte{'' if len(data) == 1 else 's'}"
+        return f"[blob: {size}, hex {shown.hex()}{more}]" if data else "[blob: 0 bytes]"
+    return str(value)
+
+
+def count(value: object) -> str:
+    """A counter with thousands separators; a stored value that is no number as it is."""
+    if value is None:
+        return "0"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value:,}"
+    return plain(value, limit=BLOB_SHOWN)
+
+
+def money(value: object) -> str:
+    """A dollar amount to four places; a stored value that is no number as it is."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value:.4f}"
+    return plain(value, limit=BLOB_SHOWN)
+
+
+def _when(ts: object) -> str:
     if ts is None:
         return "—"
     return timestamps.shown(ts, "%Y-%m-%d %H:%M:%S UTC", UTC)
@@ -35,7 +73,7 @@ def _when(ts: float | None) -> str:
 
 def _cell(value: object) -> str:
     """A table cell: one line, pipes escaped."""
-    return " ".join(str(value).split()).replace("|", "\\|")
+    return " ".join(plain(value).split()).replace("|", "\\|")
 
 
 def _fence(text: str, language: str = "") -> str:
@@ -86,14 +124,14 @@ def _heading(number: int, message: RowDict) -> str:
     label = {"user": "User", "assistant": "Assistant", "tool": "Tool result", "system": "System"}
     title = label.get(role, role.capitalize())
     if message.get("tool_name"):
-        title += f" · {message['tool_name']}"
+        title += f" · {plain(message['tool_name'])}"
     return f"{number}. {title} · {_when(message.get('timestamp'))}"
 
 
 def render_message(number: int, message: RowDict, level: int = 3) -> str:
     """One turn: a heading, folded reasoning and tool calls, then the content."""
     parts = [f"{'#' * level} {_heading(number, message)}"]
-    reasoning = message.get("reasoning")
+    reasoning = plain(message.get("reasoning") or "")
     if reasoning:
         parts.append(_details(f"Reasoning ({len(reasoning):,} chars)", reasoning))
     for key, label in (("reasoning_details", "Reasoning details"),
@@ -101,11 +139,11 @@ def render_message(number: int, message: RowDict, level: int = 3) -> str:
         if message.get(key):
             parts.append(_details(label, _fence(_pretty_json(message[key]), "json")))
     parts.extend(_tool_calls(message))
-    content = message.get("content")
+    content = plain(message["content"]) if message.get("content") is not None else ""
     if content:
         if message.get("role") == "tool":
             lines = content.count("\n") + 1
-            tool = message.get("tool_name") or "the tool"
+            tool = plain(message.get("tool_name") or "the tool")
             summary = f"Output of {tool} ({lines:,} line{'' if lines == 1 else 's'})"
             parts.append(_details(summary, _fence(content)))
         else:
@@ -116,26 +154,29 @@ def render_message(number: int, message: RowDict, level: int = 3) -> str:
 
 
 def _metadata(session: RowDict) -> str:
-    rows: list[tuple[str, str]] = [("id", f"`{session['id']}`"), ("source", session["source"])]
+    rows: list[tuple[str, str]] = [
+        ("id", f"`{plain(session['id'])}`"),
+        ("source", plain(session["source"])),
+    ]
     if session.get("model"):
-        rows.append(("model", session["model"]))
+        rows.append(("model", plain(session["model"])))
     if session.get("parent_session_id"):
-        rows.append(("continues", f"`{session['parent_session_id']}`"))
+        rows.append(("continues", f"`{plain(session['parent_session_id'])}`"))
     rows.append(("started", _when(session.get("started_at"))))
     ended = _when(session.get("ended_at"))
     if session.get("end_reason"):
-        ended += f" ({session['end_reason']})"
+        ended += f" ({plain(session['end_reason'])})"
     rows.append(("ended", ended if session.get("ended_at") is not None else "still active"))
     rows.append(
         (
             "messages",
-            f"{session.get('message_count') or 0:,} ({session.get('tool_call_count') or 0:,} "
+            f"{count(session.get('message_count'))} ({count(session.get('tool_call_count'))} "
             "tool calls)",
         )
     )
-    tokens = f"{session.get('input_tokens') or 0:,} in / {session.get('output_tokens') or 0:,} out"
+    tokens = f"{count(session.get('input_tokens'))} in / {count(session.get('output_tokens'))} out"
     extra = [
-        f"{session.get(key) or 0:,} {label}"
+        f"{count(session.get(key))} {label}"
         for key, label in (
             ("cache_read_tokens", "cache read"),
             ("cache_write_tokens", "cache write"),
@@ -145,9 +186,9 @@ def _metadata(session: RowDict) -> str:
     ]
     rows.append(("tokens", tokens + (f" ({', '.join(extra)})" if extra else "")))
     if session.get("actual_cost_usd") is not None:
-        rows.append(("cost", f"${session['actual_cost_usd']:.4f}"))
+        rows.append(("cost", f"${money(session['actual_cost_usd'])}"))
     elif session.get("estimated_cost_usd"):
-        rows.append(("cost", f"~${session['estimated_cost_usd']:.4f} (estimated)"))
+        rows.append(("cost", f"~${money(session['estimated_cost_usd'])} (estimated)"))
     table = ["| | |", "| --- | --- |"]
     table += [f"| {name} | {_cell(value)} |" for name, value in rows]
     return "\n".join(table)
@@ -155,13 +196,13 @@ def _metadata(session: RowDict) -> str:
 
 def render_session(record: RowDict, *, level: int = 1) -> str:
     """One session as Markdown: ``#`` title, metadata, system prompt (folded), the turns."""
-    title = record.get("title") or f"Session {record['id']}"
+    title = plain(record.get("title") or f"Session {plain(record['id'])}")
     parts = [f"{'#' * level} {title}"]
     if record.get("redacted") and level == 1:
         parts.append(REDACTED_NOTE)
     parts.append(_metadata(record))
     if record.get("system_prompt"):
-        parts.append(_details("System prompt", _fence(record["system_prompt"])))
+        parts.append(_details("System prompt", _fence(plain(record["system_prompt"]))))
     messages = record.get("messages") or []
     for number, message in enumerate(messages, 1):
         parts.append(render_message(number, message, level + 2))

@@ -720,6 +720,13 @@ def redact_value(value: Any) -> Any:
         return out
     if isinstance(value, list):
         return [redact_value(item) for item in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        # A blob a file the original store wrote may hold text: a secret in it is masked
+        # too (the blob then comes out as the text, redacted), not carried out in base64.
+        raw = bytes(value)
+        text = raw.decode("utf-8", errors="replace")
+        cleaned = redact_value(text)
+        return raw if cleaned == text else cleaned
     return value
 
 

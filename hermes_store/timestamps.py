@@ -3,7 +3,8 @@
 The store takes only those a ``datetime`` can show (years 1 to 9999): a timestamp in
 milliseconds, the usual slip, is refused where it comes in. A file the original store wrote may
 hold any number, though, so what shows a stored timestamp turns one that no ``datetime`` holds
-into text instead of failing.
+into text instead of failing, and so is one that is no number at all (SQLite lets text or a
+blob sit in a REAL column).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ def fits(seconds: float) -> bool:
     return EARLIEST <= seconds <= LATEST
 
 
-def moment(seconds: float, tz: tzinfo | None = None) -> datetime | None:
+def moment(seconds: object, tz: tzinfo | None = None) -> datetime | None:
     """``seconds`` since 1970 as a ``datetime`` (local time without ``tz``), None when no
-    ``datetime`` holds it (out of range, NaN, or beyond the platform's ``time_t``)."""
+    ``datetime`` holds it (out of range, NaN, beyond the platform's ``time_t``, or not a
+    number: text or a blob a file the original store wrote holds there)."""
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return None
     if isinstance(seconds, float) and not math.isfinite(seconds):
         return None
     try:
@@ -35,7 +39,8 @@ def moment(seconds: float, tz: tzinfo | None = None) -> datetime | None:
         return None
 
 
-def shown(seconds: float, fmt: str, tz: tzinfo | None = None) -> str:
-    """``seconds`` formatted with ``fmt``, or the number itself when no date holds it."""
+def shown(seconds: object, fmt: str, tz: tzinfo | None = None) -> str:
+    """``seconds`` formatted with ``fmt``, or the value itself (its ``repr``: text shows its
+    quotes, a blob its bytes) when no date holds it."""
     when = moment(seconds, tz)
     return when.strftime(fmt) if when is not None else f"{seconds!r} (not a date)"

@@ -5,10 +5,30 @@ file with ids, timestamps, counters and costs exactly as exported. The export fi
 owner-only through an unpredictable temp file created exclusively (``mkstemp``) and renamed into
 place; neither an export target nor an import source may be the database or its sidecars, since
 even opening them with a plain handle would drop this process's SQLite locks (see files.py).
+
+A file the original store wrote may hold any value in any column (SQLite's dynamic typing):
+text in a counter, a blob in ``content``, an infinite cost. JSON has no form for some of them
+and the import's checks refuse the others, so the export writes each value that is not of its
+column's type, or that is a number outside what the store takes (an infinite or NaN cost, a
+timestamp in milliseconds), as a marked object, and the import stores the value it stands for:
+
+* ``{"$sqlite": "blob", "base64": "AP8Q"}``: a blob, its bytes in base64;
+* ``{"$sqlite": "real", "value": "Infinity"}`` (``"-Infinity"``, ``"NaN"``, or a number): a
+  float;
+* ``{"$sqlite": "text", "value": "abc"}``: text where a number belongs;
+* ``{"$sqlite": "integer", "value": 7}``: an integer where text or a float belongs.
+
+A SQLite database takes them all back as they were; PostgreSQL only the numbers its column
+types hold (a float in a ``double precision`` column), the rest are refused by name and line.
+What no import can restore is left out and counted (:class:`ExportReport`), never silently:
+messages whose session no longer exists (a message belongs to a session), and sessions stored
+with no id (SQLite lets a ``TEXT PRIMARY KEY`` be NULL).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 import logging
@@ -161,22 +181,61 @@ def write_export(handle: IO[str], records: Iterable[RowDict]) -> Iterator[RowDic
         yield record
 
 
+#: Messages whose session is not in the table (a file the original store wrote, with its
+#: foreign keys off, may hold them).
+_ORPHAN_MESSAGES = (
+    select(func.count()).select_from(M).where(~sa.exists().where(S.c.id == M.c.session_id))
+)
+
+
 def export_records(
-    db: SessionDB, *, session_id: str | None = None, sources: Iterable[str] = ()
+    db: SessionDB,
+    *,
+    session_id: str | None = None,
+    sources: Iterable[str] = (),
+    report: ExportReport | None = None,
 ) -> tuple[Iterator[ExportRecord], int]:
-    """The records to export and how many: one session, the given sources', or all."""
+    """The records to export and how many: one session, the given sources', or all.
+
+    What no import could restore is left out and counted in ``report`` (and logged), never
+    dropped silently: sessions stored with no id (as they are met) and, exporting all,
+    messages whose session no longer exists (counted before the first record)."""
+    left_out = ExportReport() if report is None else report
     if session_id is not None:
         record = db.export_session(session_id)
         return iter([record] if record else []), 1
     wanted = list(dict.fromkeys(sources))
     if not wanted:
-        return db.iter_export(), db.session_count()
+        left_out.orphan_messages = int(db.uow.read_scalar(_ORPHAN_MESSAGES) or 0)
+        if left_out.orphan_messages and report is None:  # nobody reads the count: say it
+            log.warning(
+                "export: %d message(s) whose session no longer exists left out",
+                left_out.orphan_messages,
+            )
+        return _with_ids(db.iter_export(), left_out, report is None), db.session_count()
 
     def chained() -> Iterator[ExportRecord]:
         for source in wanted:
             yield from db.iter_export(source)
 
-    return chained(), sum(db.session_count(source) for source in wanted)
+    return _with_ids(chained(), left_out, report is None), sum(
+        db.session_count(source) for source in wanted
+    )
+
+
+def _with_ids(
+    records: Iterator[ExportRecord], report: ExportReport, warn: bool
+) -> Iterator[ExportRecord]:
+    """``records`` but those of a session stored with no id, counted in ``report`` (and
+    logged when ``warn``: nobody reads the count): no import can restore one (nothing names
+    it), and the store's API cannot reach it."""
+    for record in records:
+        if record["id"] is None:
+            report.sessions_without_id += 1
+            if warn:
+                log.warning("export: a session stored with no id left out")
+            continue
+        yield record
 
 
 @contextmanager
@@ -287,6 +346,111 @@ _MESSAGE_SHAPE = _Shape.of(M)
 _SESSION_EXTRA = frozenset({"messages"})
 
 
+#: The SQLite storage class of each Python type a stored value comes back as.
+_STORAGE: dict[type, str] = {str: "text", int: "integer", float: "real"}
+#: Columns whose value the export writes as read: ``tool_calls`` is decoded JSON (its own
+#: values are not the column's), the import encodes it again.
+_AS_DECODED = frozenset({"tool_calls"})
+
+
+def _export_shape(table: sa.Table) -> tuple[tuple[str, tuple[type, ...], float, float], ...]:
+    """Each column's name, the types the import takes for it, and the range inside which a
+    number passes the import's checks (``-inf .. inf`` for text: never compared)."""
+    shape = []
+    for column in table.c:
+        if column.name in _AS_DECODED:
+            continue
+        rule = _number_rule(column)
+        low, high = (-math.inf, math.inf) if rule is None else rule[1:]
+        if rule is not None and rule[0] is validate.real:  # any finite number passes
+            low, high = -sys.float_info.max, sys.float_info.max
+        shape.append((column.name, _python_types(column), low, high))
+    return tuple(shape)
+
+
+_SESSION_EXPORT = _export_shape(S)
+_MESSAGE_EXPORT = _export_shape(M)
+
+
+def _marked_row(
+    row: RowDict, shape: tuple[tuple[str, tuple[type, ...], float, float], ...]
+) -> tuple[RowDict, int]:
+    """``row`` with each value the import would not take as it is (a blob, text where a
+    number belongs, a non-finite or out-of-range number) written as a marked object
+    (:func:`jsontext.stored`), and how many were; ``row`` itself when none is."""
+    marked: RowDict | None = None
+    count = 0
+    for name, kinds, low, high in shape:
+        value = row.get(name)
+        if value is None:
+            continue
+        kind = type(value)
+        if kind in kinds and (kind is str or low <= value <= high):  # NaN fails the range
+            continue
+        if marked is None:
+            marked = dict(row)
+        marked[name] = jsontext.stored(_STORAGE.get(kind, "blob"), value)
+        count += 1
+    return (row, 0) if marked is None else (marked, count)
+
+
+def mark_stored_values(record: RowDict) -> tuple[RowDict, int]:
+    """An exported session with every value the import would not take as it is written as a
+    marked object (see the module's docstring), and how many values were."""
+    session, count = _marked_row(record, _SESSION_EXPORT)
+    messages = []
+    for message in record.get("messages") or []:
+        marked, more = _marked_row(message, _MESSAGE_EXPORT)
+        messages.append(marked)
+        count += more
+    if count:
+        session = {**session, "messages": messages}
+    return session, count
+
+
+def _unmarked(value: dict[Any, Any], kinds: tuple[type, ...], where: str, sqlite: bool) -> Any:
+    """The value a marked object of the export stands for (see the module's docstring). A
+    database other than SQLite takes only one its column's type holds: the rest are refused
+    (``where`` names the field)."""
+    kind = value.get(jsontext.MARKER)
+    try:
+        if kind == "blob" and value.keys() == {jsontext.MARKER, "base64"}:
+            raw: Any = base64.b64decode(value["base64"], validate=True)
+        elif kind in _STORED_KINDS and value.keys() == {jsontext.MARKER, "value"}:
+            raw = value["value"]
+            if kind == "real" and raw in _NON_FINITE:
+                raw = float(raw)
+            if type(raw) not in _STORED_KINDS[kind]:
+                raise ValueError(kind)
+        else:
+            raise ValueError(kind)
+    except (ValueError, TypeError, binascii.Error):
+        raise InvalidInputError(
+            f"{where} is not a stored value the export writes: {echoed(value)}"
+        ) from None
+    if not sqlite and type(raw) not in kinds:
+        raise InvalidInputError(
+            f"{where} holds {_described(raw)}, which only a SQLite database stores in that "
+            "column (a file the original store wrote held it): import the file into a SQLite "
+            "database"
+        )
+    return raw
+
+
+_STORED_KINDS: dict[Any, tuple[type, ...]] = {
+    "real": (float, int),
+    "integer": (int,),
+    "text": (str,),
+}
+_NON_FINITE = frozenset({"Infinity", "-Infinity", "NaN"})
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, bytes):
+        return f"a blob of {len(value):,} byte(s)"
+    return f"{_STORAGE.get(type(value), 'a value')} {echoed(value)}"
+
+
 def _checked(
     record: Any,
     shape: _Shape,
@@ -296,7 +460,9 @@ def _checked(
     extra: frozenset[str] = frozenset(),
     nul_ok: bool,
 ) -> RowDict:
-    """The record as a full column dict, every value type-checked before anything is written."""
+    """The record as a full column dict, every value type-checked before anything is written;
+    a marked object (a value of another type a file the original store wrote held) is the
+    value it stands for, as it was (:func:`_unmarked`)."""
     if not isinstance(record, dict):
         raise InvalidInputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if not record.keys() <= shape.names:
@@ -306,7 +472,9 @@ def _checked(
     row: RowDict = {}
     for name, kinds, default, rule in shape.columns:
         value = record.get(name, default)
-        if value is None:
+        if type(value) is dict and jsontext.MARKER in value:
+            value = _unmarked(value, kinds, f"{where}: {name}", sqlite=nul_ok)
+        elif value is None:
             if name in required:
                 raise InvalidInputError(f"{where}: {name} is required")
         elif type(value) not in kinds and (isinstance(value, bool) or not isinstance(value, kinds)):
@@ -330,7 +498,7 @@ def _keeps_title(title: str | None) -> bool:
     ``MAX_TITLE_LENGTH`` characters, nothing sanitising would remove or collapse). One that is
     not is left empty and counted (``titles_refused``), never changed into another title: the
     rest of the session imports as it was exported."""
-    if title is None:
+    if not isinstance(title, str):  # None, or a blob a file held: stored as exported
         return True
     try:
         return titles.sanitize_title(title) == title
@@ -1071,10 +1239,17 @@ def _name_key(name: str) -> str:
 
 @dataclass
 class ExportReport:
-    """What :func:`write_records` wrote."""
+    """What :func:`write_records` wrote, and what :func:`export_records` left out."""
 
     sessions: int = 0
     messages: int = 0
+    #: values not of their column's type (or numbers outside what the store takes) written
+    #: as marked objects, which an import restores (JSON Lines only)
+    values_marked: int = 0
+    #: messages whose session no longer exists: left out, no import could restore them
+    orphan_messages: int = 0
+    #: sessions stored with no id: left out, no import could restore them
+    sessions_without_id: int = 0
 
 
 def write_records(
@@ -1086,6 +1261,7 @@ def write_records(
     split: bool = False,
     redacted: bool = False,
     on_record: Callable[[], None] | None = None,
+    report: ExportReport | None = None,
 ) -> ExportReport:
     """Write exported records (:func:`export_records`) to ``output``, as :func:`export_writer`
     writes a file (``-``: stdout).
@@ -1094,6 +1270,7 @@ def write_records(
     reading); ``split`` writes one Markdown file per session into the folder ``output`` (made
     owner-only: the file names carry titles). ``redacted`` masks API keys, tokens, passwords
     and private keys first. ``on_record()`` is called as each record is taken (progress).
+    ``report``, when given, is the one filled in (the one :func:`export_records` took).
     """
     from hermes_store import markdown
     from hermes_store.engine.factory import make_private_dirs
@@ -1102,7 +1279,7 @@ def write_records(
         raise InvalidInputError(f"fmt must be 'jsonl' or 'md', not {echoed(fmt)}")
     if split and (fmt != "md" or output == "-"):
         raise InvalidInputError("split writes Markdown files (fmt='md') into a folder")
-    report = ExportReport()
+    report = ExportReport() if report is None else report
     chosen: Iterator[RowDict] = (dict(record) for record in records)
     if redacted:
         chosen = map(redact.redact_record, chosen)
@@ -1128,7 +1305,14 @@ def write_records(
             for chunk in markdown.render_document(counted(chosen), redacted=redacted):
                 handle.write(chunk)
     else:
+
+        def marked(items: Iterable[RowDict]) -> Iterator[RowDict]:
+            for record in items:
+                written, count = mark_stored_values(record)
+                report.values_marked += count
+                yield written
+
         with export_writer(output, database) as handle:
-            for _ in write_export(handle, counted(chosen)):
+            for _ in write_export(handle, marked(counted(chosen))):
                 pass
     return report

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
-from hermes_store import jsontext, timestamps
+from hermes_store import jsontext, markdown, timestamps
 from hermes_store.cli.streams import is_terminal
 
 if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
@@ -126,9 +126,11 @@ def paged(command: F) -> F:
     return cast(F, run)
 
 
-def wrapped(text: str, indent: str = "") -> str:
-    """``text`` wrapped at words to the terminal's width (each paragraph on its own), on a
-    terminal only: piped, lines stay whole for grep."""
+def wrapped(value: object, indent: str = "") -> str:
+    """``value`` wrapped at words to the terminal's width (each paragraph on its own), on a
+    terminal only: piped, lines stay whole for grep. A stored value that is no text (a blob,
+    a number) is shown as :func:`plain` says."""
+    text = plain(value)
     if not stdout_is_terminal():
         return indent + text
     room = max(20, width() - cell_width(indent))
@@ -164,12 +166,22 @@ def width() -> int:
 # -- values --------------------------------------------------------------------------------------
 
 
-def when(ts: float | None, fmt: str = "%Y-%m-%d %H:%M") -> str:
+#: The most bytes of a blob shown in hex where a value is folded to a line.
+BLOB_SHOWN = markdown.BLOB_SHOWN
+
+
+def plain(value: object, *, limit: int | None = None) -> str:
+    """A stored value as text: text as it is, a blob as its size and bytes in hex (the first
+    ``limit`` bytes), a number as Python prints it (see ``markdown.plain``)."""
+    return markdown.plain(value, limit=limit)
+
+
+def when(ts: object, fmt: str = "%Y-%m-%d %H:%M") -> str:
     """A timestamp for people: local time, the number itself when no date holds it."""
     return timestamps.shown(ts, fmt) if ts is not None else "—"
 
 
-def iso(ts: float | None) -> str:
+def iso(ts: object) -> str:
     """A timestamp for machines: local ISO 8601 to the second, empty when missing, the number
     itself when no date holds it (a file the original store wrote may hold any)."""
     if ts is None:
@@ -197,22 +209,25 @@ def lock_holds(report: StepTally) -> str:
     return line
 
 
-def num(value: int | None) -> str:
-    return f"{value or 0:,}"
+def num(value: object) -> str:
+    """A counter with thousands separators; a stored value that is no number (text a file
+    the original store wrote holds there) as it is."""
+    return markdown.count(value)
 
 
 def cost(row: RowDict) -> str:
     """The actual cost when known, else the estimate marked with ``~``."""
+    money = markdown.money
     if row.get("actual_cost_usd") is not None:
-        return f"${row['actual_cost_usd']:.4f}"
+        return f"${money(row['actual_cost_usd'])}"
     if row.get("estimated_cost_usd"):
-        return f"~${row['estimated_cost_usd']:.4f}"
+        return f"~${money(row['estimated_cost_usd'])}"
     return "—"
 
 
-def fold(text: str, limit: int = 100) -> str:
+def fold(text: object, limit: int = 100) -> str:
     """One line of at most ``limit`` characters (used for previews of long content only)."""
-    flat = " ".join(text.split())
+    flat = " ".join(plain(text, limit=limit).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 

@@ -23,6 +23,7 @@ from hermes_store.cli.app import (
     yes_option,
 )
 from hermes_store.cli.output import (
+    BLOB_SHOWN,
     Column,
     RowDict,
     chosen_format,
@@ -35,6 +36,7 @@ from hermes_store.cli.output import (
     lock_holds,
     num,
     paged,
+    plain,
     print_rows,
     progress,
     when,
@@ -192,24 +194,26 @@ def _tool_call_line(call: Any, full: bool) -> str:
 def _print_message(message: RowDict, full: bool) -> None:
     role = message["role"]
     colours = {"user": "cyan", "assistant": "green", "tool": "magenta"}
-    header = click.style(role, fg=colours.get(role, "yellow"), bold=True)
+    header = click.style(plain(role, limit=BLOB_SHOWN), fg=colours.get(role, "yellow"), bold=True)
     if message.get("tool_name"):
-        header += click.style(f" · {message['tool_name']}", fg="magenta")
+        header += click.style(f" · {plain(message['tool_name'], limit=BLOB_SHOWN)}", fg="magenta")
     header += click.style(f" · {when(message['timestamp'], '%Y-%m-%d %H:%M:%S')}", dim=True)
     echo(header)
-    reasoning = message.get("reasoning")
+    reasoning = plain(message.get("reasoning") or "", limit=None if full else BLOB_SHOWN)
     if reasoning:
         body = reasoning if full else fold(reasoning, 90)
         echo(click.style(f"  ▸ reasoning ({len(reasoning)} chars): {body}", dim=True, italic=True))
     for key in ("reasoning_details", "codex_reasoning_items"):
         if message.get(key):
-            detail = f": {message[key]}" if full else ""
+            text = plain(message[key], limit=None if full else BLOB_SHOWN)
+            detail = f": {text}" if full else ""
             label = key.replace("_", " ")
-            echo(click.style(f"  ▸ {label} ({len(message[key])} chars){detail}", dim=True))
+            echo(click.style(f"  ▸ {label} ({len(text)} chars){detail}", dim=True))
     calls = message.get("tool_calls")
     for call in calls if isinstance(calls, list) else ([calls] if calls else []):
         echo(click.style(f"  ▸ tool call {_tool_call_line(call, full)}", fg="yellow"))
-    content = message.get("content")
+    stored = message.get("content")
+    content = "" if stored is None else plain(stored, limit=None if full else BLOB_SHOWN)
     if content:
         if role == "tool" and not full:
             lines = content.count("\n") + 1

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import click
 
@@ -23,6 +24,9 @@ from hermes_store.cli.output import (
     print_record,
     progress,
 )
+
+if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
+    from hermes_store.transfer import ExportReport
 
 
 @click.command("export", short_help="Write sessions as JSON Lines or Markdown.")
@@ -92,16 +96,52 @@ def export(
         else f"Nothing was exported: {output} was left as it was; the database was not changed."
     )
     session_id = resolve_session(store, session_ref) if session_ref else None
-    records, total = transfer.export_records(store, session_id=session_id, sources=sources)
+    report = transfer.ExportReport()
+    records, total = transfer.export_records(
+        store, session_id=session_id, sources=sources, report=report
+    )
     with progress(total, "exporting") as bar:
-        report = transfer.write_records(
-            records, output, app.url, fmt=fmt, split=split, redacted=redact, on_record=bar.advance
+        transfer.write_records(
+            records,
+            output,
+            app.url,
+            fmt=fmt,
+            split=split,
+            redacted=redact,
+            on_record=bar.advance,
+            report=report,
         )
     note = " (redacted)" if redact else ""
     echo(
         f"Exported {report.sessions} session(s), {report.messages} message(s) to {output}{note}.",
         err=True,
     )
+    for line in export_notes(report):
+        echo(f"  {line}", err=True)
+
+
+def export_notes(report: ExportReport) -> list[str]:
+    """What an export wrote in another form or left out, one line each: said every time, so
+    that a backup is never taken for a whole copy when it is not."""
+    notes = []
+    if report.values_marked:
+        notes.append(
+            f"{report.values_marked} value(s) JSON or the import's checks have no plain form "
+            "for (a blob, text where a number belongs, an infinite cost, a timestamp no date "
+            'holds) written as {"$sqlite": ...} objects: import restores them as they are '
+            "into a SQLite database"
+        )
+    if report.orphan_messages:
+        notes.append(
+            f"{report.orphan_messages} message(s) left out: their session no longer exists, "
+            "and no import can restore a message without its session"
+        )
+    if report.sessions_without_id:
+        notes.append(
+            f"{report.sessions_without_id} session(s) left out: stored with no id, which no "
+            "import can restore"
+        )
+    return notes
 
 
 @click.command("import", short_help="Restore a JSON Lines export.")

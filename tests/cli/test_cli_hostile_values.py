@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -208,11 +209,13 @@ _INFINITE_CALLS = (
 _COSTS_QUERY = "SELECT id, estimated_cost_usd, actual_cost_usd FROM sessions"
 
 
-def test_an_infinite_cost_is_null_in_every_json_written(runner: CliRunner, tmp_path: Path) -> None:
+def test_an_infinite_cost_is_valid_json_everywhere_and_survives_export(
+    runner: CliRunner, tmp_path: Path
+) -> None:
     """A file the original store wrote may hold an infinite cost (a REAL column; SQLite keeps
-    NaN as NULL) and tool calls whose JSON holds ``Infinity``: the export and every ``--json``
-    output write ``null`` there (``Infinity`` is not JSON: jq refuses the whole file), and the
-    export imports again."""
+    NaN as NULL) and tool calls whose JSON holds ``Infinity``: every ``--json`` output writes
+    ``null`` there (``Infinity`` is not JSON: jq refuses the whole file); the export writes
+    the cost as a marked object, which the import restores."""
     path = tmp_path / "state.db"
     with SessionDB(path) as db:
         db.create_session("inf", "cli", model="m")
@@ -234,7 +237,8 @@ def test_an_infinite_cost_is_null_in_every_json_written(runner: CliRunner, tmp_p
     assert piped.exit_code == 0, (piped.output, piped.exception)
     for text in (exported.read_text(), piped.stdout):
         [record] = [strict_json(line) for line in text.splitlines()]
-        assert record["estimated_cost_usd"] is None and record["actual_cost_usd"] is None
+        assert record["estimated_cost_usd"] == {"$sqlite": "real", "value": "Infinity"}
+        assert record["actual_cost_usd"] == {"$sqlite": "real", "value": "-Infinity"}
         arguments = record["messages"][0]["tool_calls"][0]["function"]["arguments"]
         assert arguments == {"x": None, "y": None}
     commands = {
@@ -260,7 +264,8 @@ def test_an_infinite_cost_is_null_in_every_json_written(runner: CliRunner, tmp_p
     assert strict_json(result.stdout)["sessions"] == 1
     with SessionDB(copy) as db:
         session = db.get_session("inf")
-        assert session is not None and session["estimated_cost_usd"] is None
+        assert session is not None
+        assert (session["estimated_cost_usd"], session["actual_cost_usd"]) == stored
         assert db.get_session_title("inf") == "Infinite"
 
 
@@ -476,3 +481,128 @@ def test_query_text_that_is_not_utf8_is_refused_as_other_commands_refuse_it(
         [line] = done.stderr.splitlines()
         assert line.startswith(f"Error: {named}") and "not valid Unicode" in line, line
     assert run(runner, path, "query", "SELECT :a", "-p", "a=ü").exit_code == 0
+
+
+def _planted(tmp_path: Path, *statements: str) -> Path:
+    """A file the store made (session ``odd``: a user turn, a tool result) whose rows were then
+    changed by plain sqlite3, as the original store's dynamic typing lets any writer."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as db:
+        db.create_session("odd", "cli", model="m")
+        db.append_message("odd", "user", "first turn")
+        db.append_message("odd", "tool", "tool output", tool_name="shell")
+        db.update_token_counts("odd", input_tokens=1200, output_tokens=30)
+    with sqlite3.connect(path) as con:
+        for statement in statements:
+            con.execute(statement)
+    return path
+
+
+ODD_VALUES = {
+    "a blob as content": (
+        "UPDATE messages SET content = X'00FF10' WHERE content = 'first turn'",
+        "[blob: 3 bytes, hex 00ff10]",
+    ),
+    "a blob as a tool's output": (
+        "UPDATE messages SET content = X'0A0B' WHERE role = 'tool'",
+        "[blob: 2 bytes, hex 0a0b]",
+    ),
+    "text as a counter": ("UPDATE sessions SET input_tokens = 'abc'", "abc"),
+    "text as a timestamp": (
+        "UPDATE messages SET timestamp = 'yesterday' WHERE role = 'user'",
+        "'yesterday' (not a date)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_VALUES))
+def test_values_sqlite_allows_in_any_column_are_shown_as_they_are(
+    runner: CliRunner, tmp_path: Path, case: str
+) -> None:
+    """Every command that shows a session shows the stored value (a blob by its size and
+    bytes, text as the text) where a traceback was."""
+    statement, shown = ODD_VALUES[case]
+    path = _planted(tmp_path, statement)
+    outputs = {}
+    for args in (
+        ("export", "-o", str(tmp_path / "out.jsonl")),
+        ("export", "--format", "md", "-o", "-"),
+        ("export", "--format", "md", "--split", "-o", str(tmp_path / "pages")),
+        ("sessions", "show", "odd"),
+        ("sessions", "show", "odd", "--full"),
+        ("sessions", "show", "odd", "--format", "tsv"),
+        ("sessions", "show", "odd", "--json"),
+        ("sessions", "list", "--format", "table"),
+    ):
+        result = run(runner, path, *args)
+        assert result.exit_code == 0, (args, result.output, result.exception)
+        assert "Traceback" not in result.output
+        outputs[args] = result.stdout
+    assert shown in outputs[("export", "--format", "md", "-o", "-")]
+    assert shown in outputs[("sessions", "show", "odd", "--full")]
+    strict_json(outputs[("sessions", "show", "odd", "--json")])
+
+
+def _rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of both tables, each value with its storage class (``typeof``)."""
+    with closing(sqlite3.connect(path)) as con:
+        tables = {}
+        for table in ("sessions", "messages"):
+            columns = [row[1] for row in con.execute(f"PRAGMA table_info({table})")]
+            picked = ", ".join(f"{c}, typeof({c})" for c in columns)
+            tables[table] = sorted(con.execute(f"SELECT {picked} FROM {table}"), key=repr)
+    return tables
+
+
+def test_an_export_of_values_of_any_type_imports_back_as_they_were(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """Blobs, text where numbers belong, infinite costs, a float counter and a timestamp in
+    milliseconds: the export says it wrote them marked, and an import into a new file holds
+    every row as it was, value and storage class."""
+    path = _planted(
+        tmp_path,
+        "UPDATE messages SET content = X'00FF10', reasoning = X'' WHERE role = 'user'",
+        "UPDATE messages SET timestamp = 'yesterday' WHERE role = 'tool'",
+        "UPDATE sessions SET input_tokens = 'abc', output_tokens = 2.5, "
+        "estimated_cost_usd = 9e999, actual_cost_usd = -9e999, started_at = 1733500000000, "
+        "model = X'6D'",
+    )
+    exported = tmp_path / "out.jsonl"
+    result = run(runner, path, "export", "-o", str(exported))
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "9 value(s) JSON or the import's checks have no plain form for" in result.stderr
+    [record] = [strict_json(line) for line in exported.read_text().splitlines()]
+    assert record["input_tokens"] == {"$sqlite": "text", "value": "abc"}
+    assert record["model"] == {"$sqlite": "blob", "base64": "bQ=="}
+    copy = tmp_path / "copy.db"
+    result = run(runner, copy, "import", str(exported))
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert _rows(copy) == _rows(path)
+
+
+def test_an_export_says_what_it_leaves_out_and_imports_back(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """Messages whose session is gone and a session stored with no id cannot be imported (a
+    message needs its session, nothing names the session): the export leaves them out and
+    says how many, and the rest imports back exactly."""
+    path = _planted(
+        tmp_path,
+        "INSERT INTO messages (session_id, role, content, timestamp) "
+        "VALUES ('ghost', 'user', 'orphan', 1.0)",
+        "INSERT INTO sessions (id, source, started_at) VALUES (NULL, 'cli', 1.0)",
+    )
+    exported = tmp_path / "out.jsonl"
+    result = run(runner, path, "export", "-o", str(exported))
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "Exported 1 session(s), 2 message(s)" in result.stderr
+    assert "1 message(s) left out: their session no longer exists" in result.stderr
+    assert "1 session(s) left out: stored with no id" in result.stderr
+    copy = tmp_path / "copy.db"
+    result = run(runner, copy, "import", str(exported))
+    assert result.exit_code == 0, (result.output, result.exception)
+    kept = _rows(path)
+    kept["sessions"] = [row for row in kept["sessions"] if row[0] is not None]
+    kept["messages"] = [row for row in kept["messages"] if "ghost" not in row]
+    assert _rows(copy) == kept

@@ -210,3 +210,28 @@ def test_a_page_is_never_written_over_another_sessions(
     (page,) = (tmp_path / "out").iterdir()
     text = page.read_text(encoding="utf-8")
     assert page.name == "same.md" and ("<one>" in text) != ("<two>" in text)
+
+
+def test_the_report_counts_what_the_export_left_out_or_marked(
+    store: SessionDB, tmp_path: Path
+) -> None:
+    """What no import could restore (a message whose session is gone, a session stored with
+    no id) is left out and counted, and so is each value written as a marked object: a
+    caller of the library sees the export is not a whole copy, as the command line says."""
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "state.db") as con:  # as the original store could leave it
+        con.execute(
+            "INSERT INTO messages (session_id, role, content, timestamp) "
+            "VALUES ('ghost', 'user', 'orphan', 1.0)"
+        )
+        con.execute("INSERT INTO sessions (id, source, started_at) VALUES (NULL, 'cli', 1.0)")
+        con.execute("UPDATE sessions SET input_tokens = 'abc' WHERE id = 'first'")
+    report = transfer.ExportReport()
+    records, _ = transfer.export_records(store, report=report)
+    out = tmp_path / "export.jsonl"
+    transfer.write_records(records, str(out), store.engine.url, report=report)
+    assert (report.sessions, report.messages, report.values_marked) == (2, 3, 1)
+    assert (report.orphan_messages, report.sessions_without_id) == (1, 1)
+    first = next(r for r in map(json.loads, out.read_text().splitlines()) if r["id"] == "first")
+    assert first["input_tokens"] == {"$sqlite": "text", "value": "abc"}

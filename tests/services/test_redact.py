@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import sqlite3
+from contextlib import closing
+from pathlib import Path
 
 import pytest
 
+from hermes_store import SessionDB, transfer
 from hermes_store.redact import redact_record, redact_text, redact_value
 
 # (text, the secret inside it). Fake values with the real shapes.
@@ -159,3 +164,36 @@ def test_a_redacted_record_is_marked_and_keeps_its_structure() -> None:
     assert out["id"] == "s1" and out["messages"][0]["session_id"] == "s1"
     assert "sk-proj" not in out["system_prompt"]
     assert out["messages"][0]["content"] == "PASSWORD=[REDACTED:secret-assignment]"
+
+
+def test_a_secret_in_a_blob_is_masked_not_carried_out_in_base64(tmp_path: Path) -> None:
+    """A file the original store wrote may hold a blob where text belongs. A redacted export
+    wrote a blob as its bytes in base64, which no rule looks into: the secret left the
+    machine encoded. The blob's text is redacted like any other; a blob without a secret
+    stays the blob it was."""
+    secret = "sk-proj-Xq3vT9aLm2Rk8sPz4YwB7nC1dE5fG6hJ0kL"
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s1", "cli")
+        store.append_message("s1", "user", "placeholder")
+        store.append_message("s1", "user", "placeholder")
+    with closing(sqlite3.connect(path)) as raw, raw:
+        raw.execute(
+            "UPDATE messages SET content = ? WHERE id = 1", (f"OPENAI_API_KEY={secret}".encode(),)
+        )
+        raw.execute("UPDATE messages SET content = ? WHERE id = 2", (b"\x00\xffplain",))
+    out = tmp_path / "out.jsonl"
+    with SessionDB(path) as store:
+        records, _ = transfer.export_records(store)
+        transfer.write_records(records, str(out), store.engine.url, redacted=True)
+    written = out.read_text()
+    assert secret not in written
+    assert base64.b64encode(secret.encode()).decode()[:20] not in written
+    (record,) = [json.loads(line) for line in written.splitlines()]
+    first, second = record["messages"]
+    assert first["content"].startswith("OPENAI_API_KEY=[REDACTED")
+    assert second["content"] == {
+        "$sqlite": "blob",
+        "base64": base64.b64encode(b"\x00\xffplain").decode(),
+    }
+    assert redact_value(b"no secret here") == b"no secret here"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from hermes_store import SessionDB, transfer
+from hermes_store import InvalidInputError, SessionDB, transfer
 from hermes_store.schema import fulltext
 from tests.support import import_workers as workers
 from tests.support.import_workers import index_problems, triggers
@@ -277,3 +277,52 @@ def test_every_batch_size_gives_the_same_file(tmp_path: Path, batch_size: int) -
         m["id"] for r in records for m in r["messages"]
     ]
     assert index_problems(path) == []
+
+
+def test_marked_values_import_as_they_were_where_the_column_holds_them(store: SessionDB) -> None:
+    """The export writes a value JSON or the import's checks have no plain form for as a
+    marked object: the import stores the value it stands for. A non-finite or out-of-range
+    float lands on both backends; text in a counter or a blob only in SQLite (PostgreSQL's
+    columns cannot hold it), refused by line and field elsewhere; a malformed marker always."""
+    numbers = {
+        "id": "numbers",
+        "source": "cli",
+        "started_at": {"$sqlite": "real", "value": 1733500000000.0},
+        "estimated_cost_usd": {"$sqlite": "real", "value": "Infinity"},
+        "actual_cost_usd": {"$sqlite": "real", "value": "-Infinity"},
+        "messages": [{"id": 1, "role": "user", "timestamp": 2.0, "content": "plain"}],
+    }
+    report = import_records(store, [numbers])
+    assert (report.sessions, report.messages) == (1, 1)
+    session = store.get_session("numbers")
+    assert session is not None
+    assert (session["started_at"], session["estimated_cost_usd"], session["actual_cost_usd"]) == (
+        1733500000000.0,
+        float("inf"),
+        float("-inf"),
+    )
+    typed = {
+        "id": "typed",
+        "source": "cli",
+        "started_at": 1.0,
+        "input_tokens": {"$sqlite": "text", "value": "abc"},
+        "messages": [
+            {
+                "id": 2,
+                "role": "user",
+                "timestamp": 3.0,
+                "content": {"$sqlite": "blob", "base64": "AP8Q"},
+            }
+        ],
+    }
+    if store.uow.is_sqlite:
+        import_records(store, [typed])
+        restored = store.export_session("typed")
+        assert restored is not None and restored["input_tokens"] == "abc"
+        assert restored["messages"][0]["content"] == b"\x00\xff\x10"
+    else:
+        with pytest.raises(InvalidInputError, match="line 1: input_tokens holds text 'abc'"):
+            import_records(store, [typed])
+    malformed = {**numbers, "id": "bad", "ended_at": {"$sqlite": "blob", "base64": "!!"}}
+    with pytest.raises(InvalidInputError, match="ended_at is not a stored value the export"):
+        import_records(store, [malformed])
