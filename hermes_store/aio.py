@@ -52,8 +52,8 @@ from sqlalchemy.engine import Engine, make_url
 from hermes_store import validate
 from hermes_store.engine.factory import Target, default_db_path, display_url, to_url
 from hermes_store.errors import (
-    HermesStoreError,
     InvalidInputError,
+    StoreMisuseError,
     TransactionMisuseError,
     extras_named,
 )
@@ -486,6 +486,15 @@ class AsyncSessionDB:
         self._closed = False
         self.cancellations = CancelStats()
 
+    def __reduce__(self) -> Any:
+        """Refused: a store is connections, threads and an event loop's state of this
+        process; another process opens its own."""
+        raise StoreMisuseError(
+            "an AsyncSessionDB cannot be pickled (or passed to another process, e.g. as a "
+            "multiprocessing.Pool argument): pass its path or URL and open a store in the "
+            "other process"
+        )
+
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AsyncSessionDB:
         """The same store on any SQLAlchemy URL (no I/O until first use)."""
@@ -507,17 +516,17 @@ class AsyncSessionDB:
         :meth:`run_sync` (on PostgreSQL its methods work only there: elsewhere they raise
         :class:`~hermes_store.errors.StoreMisuseError`)."""
         if self._sync is None:
-            raise HermesStoreError("the store is not open yet: await a call or use async with")
+            raise StoreMisuseError("the store is not open yet: await a call or use async with")
         return self._sync
 
     async def _open(self) -> SessionDB:
         if self._closed:
-            raise HermesStoreError("this AsyncSessionDB is closed")
+            raise StoreMisuseError("this AsyncSessionDB is closed")
         if self._sync is not None:
             return self._sync
         async with self._opening:
             if self._closed:
-                raise HermesStoreError("this AsyncSessionDB is closed")
+                raise StoreMisuseError("this AsyncSessionDB is closed")
             if self._sync is None:
                 if self._threads:
                     self._pool = ThreadPoolExecutor(self._max_threads, "hermes-aio")
@@ -580,7 +589,7 @@ class AsyncSessionDB:
             return
         tx = self._tx.get()
         if tx is not None and tx.task is asyncio.current_task():
-            raise HermesStoreError("close() inside an open transaction(): leave the block first")
+            raise StoreMisuseError("close() inside an open transaction(): leave the block first")
         self._refuse_held_writer()
         async with self._opening:
             self._closed = True

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
@@ -240,6 +241,7 @@ class SessionDB:
         self.placement.check_dialect(url.get_backend_name())
         path = sqlite_file(url)
         self._file: files.FileKey | None = None
+        self._dropped: weakref.finalize[Any, Any] | None = None
         with placement.using(self.placement):
             if path is not None:
                 # A second name first: reading a live file through a name whose WAL is not
@@ -252,6 +254,10 @@ class SessionDB:
                 self.uow = shared.acquire(
                     self._file, options, lambda: self._make_uow(target, options), str(path)
                 )
+                # A store dropped without close() gives its share of the writer back (the
+                # last close on the file then checkpoints and lets every connection go).
+                self._dropped = dropped = weakref.finalize(self, shared.forget, self._file)
+                dropped.atexit = False
                 self.engine: Engine = self.uow.engine
             else:
                 self.uow, _ = self._make_uow(target, options, migrate=migrate)
@@ -333,6 +339,8 @@ class SessionDB:
         uow, self.uow = self.uow, cast(UnitOfWork, _CLOSED)
         owns = self._owns_engine
         if self._file is not None:
+            if self._dropped is not None:
+                self._dropped.detach()
             last, owns = shared.release(self._file)
             if not last:
                 return
@@ -364,6 +372,15 @@ class SessionDB:
         snapshot = self.uow.stats
         log.debug("store stats: %s", snapshot)
         return snapshot
+
+    def __reduce__(self) -> Any:
+        """Refused: a store is connections, locks and threads of this process; another
+        process opens its own."""
+        raise StoreMisuseError(
+            "a SessionDB cannot be pickled (or passed to another process, e.g. as a "
+            "multiprocessing.Pool argument): pass its path or URL and open a SessionDB in the "
+            "other process"
+        )
 
     def __enter__(self) -> SessionDB:
         return self

@@ -38,7 +38,7 @@ from hermes_store.uow.groupcommit import GroupCommit
 from hermes_store.uow.interrupts import NOTHING_HELD, Holding, NothingHeld
 from hermes_store.uow.readers import HeldReaders
 from hermes_store.uow.uncontended import Missed, Uncontended
-from hermes_store.uow.writer import SqliteWriter, again
+from hermes_store.uow.writer import SqliteWriter, again, discard, interrupt_of, store_closed
 
 T = TypeVar("T")
 
@@ -60,6 +60,22 @@ def on_driver(fn: Callable[[Any], T]) -> Callable[[Connection], T]:
         return fn(conn.connection.driver_connection)
 
     return unit
+
+
+def rollback(conn: Connection) -> None:
+    """Roll back a pooled unit's connection; one whose rollback failed or was cut short (an
+    interrupt: SQLAlchemy's state for it is unknown) is discarded, never pooled again, and the
+    interrupt is what goes on."""
+    try:
+        conn.rollback()
+    except sa_exc.DBAPIError:
+        conn.invalidate()
+        raise
+    except BaseException as error:
+        discard(conn)
+        if interrupt_of(error) is error:
+            raise
+        raise interrupt_of(error) from None
 
 
 class SqliteBackend:
@@ -121,6 +137,8 @@ class SqliteBackend:
         connection (a deferred ``BEGIN``)."""
         if write:
             return self.writer.begin_unit(waits, turn)
+        if self.writer.closed:
+            raise store_closed()
         while True:
             refused = self.writer.refused
             if isinstance(refused, ForkedProcessError):
@@ -145,15 +163,19 @@ class SqliteBackend:
         if conn is self.writer.connection:
             self.writer.rollback(conn)
             return
-        try:
-            conn.rollback()
-        except sa_exc.DBAPIError:
-            conn.invalidate()
-            raise
+        rollback(conn)
+
+    def discard(self, conn: Connection) -> None:
+        """Close a unit's connection for good (its rollback was cut short before it began)."""
+        self.writer.discard(conn)
 
     def put_back(self, conn: Connection) -> None:
-        """A unit ended: its connection goes back to the pool (the writer's stays open)."""
-        if conn is not self.writer.connection:
+        """A unit ended: its connection goes back to the pool (the writer's stays open); once
+        the store closed, it is closed instead (a pool of a closed store keeps nothing)."""
+        writer = self.writer
+        if conn is not writer.connection:
+            if writer.closed and not conn.closed:
+                conn.invalidate()
             conn.close()
 
     def acknowledge(self, conn: Connection) -> None:
@@ -234,6 +256,8 @@ class SqliteBackend:
     ) -> list[dict[str, Any]]:
         """A prebuilt read on this thread's held read connection (a list parameter: on a read
         unit of its own, through SQLAlchemy)."""
+        if self.writer.closed:
+            raise store_closed()
         if expanding:
             with units.reading() as conn:
                 return fastpath.rows(conn, statement, params, expanding=expanding)
@@ -243,6 +267,8 @@ class SqliteBackend:
     def scalar(
         self, units: Units, statement: ClauseElement, params: Mapping[str, Any] | None
     ) -> Any:
+        if self.writer.closed:
+            raise store_closed()
         return self.readers.scalar(statement, params)
 
     # -- the rest ----------------------------------------------------------------------------
@@ -260,8 +286,14 @@ class SqliteBackend:
         return self.writer.wait_for_waiting(count, timeout)
 
     def release(self) -> None:
+        """Let go of every connection for good (the last store on the file closed): the
+        writer and the readers open none again, so work started before is refused."""
         self.writer.release()
         self.readers.release()
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.closed
 
     # -- fork ----------------------------------------------------------------------------------
 
@@ -275,7 +307,7 @@ class SqliteBackend:
 
     def before_fork(self, deadline: float, *, unit_open: bool) -> str | None:
         """In the forking thread: close every connection on the file, or say why not."""
-        if self.file_key is None:
+        if self.file_key is None or self.writer.closed:  # closed: nothing left to close
             return None
         if self.writer.refused is not None:  # its connections stay open: the child is refused
             return f"this process was refused the file: {self.writer.refused}"
@@ -357,6 +389,8 @@ class PostgresBackend:
             **{WRITE_OPTION: False, "postgresql_readonly": True}
         )
         self.autocommit = Autocommit(engine, policy, counters)
+        #: Released for good (its store closed): no unit or statement opens a connection.
+        self.closed = False
         # Not under AsyncSessionDB: its calls share one thread (greenlets), so a caller waiting
         # for another's group would block the very thread that must finish it.
         self.group: pggroup.PgGroupCommit | None = None
@@ -371,6 +405,8 @@ class PostgresBackend:
 
     def begin(self, write: bool, waits: Iterator[float], turn: object) -> Connection:
         """A unit's begun pooled connection; a server not reachable is waited for."""
+        if self.closed:
+            raise store_closed()
         engine = self._writer_engine if write else self._reader_engine
         patience: retry.Patience | None = None
         while True:
@@ -399,11 +435,11 @@ class PostgresBackend:
     def abort(self, conn: Connection) -> None:
         """Roll back a unit that raised (a connection that cannot is discarded)."""
         self.counters.record_rollback()
-        try:
-            conn.rollback()
-        except sa_exc.DBAPIError:
-            conn.invalidate()
-            raise
+        rollback(conn)
+
+    def discard(self, conn: Connection) -> None:
+        """Close a unit's connection for good (its rollback was cut short before it began)."""
+        discard(conn)
 
     def put_back(self, conn: Connection) -> None:
         conn.close()
@@ -431,6 +467,8 @@ class PostgresBackend:
     ) -> T:
         """One write statement as its own transaction on the autocommit twin: in a group with
         the process's concurrent ones when it comes prebuilt (``grouped``)."""
+        if self.closed:
+            raise store_closed()
         group = self.group
         if grouped is not None and group is not None:
             grouped.idempotent = idempotent
@@ -445,6 +483,8 @@ class PostgresBackend:
     def read(self, units: Units, fn: Callable[[Connection], T]) -> T:
         """A read of one statement (or of statements that need no common snapshot): on the
         autocommit twin, one round trip per statement; a lost connection is retried."""
+        if self.closed:
+            raise store_closed()
         return self.autocommit.run(fn, write=False, idempotent=True)
 
     def rows(
@@ -481,7 +521,9 @@ class PostgresBackend:
         return False
 
     def release(self) -> None:
-        """Nothing held between units: pooled connections go back as units end."""
+        """Nothing held between units (pooled connections go back as units end): from now
+        on no unit or statement opens a connection (the store closed)."""
+        self.closed = True
 
     # -- fork ----------------------------------------------------------------------------------
 

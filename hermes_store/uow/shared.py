@@ -10,14 +10,17 @@ whose Units of Work have by then dropped every connection and lock of the parent
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from hermes_store.engine.files import FileKey
-from hermes_store.errors import SharedStoreMismatchError
+from hermes_store.errors import HermesStoreError, SharedStoreMismatchError
 from hermes_store.uow.unit import RetryPolicy, UnitOfWork
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,50 @@ class _Entry:
 
 _lock = threading.Lock()
 _entries: dict[tuple[int, int, int], _Entry] = {}
+#: References of stores dropped without ``close()``, given back at the next look at the
+#: registry: a finalizer may run anywhere (inside ``acquire`` under ``_lock``, or in a thread
+#: holding the file's writer), so it only appends here (atomic, takes no lock).
+_dropped: list[FileKey] = []
+
+
+def forget(key: FileKey) -> None:
+    """A store on ``key`` was dropped without ``close()`` (its finalizer): its reference is
+    given back at the next :func:`acquire`, :func:`release` or :func:`open_files`."""
+    _dropped.append(key)
+
+
+def _drain() -> list[_Entry]:
+    """Under ``_lock``: give back the references of dropped stores; the entries whose last
+    reference that was (their Units of Work to let go of, outside the lock)."""
+    ended: list[_Entry] = []
+    pid = os.getpid()
+    while _dropped:
+        full = (pid, *_dropped.pop())
+        entry = _entries.get(full)
+        if entry is None:
+            continue
+        entry.refs -= 1
+        # A block still open (``with SessionDB(path).transaction():``, its store dropped at
+        # once) keeps the entry, at no reference: a store opened meanwhile joins that block.
+        if entry.refs <= 0 and not entry.uow.in_block():
+            del _entries[full]
+            ended.append(entry)
+    return ended
+
+
+def _let_go(ended: list[_Entry]) -> None:
+    """Outside ``_lock``: close the Units of Work no store holds any more (every store on the
+    file was dropped without ``close()``), as the last ``close()`` would have."""
+    for entry in ended:
+        uow = entry.uow
+        try:
+            uow.checkpoint()
+            uow.release()
+        except HermesStoreError as error:  # a unit of it still open in this thread
+            log.warning("a dropped store's writer stays open: %s", error)
+            continue
+        if entry.owns_engine:
+            uow.engine.dispose()
 
 
 def acquire(
@@ -53,48 +100,72 @@ def acquire(
 ) -> UnitOfWork:
     """The file's shared Unit of Work (made by ``make`` for the first opener: the Unit of Work
     and whether the store owns its engine); refuses options that differ from the first's."""
-    with _lock:
-        entry = _entries.get((os.getpid(), *key))
-        if entry is not None:
-            if entry.options != options:
-                diff = ", ".join(
-                    f"{f.name}={getattr(options, f.name)!r}, "
-                    f"open with {getattr(entry.options, f.name)!r}"
-                    for f in fields(options)
-                    if f.name != "engine"
-                    and getattr(options, f.name) != getattr(entry.options, f.name)
-                )
-                if options.engine != entry.options.engine:
-                    diff = "; ".join(filter(None, [diff, "through a different Engine"]))
-                raise SharedStoreMismatchError(
-                    f"{where} is already open in this process with other options ({diff}); "
-                    "stores on one file share one writer, so open them with the same options"
-                )
-            entry.refs += 1
-            return entry.uow
-        uow, owns_engine = make()
-        _entries[(os.getpid(), *key)] = _Entry(uow, options, owns_engine)
-        return uow
+    ended: list[_Entry] = []
+    try:
+        with _lock:
+            ended = _drain()
+            return _acquire(key, options, make, where)
+    finally:
+        _let_go(ended)
+
+
+def _acquire(
+    key: FileKey,
+    options: StoreOptions,
+    make: Callable[[], tuple[UnitOfWork, bool]],
+    where: str,
+) -> UnitOfWork:
+    """:func:`acquire` under ``_lock``."""
+    entry = _entries.get((os.getpid(), *key))
+    if entry is not None:
+        if entry.options != options:
+            diff = ", ".join(
+                f"{f.name}={getattr(options, f.name)!r}, "
+                f"open with {getattr(entry.options, f.name)!r}"
+                for f in fields(options)
+                if f.name != "engine" and getattr(options, f.name) != getattr(entry.options, f.name)
+            )
+            if options.engine != entry.options.engine:
+                diff = "; ".join(filter(None, [diff, "through a different Engine"]))
+            raise SharedStoreMismatchError(
+                f"{where} is already open in this process with other options ({diff}); "
+                "stores on one file share one writer, so open them with the same options"
+            )
+        entry.refs += 1
+        return entry.uow
+    uow, owns_engine = make()
+    _entries[(os.getpid(), *key)] = _Entry(uow, options, owns_engine)
+    return uow
 
 
 def release(key: FileKey) -> tuple[bool, bool]:
     """Drop one reference: (was it the last, does the store own the engine)."""
-    with _lock:
-        full = (os.getpid(), *key)
-        entry = _entries.get(full)
-        if entry is None:
-            return True, False
-        entry.refs -= 1
-        if entry.refs > 0:
-            return False, entry.owns_engine
-        del _entries[full]
-        return True, entry.owns_engine
+    ended: list[_Entry] = []
+    try:
+        with _lock:
+            ended = _drain()
+            full = (os.getpid(), *key)
+            entry = _entries.get(full)
+            if entry is None:
+                return True, False
+            entry.refs -= 1
+            if entry.refs > 0:
+                return False, entry.owns_engine
+            del _entries[full]
+            return True, entry.owns_engine
+    finally:
+        _let_go(ended)
 
 
 def open_files() -> int:
     """How many files this process has open through shared writers (for tests and stats)."""
-    with _lock:
-        return sum(1 for pid, *_ in _entries if pid == os.getpid())
+    ended: list[_Entry] = []
+    try:
+        with _lock:
+            ended = _drain()
+            return sum(1 for pid, *_ in _entries if pid == os.getpid())
+    finally:
+        _let_go(ended)
 
 
 def _after_fork_in_child() -> None:

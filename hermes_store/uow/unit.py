@@ -51,7 +51,6 @@ from hermes_store.errors import (
     DatabaseLockedError,
     DatabaseUnavailableError,
     ForkedProcessError,
-    HermesStoreError,
     ReadOnlyUnitError,
     StoreMisuseError,
     TransactionMisuseError,
@@ -69,7 +68,7 @@ from hermes_store.uow.fork import FORK_WAIT_S
 from hermes_store.uow.interrupts import NOTHING_HELD, Holding, holding
 from hermes_store.uow.readers import MAX_HELD_READERS
 from hermes_store.uow.retry import DEFAULT_UNAVAILABLE_TIMEOUT_S, RetryPolicy
-from hermes_store.uow.writer import QUEUE_HEAD_BUSY_TIMEOUT_S, WAL_CHECK_EVERY_S
+from hermes_store.uow.writer import QUEUE_HEAD_BUSY_TIMEOUT_S, WAL_CHECK_EVERY_S, interrupt_of
 
 __all__ = [
     "DEFAULT_UNAVAILABLE_TIMEOUT_S",
@@ -249,6 +248,8 @@ class UnitOfWork:
             self._sqlite_backend if self.settings is not None else self._postgres_backend
         )
         self._fork_busy: str | None = None  # why the last fork could not close the file
+        #: Released for good (the last store on it closed): its backend opens no connection.
+        self.closed = False
         self._fresh_process_state()
         if self._file_key is not None:
             owner = weakref.ref(self)
@@ -289,6 +290,8 @@ class UnitOfWork:
         self.counters = Counters(self.checkpoint_every)
         self._blocks_lock = self.counters.lock
         self.backend = backend = self._make_backend(self.counters)
+        if self.closed:  # a forked child's copy of a closed one: closed too
+            backend.release()
         self.counters.checkpoint = backend.checkpoint
         # The hottest writes' straight-in try and their line, looked up once (run_on_driver).
         self._straight: _Straight | None = None
@@ -624,11 +627,18 @@ class UnitOfWork:
                 if isinstance(error, ForkedProcessError) or not isinstance(error, Exception):
                     raise
                 raise fork.left_in_child(write) from error
-            backend.abort(conn)
+            try:
+                backend.abort(conn)
+            except BaseException as failed:
+                if not isinstance(failed, sa_exc.DBAPIError):  # cut short before it rolled
+                    backend.discard(conn)  # back: closed (SQLite then frees its lock)
+                raise
             if not write and _is_readonly_refusal(error):
                 raise ReadOnlyUnitError(
                     f"a write inside a read-only unit (uow.connect(write=False)): {error}"
                 ) from error
+            if interrupt_of(error) is not error:  # SQLAlchemy's commit, interrupted midway
+                raise interrupt_of(error) from None
             raise
         finally:
             if unit is not None:
@@ -861,13 +871,22 @@ class UnitOfWork:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def release(self) -> None:
-        """Give every held connection back to the pool (the last ``SessionDB.close``)."""
+        """Give every held connection back to the pool, for good (the last
+        ``SessionDB.close``): work that goes on through it afterwards (an iterator, a call
+        that looked it up before) opens no connection again, it raises StoreMisuseError."""
         if self._joinable() is not None:
-            raise HermesStoreError(
+            raise StoreMisuseError(
                 "close() inside an open unit (db.transaction(), uow.connect()): leave the "
                 "block first"
             )
+        self.closed = True
         self.backend.release()
+
+    def in_block(self) -> bool:
+        """A write block (``transaction()``, ``connect()``, ``session()``) is open on it, in
+        any thread."""
+        with self._blocks_lock:
+            return any(not block.closed for block in self._blocks)
 
     def release_driver(self) -> None:
         """Kept for callers of the first release: :meth:`release`."""

@@ -33,6 +33,7 @@ from hermes_store.engine.factory import BUSY_OPTION, WRITE_OPTION, SqliteSetting
 from hermes_store.errors import (
     DatabaseLockedError,
     HermesStoreError,
+    StoreMisuseError,
     WalDeletedError,
     is_retryable,
     mapped_errors,
@@ -96,6 +97,48 @@ def again(error: HermesStoreError) -> HermesStoreError:
     return type(error)(*error.args)
 
 
+def store_closed() -> StoreMisuseError:
+    """The error of work that goes on through a closed store (an iterator, a thread's call
+    that looked the store up before ``close()``): it may open no connection any more."""
+    return StoreMisuseError(
+        "this store is closed: work started before close() cannot go on (open the store "
+        "again for it)"
+    )
+
+
+def interrupt_of(error: BaseException) -> BaseException:
+    """The interrupt (Ctrl-C) ``error`` stands for: SQLAlchemy's commit or rollback,
+    interrupted, raises an AssertionError of its own bookkeeping (``finally: assert``) in
+    place of it. Any other error is itself."""
+    if isinstance(error, AssertionError):
+        context = error.__context__
+        if context is not None and not isinstance(context, Exception):
+            return context
+    return error
+
+
+def discard(conn: Connection, driver: Any = None) -> None:
+    """Close ``conn`` for good after a rollback or commit cut short (SQLAlchemy's state for
+    it is unknown): its DB-API connection is invalidated, that is closed, which rolls back its
+    transaction (SQLite releases its write lock). ``driver``: the DB-API connection, closed
+    directly when SQLAlchemy cannot invalidate it."""
+    if conn.closed:
+        return  # discarded already (its pooled connection let go of)
+    try:
+        conn.invalidate()
+    except Exception as error:
+        log.warning("discarding a connection whose rollback was cut short: %s", error)
+        if driver is not None:
+            try:
+                driver.close()
+            except Exception as closing:
+                log.warning("closing its DB-API connection: %s", closing)
+    try:
+        conn.close()
+    except Exception as error:  # its transaction's bookkeeping, cut short: nothing is open
+        log.debug("closing a discarded connection: %s", error)
+
+
 class SqliteWriter:
     """The writer of one SQLite file in this process (one per Unit of Work, so per file).
 
@@ -145,6 +188,8 @@ class SqliteWriter:
         #: The writer connection's DB-API connection and its pool record's info (set with it).
         self.driver: Any = None
         self.info: dict[Any, Any] = {}
+        #: Released for good (its store closed): opens no connection, attaches to no queue.
+        self.closed = False
         self.refused: HermesStoreError | None = (
             fork.REFUSED.get(file_key) if file_key is not None else None
         )
@@ -175,6 +220,8 @@ class SqliteWriter:
             with self._turn_lock:
                 queue = self._queue
                 if queue is None:
+                    if self.closed:
+                        raise store_closed()
                     queue = self._queue = writequeue.attach(self.queue_path)
         return queue
 
@@ -252,9 +299,23 @@ class SqliteWriter:
             raise again(self.refused)
         conn = self.connection
         if conn is None:
-            conn = self.connection = self._writer_engine.connect()
+            conn = self._open()
+        return conn
+
+    def _open(self) -> Connection:
+        """A new writer connection, kept only once whole: the connection, its DB-API
+        connection and its info are set in one step (an interrupt (Ctrl-C) anywhere before
+        leaves no writer connection, never one without its driver)."""
+        if self.closed:
+            raise store_closed()
+        conn = self._writer_engine.connect()
+        try:
             pooled = conn.connection
-            self.driver, self.info = pooled.driver_connection, pooled.info
+            driver, info = pooled.driver_connection, pooled.info
+        except BaseException:
+            conn.close()  # given back now, not left to the collector
+            raise
+        self.connection, self.driver, self.info = conn, driver, info
         return conn
 
     @property
@@ -317,9 +378,11 @@ class SqliteWriter:
                 else:
                     self.pause(waits, error)
                 continue
-            except BaseException:  # an interrupt midway: SQLAlchemy's state is unknown
-                self.drop(invalidate=False)  # closed: rolled back, a fresh one next time
-                raise
+            except BaseException as error:  # an interrupt midway: SQLAlchemy's state is unknown
+                self.discard(conn)  # closed: rolled back, a fresh one next time
+                if interrupt_of(error) is error:
+                    raise
+                raise interrupt_of(error) from None
             return conn
 
     def begin(self, turn: writequeue.Turn | None) -> Connection:
@@ -423,7 +486,22 @@ class SqliteWriter:
         except sa_exc.DBAPIError:
             self.drop(invalidate=True)  # state unknown: never reuse it
             raise
+        except BaseException as error:  # an interrupt midway: SQLAlchemy's state is unknown
+            self.discard(conn)
+            if interrupt_of(error) is error:
+                raise
+            raise interrupt_of(error) from None
         self.drop(invalidate=False)  # a retry starts on a fresh connection
+
+    def discard(self, conn: Connection) -> None:
+        """Close ``conn`` (the writer connection, if it still is) for good after a rollback or
+        commit cut short: closed, it rolls back and releases SQLite's lock; the next unit
+        opens a fresh one."""
+        driver = None
+        if conn is self.connection:
+            driver = self.driver
+            self.connection, self.driver, self.info, self._wal_id = None, None, {}, None
+        discard(conn, driver)
 
     def end_group(self, conn: Connection, size: int, lost: BaseException) -> None:
         """Roll back a group whose transaction was lost (``lost``: why). Called inside the
@@ -441,9 +519,8 @@ class SqliteWriter:
 
     def drop(self, *, invalidate: bool) -> None:
         """Close the writer connection (the next write opens a fresh one)."""
-        held, self.connection = self.connection, None
-        self.driver, self.info = None, {}
-        self._wal_id = None
+        held = self.connection
+        self.connection, self.driver, self.info, self._wal_id = None, None, {}, None
         if held is None:
             return
         if invalidate:
@@ -452,8 +529,11 @@ class SqliteWriter:
 
     def release(self) -> None:
         """Close the writer connection, never while a unit is using it, and detach from the
-        writer queue (the last writer on the file closes its descriptors)."""
+        writer queue (the last writer on the file closes its descriptors), for good: a unit
+        that looked this writer up before goes on to :func:`store_closed`, never reopening
+        either."""
         with self.turn(queued=False):
+            self.closed = True
             self.drop(invalidate=False)
             with self._turn_lock:
                 queue, self._queue = self._queue, None
@@ -524,8 +604,8 @@ class SqliteWriter:
         self.refused = error
         if self.file_key is not None:
             fork.REFUSED.setdefault(self.file_key, error)
-        held, self.connection = self.connection, None
-        self.driver, self.info = None, {}
+        held = self.connection
+        self.connection, self.driver, self.info = None, None, {}
         if held is not None:
             fork.keep_forever(held)
         log.error("%s", error)
@@ -537,6 +617,8 @@ class SqliteWriter:
         if self.refused is not None:
             log.debug("no WAL checkpoint: %s", self.refused)
             return False
+        if self.closed:
+            return False  # its connections are let go of: none is opened for it
         if self._wal_replaced():
             log.error("WAL checkpoint skipped: %s", self._lose_wal())
             return False

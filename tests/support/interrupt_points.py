@@ -135,3 +135,37 @@ class InterruptAt:
             self._last.pop(frame, None)
             self._returned.discard(frame)
         return self._local
+
+
+class InterruptAtCall:
+    """Raise ``KeyboardInterrupt`` as the function ``name`` starts (where CPython first checks
+    for a signal in it), the first time it is called from a file whose path contains
+    ``called_from`` and lies itself in a file whose path contains ``inside`` (SQLAlchemy's, by
+    default: the points :class:`InterruptAt` leaves out). :attr:`hit` says whether it did."""
+
+    def __init__(self, name: str, *, called_from: str = "", inside: str = "/sqlalchemy/") -> None:
+        self.name = name
+        self.called_from = called_from
+        self.inside = inside
+        self.hit = False
+
+    def __enter__(self) -> InterruptAtCall:
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+    def _trace(self, frame: FrameType, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if (
+            event == "call"
+            and not self.hit
+            and code.co_name == self.name
+            and self.inside in code.co_filename
+            and frame.f_back is not None
+            and self.called_from in frame.f_back.f_code.co_filename
+        ):
+            self.hit = True
+            raise KeyboardInterrupt(f"interrupted as {self.name}() started")
+        return None

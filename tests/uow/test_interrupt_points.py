@@ -15,6 +15,7 @@ unit that had ended (acknowledged, never committed).
 
 from __future__ import annotations
 
+import inspect
 import sqlite3
 import sys
 import threading
@@ -23,6 +24,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -227,3 +229,85 @@ def test_a_place_in_the_fair_line_interrupted_anywhere(tmp_path: Path) -> None:
             if not descriptor.pending:
                 assert descriptor._done.locked(), f"an unused grant after {points.where}"
     assert n > 10
+
+
+#: Points in SQLAlchemy's Connection and Transaction too (``engine/base.py``): where its
+#: rollback, commit and connect are cut short (its pool's own bookkeeping is left out).
+THROUGH_SQLALCHEMY = (*PACKAGE_ONLY, "/sqlalchemy/engine/base.py")
+
+
+class InterruptAtButResumes(InterruptAt):
+    """:class:`InterruptAt` without the resumes of suspended generators: a block's end
+    resumes them with ``throw()``, where CPython checks for a signal only inside their
+    handlers, while a trace function raising there skips the handlers (a point no signal
+    reaches)."""
+
+    def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_flags & _GENERATOR and frame.f_lasti > 0:
+            return self._local if self._is_watched(frame.f_code) else None
+        return super()._trace(frame, event, arg)
+
+
+_GENERATOR = inspect.CO_GENERATOR
+
+
+def test_a_failed_blocks_rollback_interrupted_anywhere_in_sqlalchemy(walk: Walk) -> None:
+    """A block that raised, then Ctrl-C at each point of its end, SQLAlchemy's rollback
+    included: the caller gets the interrupt (never SQLAlchemy's AssertionError), SQLite's
+    lock is free, and the writer works. Before: an interrupt in SQLAlchemy's rollback kept
+    the lock in the idle process and broke the next block."""
+    db, writer = walk.db, walk.db.uow.backend.writer  # type: ignore[attr-defined]
+    n = 0
+    while True:
+        n += 1
+        points = InterruptAtButResumes(n, THROUGH_SQLALCHEMY)
+        raised: type[BaseException] | None = None
+        try:
+            with _finalizers_drop_what_they_raise():
+                try:
+                    with db.transaction():
+                        db.append_message("s", "user", "rolled back")
+                        points.__enter__()
+                        raise ValueError("the block fails")
+                finally:
+                    points.__exit__()
+        except BaseException as error:  # its kind handed to the test (the error let go of,
+            raised = type(error)  # as a caller's except block does, with what it holds)
+        if points.count < n:
+            assert raised is ValueError, raised
+            break
+        assert raised in (KeyboardInterrupt, ValueError), (points.where, raised)
+        assert sqlite_lock_is_free(walk.path), f"SQLite's lock held after {points.where}"
+        assert not writer.lock.locked(), f"the writer's lock held after {points.where}"
+        assert db.uow._joinable() is None, f"a unit left open to join after {points.where}"
+        _in_thread(walk.append, points.where)
+        walk.append()
+    assert n > 20
+
+
+def test_the_writers_connect_interrupted_anywhere_in_sqlalchemy(
+    write_path: str, walk: Walk
+) -> None:
+    """Ctrl-C at each point of a write that opens the writer connection, SQLAlchemy's
+    Connection included: the writer is left with a whole connection or none (before: the
+    connection without its driver, and every later write raised a raw AttributeError)."""
+    writer = walk.db.uow.backend.writer  # type: ignore[attr-defined]
+    n = 0
+    while True:
+        n += 1
+        writer.drop(invalidate=False)
+        interrupted = False
+        try:
+            with _finalizers_drop_what_they_raise(), InterruptAt(n, THROUGH_SQLALCHEMY) as points:
+                walk.append()
+        except KeyboardInterrupt:
+            interrupted = True
+        if points.count < n:
+            assert not interrupted
+            break
+        assert (writer.connection is None) == (writer.driver is None), points.where
+        assert sqlite_lock_is_free(walk.path), f"SQLite's lock held after {points.where}"
+        assert not writer.lock.locked(), f"the writer's lock held after {points.where}"
+        _in_thread(walk.append, points.where)
+        walk.append()
+    assert n > 20

@@ -34,6 +34,8 @@ from sqlalchemy.engine import URL, Connection
 from hermes_store import HermesStoreError, SessionDB
 from hermes_store.repo import postgresql as pg_statements
 from hermes_store.uow.unit import driver_cursor
+from tests.support.backends import sqlite_lock_is_free
+from tests.support.interrupt_points import InterruptAtCall
 from tests.support.pg_row_locks import queued_behind_a_locked_write
 from tests.support.readable import readable
 from tests.support.waiting import GUARD
@@ -387,3 +389,95 @@ def test_a_transaction_left_open_by_an_interrupted_begin_is_rolled_back_by_the_n
         db.append_message("s", "user", "after")
     assert "left a transaction open: rolled back" in caplog.text
     assert sorted(_stored(db).values()) == ["after", "before"]
+
+
+# -- Ctrl-C inside SQLAlchemy's frames -----------------------------------------------------------
+
+
+def test_an_interrupt_as_the_writer_connects_leaves_a_usable_writer(
+    db: SessionDB, tmp_path: Path
+) -> None:
+    """Ctrl-C as the writer's new connection was asked for its DB-API connection: the writer
+    kept the connection without its driver, and every later write of the process raised a raw
+    AttributeError ('NoneType' object has no attribute 'in_transaction'). The writer's state
+    now changes in one step: the next write opens a fresh connection."""
+    writer = db.uow.backend.writer  # type: ignore[attr-defined]
+    writer.drop(invalidate=False)  # the next write opens the writer connection
+    with (
+        InterruptAtCall("connection", called_from="/uow/writer.py") as point,
+        pytest.raises(KeyboardInterrupt),
+    ):
+        db.append_message("s", "user", "interrupted")
+    assert point.hit
+    assert (writer.connection is None) == (writer.driver is None)
+    db.append_message("s", "user", "after")
+    with db.transaction():
+        db.append_message("s", "user", "in a block")
+    assert sqlite_lock_is_free(tmp_path / "state.db")
+    assert sorted(_stored(db).values()) == ["after", "in a block"]
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["rollback", "_do_rollback", "_close_impl", "_connection_rollback_impl", "_rollback_impl"],
+)
+def test_an_interrupt_in_a_failed_blocks_rollback_reaches_the_caller_and_frees_the_lock(
+    db: SessionDB, tmp_path: Path, where: str
+) -> None:
+    """Ctrl-C inside SQLAlchemy's rollback of a block that raised: the caller got a raw
+    AssertionError (SQLAlchemy's ``finally: assert``) in place of the interrupt, the idle
+    process kept SQLite's write lock (other processes met DatabaseLockedError), and the next
+    block raised a raw InvalidRequestError. The cut-short connection is now closed (SQLite
+    rolls it back and frees the lock) and the interrupt goes on to the caller."""
+    point = InterruptAtCall(where)
+    try:
+        with pytest.raises(KeyboardInterrupt), db.transaction():
+            db.append_message("s", "user", "rolled back")
+            point.__enter__()  # only the block's end is watched
+            raise ValueError("the block fails")
+    finally:
+        point.__exit__()
+    assert point.hit
+    assert sqlite_lock_is_free(tmp_path / "state.db")
+    with db.transaction():
+        db.append_message("s", "user", "next block")
+    db.append_message("s", "user", "next write")
+    assert sorted(_stored(db).values()) == ["next block", "next write"]
+
+
+@pytest.mark.parametrize("where", ["commit", "_do_commit", "_commit_impl"])
+def test_an_interrupt_as_sqlalchemy_commits_a_block_reaches_the_caller(
+    db: SessionDB, tmp_path: Path, where: str
+) -> None:
+    """Ctrl-C as SQLAlchemy starts a block's COMMIT: the caller got a raw AssertionError. The
+    interrupt now reaches it, the block rolled back (its COMMIT was never sent), the lock
+    free and the next block lands."""
+    point = InterruptAtCall(where)
+    try:
+        with pytest.raises(KeyboardInterrupt), db.transaction():
+            db.append_message("s", "user", "never committed")
+            point.__enter__()
+    finally:
+        point.__exit__()
+    assert point.hit
+    assert sqlite_lock_is_free(tmp_path / "state.db")
+    with db.transaction():
+        db.append_message("s", "user", "next block")
+    assert sorted(_stored(db).values()) == ["next block"]
+
+
+def test_an_interrupt_in_a_read_units_rollback_reaches_the_caller(db: SessionDB) -> None:
+    """The same in a read unit's rollback (a pooled connection): the interrupt goes on, the
+    connection is discarded, never pooled half rolled back, and reads go on."""
+    point = InterruptAtCall("_do_rollback")
+    try:
+        with pytest.raises(KeyboardInterrupt), db.uow.connect(write=False):
+            db.get_session("s")
+            point.__enter__()
+            raise ValueError("the unit fails")
+    finally:
+        point.__exit__()
+    assert point.hit
+    for _ in range(3):
+        with db.uow.connect(write=False):
+            assert db.get_session("s") is not None

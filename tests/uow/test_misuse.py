@@ -17,11 +17,14 @@ The would-be hangs run in a thread joined with a generous timeout: a regression 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import pickle
 import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -42,6 +45,7 @@ from hermes_store import (
 )
 from hermes_store.cli import cli
 from hermes_store.engine.factory import to_url
+from hermes_store.uow import shared
 from tests.support.backends import is_sqlite, sqlite_lock_is_free, url_string
 
 #: A deadlock guard only: the calls under test answer at once.
@@ -850,3 +854,201 @@ def test_a_closed_store_refuses_every_call(db_url: URL) -> None:
                 second.close()
             second.append_message("s", "user", "in the block")
         assert [m["content"] for m in second.get_messages("s")] == ["in the block"]
+
+
+# -- work that goes on past close() ------------------------------------------------------------
+
+needs_proc = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd"
+)
+
+
+def _open_on(path: Path) -> list[str]:
+    """What this process holds open of the database's files (the file, its WAL and shared
+    memory, the writer queue's lock file)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            held.append(target)
+    return held
+
+
+@needs_proc
+def test_an_export_going_on_after_close_ends_at_its_next_page(tmp_path: Path) -> None:
+    """An export iterator read past close() went on reading every page on a connection the
+    closed store opened again, and left it (the file, its WAL and shared memory) open. Its
+    next page now raises StoreMisuseError, and nothing stays open."""
+    path = tmp_path / "state.db"
+    db = SessionDB(path)
+    for n in range(5):
+        db.create_session(f"s{n}", "cli")
+    records = db.iter_export(page_size=2)
+    assert next(records)["id"] == "s4"
+    db.close()
+    rest: list[str] = []
+    with pytest.raises(StoreMisuseError, match="this store is closed"):
+        rest.extend(record["id"] for record in records)
+    assert rest == ["s3"]  # the page read before close(), not one more
+    del records
+    gc.collect()
+    assert _open_on(path) == []
+    assert not os.path.exists(f"{path}-wal")  # the last connection checkpointed it away
+
+
+@needs_proc
+def test_calls_that_looked_the_store_up_before_close_open_nothing_again(tmp_path: Path) -> None:
+    """A call that had looked up the store's Unit of Work before close() (another thread's)
+    opened the writer, a reader and the writer queue again after it, none of them closed
+    afterwards. Each is now refused, and nothing stays open."""
+    path = tmp_path / "state.db"
+    db = SessionDB(path)
+    db.create_session("s", "cli")
+    uow = db.uow
+    db.close()
+    one = sa.select(sa.literal(1))
+    calls: list[Callable[[], object]] = [
+        lambda: uow.run_on_driver(lambda driver: driver.execute("SELECT 1")),
+        lambda: uow.run(lambda conn: conn.execute(one).scalar()),
+        lambda: uow.read_scalar(one),
+        lambda: uow.read_rows(one),
+        lambda: uow.read(lambda conn: conn.execute(one).scalar()),
+        lambda: uow.transaction().__enter__(),
+        lambda: uow.write_queue,
+    ]
+    for call in calls:
+        with pytest.raises(StoreMisuseError, match="this store is closed"):
+            call()
+    assert not uow.checkpoint()
+    assert _open_on(path) == []
+
+
+@needs_proc
+def test_writes_racing_close_leave_nothing_open(tmp_path: Path) -> None:
+    """Threads writing while the store closes: each ends with StoreMisuseError, every write
+    acknowledged is stored, and no connection or lock file stays open."""
+    path = tmp_path / "state.db"
+    acked = 0
+    for round_ in range(20):
+        db = SessionDB(path)
+        db.create_session("s", "cli")
+        counts: list[int] = []
+        errors: list[BaseException] = []
+        go = threading.Event()
+
+        def write(
+            db: SessionDB = db,
+            counts: list[int] = counts,
+            errors: list[BaseException] = errors,
+            go: threading.Event = go,
+        ) -> None:
+            go.wait()
+            n = 0
+            try:
+                while True:
+                    db.append_message("s", "user", "racing")
+                    n += 1
+            except StoreMisuseError:
+                counts.append(n)
+            except BaseException as error:  # handed to the test
+                errors.append(error)
+
+        threads = [threading.Thread(target=write) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        go.set()
+        deadline = time.monotonic() + STUCK
+        while round_ % 2 and not db.uow.stats.write_units and time.monotonic() < deadline:
+            time.sleep(0.0002)  # on odd rounds, close once a write landed
+        db.close()
+        for thread in threads:
+            thread.join(STUCK)
+        assert not any(thread.is_alive() for thread in threads)
+        assert not errors, errors
+        acked += sum(counts)
+    gc.collect()
+    assert _open_on(path) == []
+    with SessionDB(path) as db:
+        assert db.message_count() == acked
+
+
+@needs_proc
+def test_a_store_dropped_without_close_gives_its_share_back(tmp_path: Path) -> None:
+    """A store dropped without close() kept its share of the file's writer for good: the
+    last close() on the file was not the last, so it never checkpointed nor let go of the
+    connections. Its share is now given back at the registry's next look."""
+    path = tmp_path / "state.db"
+    kept = SessionDB(path)
+    kept.create_session("s", "cli")
+    dropped = SessionDB(path)
+    dropped.append_message("s", "user", "through the dropped store")
+    del dropped
+    gc.collect()
+    kept.close()
+    assert _open_on(path) == []
+    assert not os.path.exists(f"{path}-wal")
+    alone = SessionDB(path)
+    alone.append_message("s", "user", "through a store never closed")
+    del alone
+    gc.collect()
+    shared.open_files()  # the registry's next look: the dropped store's writer closes
+    assert _open_on(path) == []
+    assert _messages(path) == ["through the dropped store", "through a store never closed"]
+
+
+def test_a_block_of_a_store_dropped_at_once_is_joined_by_a_store_opened_in_it(
+    tmp_path: Path,
+) -> None:
+    """``with SessionDB(path).transaction():`` drops its store at once: the block keeps the
+    file's writer, so a store opened inside it joins the block as before."""
+    path = tmp_path / "state.db"
+    SessionDB(path).close()
+    with SessionDB(path).transaction():
+        gc.collect()
+        inner = SessionDB(path)
+        inner.create_session("s", "cli")
+        inner.append_message("s", "user", "in the block")
+    inner.close()
+    assert _messages(path) == ["in the block"]
+
+
+def test_a_closed_async_store_raises_store_misuse(tmp_path: Path) -> None:
+    """A closed AsyncSessionDB raised a plain HermesStoreError where SessionDB raises
+    StoreMisuseError."""
+    path = tmp_path / "state.db"
+
+    async def scenario() -> None:
+        adb = AsyncSessionDB(path)
+        with pytest.raises(StoreMisuseError, match="not open yet"):
+            _ = adb.sync
+        await adb.create_session("s", "cli")
+        async with adb.transaction():
+            with pytest.raises(StoreMisuseError, match="close\\(\\) inside an open"):
+                await adb.close()
+        await adb.close()
+        with pytest.raises(StoreMisuseError, match="this AsyncSessionDB is closed"):
+            await adb.get_session("s")
+        with pytest.raises(StoreMisuseError, match="this AsyncSessionDB is closed"):
+            async with adb.transaction():
+                pass
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["SessionDB", "AsyncSessionDB"])
+def test_a_store_cannot_be_pickled_and_says_what_to_pass_instead(tmp_path: Path, kind: str) -> None:
+    """Pickling a store (a multiprocessing.Pool argument) raised a raw AttributeError
+    ("Can't pickle local object") or TypeError; it now says to pass the path or URL."""
+    path = tmp_path / "state.db"
+    store: SessionDB | AsyncSessionDB = (
+        SessionDB(path) if kind == "SessionDB" else AsyncSessionDB(path)
+    )
+    try:
+        with pytest.raises(StoreMisuseError, match="pass its path or URL"):
+            pickle.dumps(store)
+    finally:
+        if isinstance(store, SessionDB):
+            store.close()
