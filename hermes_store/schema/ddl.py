@@ -415,10 +415,7 @@ def is_store_fts(sql: str | None) -> bool:
     """Whether ``sql`` creates an index the store can keep in step with ``messages``: FTS5
     over its ``content`` with the messages as external content, one size row per message
     (any tokenizer: the original store's is unicode61)."""
-    found = fts5_arguments(sql)
-    if found is None:
-        return False
-    columns, options = found
+    columns, options = fts5_arguments(sql) or ([], {})
     return (
         columns == ["content"]
         and options.get("content", "").lower() == "messages"
@@ -429,10 +426,7 @@ def is_store_fts(sql: str | None) -> bool:
 
 def is_store_cjk(sql: str | None) -> bool:
     """Whether ``sql`` creates the CJK index as ``h7_cjk_index`` does: contentless trigram FTS5."""
-    found = fts5_arguments(sql)
-    if found is None:
-        return False
-    columns, options = found
+    columns, options = fts5_arguments(sql) or ([], {})
     return (
         columns == ["content"]
         and options.get("content") == ""

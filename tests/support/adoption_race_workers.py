@@ -15,6 +15,13 @@ SEED_WORDS = "the original store created this file with an okapi"
 def seed_creates(path: str, done: Any) -> None:
     """The original store opens ``path`` (creating its v6 file) and writes a session and a
     message, as its first run does; ``done`` is set once it has closed the file."""
+    _seed_writes(path)
+    done.set()
+
+
+def _seed_writes(path: str) -> None:
+    """The original store opens ``path`` (creating or finishing its file) and writes the
+    session and message the tests look for."""
     from tests.support.seed_store import SeedSessionDB
 
     seed = SeedSessionDB(path)
@@ -23,7 +30,6 @@ def seed_creates(path: str, done: Any) -> None:
         seed.append_message(SEED_SESSION, "user", SEED_WORDS)
     finally:
         seed.close()
-    done.set()
 
 
 def seed_creates_slowly(path: str, pause: float, started: Any) -> None:
@@ -31,8 +37,6 @@ def seed_creates_slowly(path: str, pause: float, started: Any) -> None:
     its ``schema_version`` (no row yet) and ``sessions`` exist, ``messages`` does not (it
     creates its tables one statement at a time). ``started`` is set at that point; then it
     finishes, as its next statements do, and writes its session and message."""
-    from tests.support.seed_store import SeedSessionDB
-
     raw = sqlite3.connect(path, isolation_level=None)
     try:
         raw.execute("PRAGMA journal_mode=WAL")
@@ -53,12 +57,7 @@ def seed_creates_slowly(path: str, pause: float, started: Any) -> None:
         time.sleep(pause)
     finally:
         raw.close()
-    seed = SeedSessionDB(path)
-    try:
-        seed.create_session(SEED_SESSION, "cli")
-        seed.append_message(SEED_SESSION, "user", SEED_WORDS)
-    finally:
-        seed.close()
+    _seed_writes(path)
 
 
 def seed_races(path: str, barrier: Any, delay: float) -> None:
