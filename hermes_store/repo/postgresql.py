@@ -21,7 +21,7 @@ from hermes_store.errors import HermesStoreError, TitleInUseError, WriteRefusedE
 from hermes_store.repo import listing, pgstream
 from hermes_store.repo.statements import (
     CREATE_COLUMNS,
-    UNIQUE_VIOLATION,
+    TITLE_INDEX,
     Statements,
     WriteKey,
     known_message,
@@ -29,7 +29,6 @@ from hermes_store.repo.statements import (
     missing_parent,
     missing_session,
     title_holder,
-    title_taken,
     token_params,
     token_statement,
 )
@@ -42,6 +41,7 @@ from hermes_store.uow import pggroup
 from hermes_store.uow.unit import UnitOfWork
 
 FOREIGN_KEY_VIOLATION = "23503"
+UNIQUE_VIOLATION = "23505"
 #: A keyed append whose key another call recorded concurrently is run again this often: each
 #: rerun sees the key the winner committed, so one is enough unless keys are being deleted.
 KEY_RACE_ATTEMPTS = 5
@@ -242,6 +242,16 @@ class PostgresqlStatements(Statements):
     def __init__(self, dialect: Dialect) -> None:
         self.streams_export = pgstream.supported(dialect)
 
+    @staticmethod
+    def title_taken(error: sa.exc.DBAPIError) -> bool:
+        # The server names the constraint a unique violation met.
+        diag = getattr(error.orig, "diag", None)
+        return (
+            sqlstate(error) == UNIQUE_VIOLATION
+            and diag is not None
+            and diag.constraint_name == TITLE_INDEX
+        )
+
     def create_session(self, uow: UnitOfWork, values: dict[str, Any]) -> None:
         parent = values["parent_session_id"]
         if uow.current() is not None:
@@ -273,7 +283,7 @@ class PostgresqlStatements(Statements):
                 lambda conn: conn.execute(statement).rowcount, idempotent=True
             )
         except WriteRefusedError as error:
-            if not title_taken(refused(error)):  # another constraint, or a trigger
+            if not self.title_taken(refused(error)):  # another constraint, or a trigger
                 raise
             holder = uow.read_scalar(title_holder(session_id, title))
             held = f" by session {holder}" if holder is not None else ""

@@ -25,6 +25,7 @@ from hermes_store.repo.statements import (
     INT64_MAX,
     INT64_MIN,
     KEY_LOOKUP,
+    TITLE_INDEX,
     TOKEN_TEXTS,
     Statements,
     WriteKey,
@@ -215,11 +216,23 @@ def _refuse_overflow(driver: Any, session_id: str) -> None:
         raise counter_overflow()
 
 
+#: SQLite's extended result code for a UNIQUE constraint (a trigger's RAISE has another).
+SQLITE_CONSTRAINT_UNIQUE = 2067
+
+
 class SqliteStatements(Statements):
     holds_nul = True
     insert_session: ClassVar[Insert] = sqlite.insert(S).on_conflict_do_nothing(
         index_elements=["id"]
     )
+
+    @staticmethod
+    def title_taken(error: sa.exc.DBAPIError) -> bool:
+        orig = error.orig
+        if getattr(orig, "sqlite_errorcode", None) != SQLITE_CONSTRAINT_UNIQUE:
+            return False
+        # SQLite names a unique index on columns by its columns, one on expressions by name.
+        return str(orig).endswith(("sessions.title", f"index '{TITLE_INDEX}'"))
 
     def update_token_counts(
         self,

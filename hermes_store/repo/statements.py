@@ -259,26 +259,6 @@ def exists(conn: Connection, session_id: str) -> bool:
 
 #: The unique index of the titles (the original store's name, kept by every revision).
 TITLE_INDEX = "idx_sessions_title_unique"
-#: SQLite's extended result code for a UNIQUE constraint (a trigger's RAISE has another).
-SQLITE_CONSTRAINT_UNIQUE = 2067
-#: PostgreSQL's unique_violation.
-UNIQUE_VIOLATION = "23505"
-
-
-def title_taken(error: sa.exc.DBAPIError) -> bool:
-    """Whether a refused title UPDATE met the unique title index (another session holds the
-    title), not another constraint or a trigger: those are the database's own refusals."""
-    orig = error.orig
-    diag = getattr(orig, "diag", None)
-    if diag is not None:  # psycopg: the constraint is named by the server
-        return bool(
-            getattr(orig, "sqlstate", None) == UNIQUE_VIOLATION
-            and diag.constraint_name == TITLE_INDEX
-        )
-    if getattr(orig, "sqlite_errorcode", None) != SQLITE_CONSTRAINT_UNIQUE:
-        return False
-    # SQLite names a unique index on columns by its columns, one on expressions by its name.
-    return str(orig).endswith(("sessions.title", f"index '{TITLE_INDEX}'"))
 
 
 def title_holder(session_id: str, title: str | None) -> sa.Select[Any]:
@@ -327,6 +307,13 @@ class Statements(abc.ABC):
         insert = self.insert_session
         uow.run_statement(lambda conn: conn.execute(insert, values), idempotent=True)
 
+    @staticmethod
+    @abc.abstractmethod
+    def title_taken(error: sa.exc.DBAPIError) -> bool:
+        """Whether a refused title UPDATE met the unique title index (another session holds
+        the title), not another constraint or a trigger: those are the database's own
+        refusals."""
+
     def set_title(self, uow: UnitOfWork, session_id: str, title: str | None) -> bool:
         """Set (None: clear) the title; False when the session does not exist. A title held by
         another session raises :class:`TitleInUseError` naming it."""
@@ -342,7 +329,7 @@ class Statements(abc.ABC):
                 with conn.begin_nested():
                     conn.execute(update(S).where(S.c.id == session_id).values(title=title))
             except sa.exc.IntegrityError as error:
-                if not title_taken(error):  # another constraint or a trigger: mapped as such
+                if not self.title_taken(error):  # another constraint or a trigger: mapped as such
                     raise
                 # A concurrent writer took it (PostgreSQL).
                 raise TitleInUseError(f"Title '{title}' is already in use") from error
