@@ -38,7 +38,7 @@ from hermes_store.uow.groupcommit import GroupCommit
 from hermes_store.uow.interrupts import NOTHING_HELD, Holding, NothingHeld
 from hermes_store.uow.readers import HeldReaders
 from hermes_store.uow.uncontended import Missed, Uncontended
-from hermes_store.uow.writer import SqliteWriter, again, discard, interrupt_of, store_closed
+from hermes_store.uow.writer import SqliteWriter, again, discard, reraise, store_closed
 
 T = TypeVar("T")
 
@@ -73,9 +73,7 @@ def rollback(conn: Connection) -> None:
         raise
     except BaseException as error:
         discard(conn)
-        if interrupt_of(error) is error:
-            raise
-        raise interrupt_of(error) from None
+        reraise(error)
 
 
 class SqliteBackend:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from hermes_store.engine.files import FileKey
@@ -92,6 +93,19 @@ def _let_go(ended: list[_Entry]) -> None:
             uow.engine.dispose()
 
 
+@contextmanager
+def _registry() -> Iterator[None]:
+    """The registry under ``_lock``, the dropped stores' references given back first; the
+    Units of Work that this ended are let go of after the lock, however the block ends."""
+    ended: list[_Entry] = []
+    try:
+        with _lock:
+            ended = _drain()
+            yield
+    finally:
+        _let_go(ended)
+
+
 def acquire(
     key: FileKey,
     options: StoreOptions,
@@ -100,13 +114,8 @@ def acquire(
 ) -> UnitOfWork:
     """The file's shared Unit of Work (made by ``make`` for the first opener: the Unit of Work
     and whether the store owns its engine); refuses options that differ from the first's."""
-    ended: list[_Entry] = []
-    try:
-        with _lock:
-            ended = _drain()
-            return _acquire(key, options, make, where)
-    finally:
-        _let_go(ended)
+    with _registry():
+        return _acquire(key, options, make, where)
 
 
 def _acquire(
@@ -140,32 +149,22 @@ def _acquire(
 
 def release(key: FileKey) -> tuple[bool, bool]:
     """Drop one reference: (was it the last, does the store own the engine)."""
-    ended: list[_Entry] = []
-    try:
-        with _lock:
-            ended = _drain()
-            full = (os.getpid(), *key)
-            entry = _entries.get(full)
-            if entry is None:
-                return True, False
-            entry.refs -= 1
-            if entry.refs > 0:
-                return False, entry.owns_engine
-            del _entries[full]
-            return True, entry.owns_engine
-    finally:
-        _let_go(ended)
+    with _registry():
+        full = (os.getpid(), *key)
+        entry = _entries.get(full)
+        if entry is None:
+            return True, False
+        entry.refs -= 1
+        if entry.refs > 0:
+            return False, entry.owns_engine
+        del _entries[full]
+        return True, entry.owns_engine
 
 
 def open_files() -> int:
     """How many files this process has open through shared writers (for tests and stats)."""
-    ended: list[_Entry] = []
-    try:
-        with _lock:
-            ended = _drain()
-            return sum(1 for pid, *_ in _entries if pid == os.getpid())
-    finally:
-        _let_go(ended)
+    with _registry():
+        return sum(1 for pid, *_ in _entries if pid == os.getpid())
 
 
 def _after_fork_in_child() -> None:

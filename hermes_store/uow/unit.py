@@ -68,7 +68,7 @@ from hermes_store.uow.fork import FORK_WAIT_S
 from hermes_store.uow.interrupts import NOTHING_HELD, Holding, holding
 from hermes_store.uow.readers import MAX_HELD_READERS
 from hermes_store.uow.retry import DEFAULT_UNAVAILABLE_TIMEOUT_S, RetryPolicy
-from hermes_store.uow.writer import QUEUE_HEAD_BUSY_TIMEOUT_S, WAL_CHECK_EVERY_S, interrupt_of
+from hermes_store.uow.writer import QUEUE_HEAD_BUSY_TIMEOUT_S, WAL_CHECK_EVERY_S, reraise
 
 __all__ = [
     "DEFAULT_UNAVAILABLE_TIMEOUT_S",
@@ -563,7 +563,8 @@ class UnitOfWork:
         a read unit of its own (for generators, which yield to code that may open units)."""
         open_unit = self._joinable()
         if open_unit is not None:
-            yield open_unit.conn
+            with mapped_errors():
+                yield open_unit.conn
             return
         if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(False)
@@ -637,9 +638,7 @@ class UnitOfWork:
                 raise ReadOnlyUnitError(
                     f"a write inside a read-only unit (uow.connect(write=False)): {error}"
                 ) from error
-            if interrupt_of(error) is not error:  # SQLAlchemy's commit, interrupted midway
-                raise interrupt_of(error) from None
-            raise
+            reraise(error)  # SQLAlchemy's commit, interrupted midway: the interrupt
         finally:
             if unit is not None:
                 # First, and without a call (an interrupt lands only at one): a unit left
@@ -660,13 +659,15 @@ class UnitOfWork:
         """Run ``fn`` in one unit; on a lock error, run it again on a fresh connection.
 
         Inside an open unit ``fn`` joins it and runs once (a lock error then ends the whole
-        unit: see :meth:`transaction`). ``driver_only``: ``fn`` runs its statements on the
-        connection's DB-API cursor only (the SQLite hot path), so on SQLite the unit is begun
+        unit: see :meth:`transaction`); its errors are named as they are outside a block, so
+        code inside the block can catch them by the package's names. ``driver_only``: ``fn``
+        runs its statements on the connection's DB-API cursor only (the SQLite hot path), so
+        on SQLite the unit is begun
         and committed on the driver, through the same begin function as the engine's hook,
         without SQLAlchemy's transaction bookkeeping.
         """
         if self._current.get() is not None:
-            with self.unit(write=write) as unit:
+            with self.unit(write=write) as unit, mapped_errors(write=write):
                 return fn(unit.conn)
         if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(write)
@@ -834,7 +835,7 @@ class UnitOfWork:
         read is idempotent). Inside an open unit: on its connection. SQLite: a read unit.
         """
         if self._current.get() is not None:
-            with self.unit(write=False) as unit:
+            with self.unit(write=False) as unit, mapped_errors():
                 return fn(unit.conn)
         if self._blocks or self._asyncio or _SERVER_BLOCKS:
             self._refuse_foreign_block(False)
@@ -857,7 +858,8 @@ class UnitOfWork:
         """
         open_unit = self._current.get()
         if open_unit is not None and not open_unit.closed:
-            return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
+            with mapped_errors():
+                return fastpath.rows(open_unit.conn, statement, params, expanding=expanding)
         return self.backend.rows(self, statement, params, expanding)
 
     def read_scalar(self, statement: ClauseElement, params: Mapping[str, Any] | None = None) -> Any:

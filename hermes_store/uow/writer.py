@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
@@ -115,6 +115,15 @@ def interrupt_of(error: BaseException) -> BaseException:
         if context is not None and not isinstance(context, Exception):
             return context
     return error
+
+
+def reraise(error: BaseException) -> NoReturn:
+    """Raise ``error`` again, or the interrupt it stands for (:func:`interrupt_of`): a caller
+    cut short sees its Ctrl-C, not SQLAlchemy's bookkeeping."""
+    interrupt = interrupt_of(error)
+    if interrupt is error:
+        raise error
+    raise interrupt from None
 
 
 def discard(conn: Connection, driver: Any = None) -> None:
@@ -380,9 +389,7 @@ class SqliteWriter:
                 continue
             except BaseException as error:  # an interrupt midway: SQLAlchemy's state is unknown
                 self.discard(conn)  # closed: rolled back, a fresh one next time
-                if interrupt_of(error) is error:
-                    raise
-                raise interrupt_of(error) from None
+                reraise(error)
             return conn
 
     def begin(self, turn: writequeue.Turn | None) -> Connection:
@@ -488,9 +495,7 @@ class SqliteWriter:
             raise
         except BaseException as error:  # an interrupt midway: SQLAlchemy's state is unknown
             self.discard(conn)
-            if interrupt_of(error) is error:
-                raise
-            raise interrupt_of(error) from None
+            reraise(error)
         self.drop(invalidate=False)  # a retry starts on a fresh connection
 
     def discard(self, conn: Connection) -> None:

@@ -844,6 +844,28 @@ def test_a_trigger_refusal_inside_a_transaction_is_raised_at_the_block(
     assert store.get_session_title("s") is None
 
 
+class _Abandoned(Exception):
+    """Raised to leave a ``transaction()`` block, so it rolls back."""
+
+
+@pytest.mark.parametrize("case", sorted(_REFUSED_WRITES))
+def test_a_refused_write_inside_a_transaction_is_named_where_it_is_raised(
+    store: SessionDB, db_url: URL, backend: str, case: str
+) -> None:
+    """Code inside a ``transaction()`` block catches a refused store call by the package's
+    name at the call, as it would outside a block, not SQLAlchemy's error."""
+    store.create_session("s", "cli")
+    store.append_message("s", "user", "kept")
+    table, event, call = _REFUSED_WRITES[case]
+    _add_refusal(db_url, backend, table, event, "refused by the audit tool")
+    before = _contents(db_url)
+    with pytest.raises(_Abandoned), store.transaction():
+        with pytest.raises(WriteRefusedError, match="refused by the audit tool"):
+            call(store)
+        raise _Abandoned
+    assert _contents(db_url) == before
+
+
 def _undecodable_store(tmp_path: Path) -> SessionDB:
     """A store whose session "s" has a title and a message whose bytes are not UTF-8 (the
     original store's SQLite keeps whatever another program wrote as TEXT)."""
@@ -892,6 +914,21 @@ def test_text_that_is_not_utf8_is_a_clear_error(tmp_path: Path, case: str) -> No
             (b"\xc3(",),
             (b"still writable",),
         ]
+
+
+@pytest.mark.parametrize("case", sorted(_UNDECODABLE_READS))
+def test_text_that_is_not_utf8_read_inside_a_transaction_is_named_at_the_read(
+    tmp_path: Path, case: str
+) -> None:
+    """Inside a ``transaction()`` block the read raises the package's error itself, so the
+    block's code can catch it and go on writing."""
+    read = _UNDECODABLE_READS[case]
+    with _undecodable_store(tmp_path) as store:
+        with store.transaction():
+            with pytest.raises(UndecodableTextError, match="not valid UTF-8"):
+                read(store)
+            store.append_message("s", "user", "written after the refused read")
+        assert store.message_count("s") == 2
 
 
 def test_text_that_is_not_utf8_through_the_cli_is_a_clear_error(tmp_path: Path) -> None:
