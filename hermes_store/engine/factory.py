@@ -153,6 +153,9 @@ _SQLITE_DIALECT_ARGUMENTS = frozenset(
 _SQLITE_URI_VALUES = {"mode": ("ro", "rw", "rwc", "memory"), "cache": ("shared", "private")}
 #: The VFS that locks nothing: the store's safety across processes rests on SQLite's locks.
 _LOCKLESS_VFS = "unix-none"
+#: The VFSes a URI may name: the default one, whose POSIX locks every other process (the
+#: original store included) takes too, and the in-memory one, which has no file to share.
+_SHARED_LOCK_VFS = frozenset({"unix", "memdb"})
 
 
 def is_sqlite_uri(url: URL) -> bool:
@@ -211,8 +214,8 @@ def _check_vfs(name: str) -> None:
 def _check_sqlite_database(url: URL) -> None:
     """Refuse, before anything is opened, a SQLite URL whose file the store would not find as
     SQLite opens it (a decoded NUL, see :func:`files.uri_file_name`), whose URI parameters
-    SQLite would refuse only when it connects, or that switches SQLite's locking off (the
-    store's safety across processes rests on it)."""
+    SQLite would refuse only when it connects, or that switches SQLite's locking off or to
+    another kind of lock (the store's safety across processes rests on it)."""
     if "\x00" in (url.database or ""):  # make_url decodes %00
         raise InvalidInputError(
             "the database path holds a NUL character (%00): no file has such a name"
@@ -235,6 +238,13 @@ def _check_sqlite_database(url: URL) -> None:
             )
         if key == "vfs":
             _check_vfs(value)
+            if value not in _SHARED_LOCK_VFS:
+                raise InvalidInputError(
+                    f"the SQLite URI's vfs={value} is refused: it locks the file otherwise than "
+                    "the default VFS (unix), whose locks the other processes writing the file "
+                    "(the original store among them) take, so neither would see the other's "
+                    "writes in progress; leave vfs out"
+                )
         choices = _SQLITE_URI_VALUES.get(key)
         if choices is not None and value not in choices:
             raise InvalidInputError(

@@ -251,6 +251,8 @@ def test_an_in_memory_uri_is_refused_as_memory_is(
         ("vfs=unix-none", "vfs=unix-none is refused: it switches SQLite's locks off"),
         ("nolock=1", "nolock=1 is refused: it switches SQLite's locks off"),
         ("nolock=yes", "nolock=yes is refused"),
+        ("vfs=unix-dotfile", "vfs=unix-dotfile is refused: it locks the file otherwise"),
+        ("vfs=unix-excl", "vfs=unix-excl is refused: it locks the file otherwise"),
     ],
 )
 def test_sqlite_uri_parameters_sqlite_refuses_or_the_store_cannot_keep_are_refused(
