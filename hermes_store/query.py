@@ -11,6 +11,12 @@ per call: sqlite3 refuses several, and on PostgreSQL the statement is sent in ps
 pipeline mode (the extended protocol, one statement) since with no parameters psycopg sends
 the simple protocol, where ``COMMIT; DELETE ...`` ended the read-only transaction first.
 Ctrl-C interrupts a long SQLite query.
+
+A read-only transaction does not bind every PostgreSQL role: a superuser, or a member of
+``pg_write_server_files``, ``pg_read_server_files`` or ``pg_execute_server_program``, can
+``COPY ... TO`` a server file or ``TO PROGRAM`` in one, and a ``DO`` block undoes any
+``SET ROLE`` that would narrow it. So a query connected as such a role is refused before its
+statement is sent: analysts connect as a role that may only read.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from hermes_store.engine.factory import create_engine, sqlite_file, to_url, unre
 from hermes_store.errors import (
     InvalidInputError,
     NotADatabaseError,
+    StoreConfigError,
     mapped_errors,
     wrap_driver_error,
 )
@@ -47,6 +54,13 @@ _OTHER_FILES = frozenset({sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH})
 _OTHER_FILES_REFUSED = (
     "ATTACH, DETACH and VACUUM are refused: a query only reads this database and opens or "
     "creates no other file"
+)
+#: Whether the connected PostgreSQL role reaches past the database (a superuser has every
+#: role's privileges): its SQL could write or read the server's files or run programs.
+_SERVER_REACH = sa.text(
+    "SELECT current_user, pg_has_role('pg_write_server_files', 'USAGE') "
+    "OR pg_has_role('pg_read_server_files', 'USAGE') "
+    "OR pg_has_role('pg_execute_server_program', 'USAGE')"
 )
 
 
@@ -175,6 +189,7 @@ def _on_server(url: URL, sql: str, params: dict[str, Any], max_rows: int | None)
         with mapped_errors(), engine.connect() as conn:
             conn = conn.execution_options(postgresql_readonly=True)
             with conn.begin() as transaction:
+                _refuse_server_reach(conn)
                 try:
                     return _one_statement(conn, sql, params, max_rows)
                 except sa.exc.DBAPIError as error:
@@ -191,6 +206,19 @@ def _on_server(url: URL, sql: str, params: dict[str, Any], max_rows: int | None)
                     transaction.rollback()
     finally:
         engine.dispose()
+
+
+def _refuse_server_reach(conn: sa.Connection) -> None:
+    """Refuse a role whose SQL a read-only transaction does not confine (see the module)."""
+    role, reaches = conn.execute(_SERVER_REACH).one()
+    if reaches:
+        raise StoreConfigError(
+            f"queries are refused to the PostgreSQL role {echoed(role)}: it may write or read the "
+            "server's files or run programs there (a superuser, or a member of "
+            "pg_write_server_files, pg_read_server_files or pg_execute_server_program), which "
+            "a read-only transaction does not stop; connect as a role that may only read "
+            "(GRANT SELECT ON ALL TABLES IN SCHEMA public TO it)"
+        )
 
 
 def _one_statement(

@@ -27,7 +27,7 @@ from hermes_store.cli import cli
 from hermes_store.errors import InvalidInputError
 from hermes_store.query import read_only_query
 from hermes_store.schema import migrate
-from tests.support.backends import url_string
+from tests.support.backends import analyst_url, url_string
 from tests.support.cli_process import RUN_CLI
 
 
@@ -88,11 +88,11 @@ def test_count_sessions_matches_what_paging_lists(many: Path) -> None:
 
 
 def test_query_reads_and_refuses_every_write(runner: CliRunner, db_url: URL) -> None:
-    target = url_string(db_url)
-    with SessionDB(target) as db:
+    with SessionDB(url_string(db_url)) as db:
         db.create_session("q1", "cli", model="gpt")
         db.create_session("q2", "telegram", model="claude")
         db.append_message("q1", "user", "hello")
+    target = analyst_url(db_url)  # PostgreSQL: an ordinary role, as analysts connect
     listed = run(runner, target, "query", "SELECT id, source FROM sessions ORDER BY id", "--json")
     assert listed.exit_code == 0, listed.stderr
     assert json.loads(listed.stdout) == [
@@ -122,7 +122,7 @@ def test_query_reads_and_refuses_every_write(runner: CliRunner, db_url: URL) -> 
         refused = run(runner, target, "query", write)
         assert refused.exit_code == 1, (write, refused.stdout, refused.stderr)
         assert refused.stderr.startswith("Error: ") and "Traceback" not in refused.stderr
-    with SessionDB(target) as db:
+    with SessionDB(url_string(db_url)) as db:
         assert db.session_count() == 2 and db.message_count() == 1
         assert db.get_session("q1")["title"] is None  # type: ignore[index]
     assert read_only_query(target, "SELECT count(*) FROM write_keys").rows == [(0,)]

@@ -3,6 +3,8 @@ before anything runs, never a driver's TypeError, OverflowError or UnicodeEncode
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import hermes_store
 from hermes_store import SessionDB
 from hermes_store.errors import InvalidInputError
 from hermes_store.query import read_only_query
-from tests.support.backends import url_string
+from tests.support.backends import analyst_url, run_sql, url_string
 
 #: (sql, params, what the refusal names) of misused read_only_query calls.
 MISUSES: list[tuple[Any, Any, str]] = [
@@ -67,3 +69,60 @@ def test_a_connection_option_the_driver_refuses_is_a_config_error(pg_url: URL) -
     bogus = f"{url_string(pg_url)}{'&' if pg_url.query else '?'}no_such_option=1"
     with pytest.raises(hermes_store.StoreConfigError, match='invalid connection option "no_such'):
         hermes_store.upgrade(bogus)
+
+
+#: Statements a role reaching past the database runs inside a read-only transaction: a
+#: server file written, or written from a DO block that first undoes a narrowing SET ROLE.
+_SERVER_FILE_WRITES = [
+    "COPY (SELECT id FROM sessions) TO '{path}'",
+    "DO $$ BEGIN RESET ROLE; EXECUTE 'COPY (SELECT 1) TO ''{path}'''; END $$",
+]
+
+
+@pytest.fixture
+def server_file() -> Iterator[Path]:
+    """A path the PostgreSQL server (on this machine) could write, absent before and after."""
+    path = Path(f"/tmp/hermes-query-{uuid.uuid4().hex}")
+    yield path
+    assert not path.exists(), "the query wrote a file on the server"
+
+
+@pytest.mark.parametrize("statement", _SERVER_FILE_WRITES)
+def test_a_query_as_a_superuser_is_refused_before_its_statement_is_sent(
+    pg_url: URL, server_file: Path, statement: str
+) -> None:
+    """Connected as a superuser, ``COPY ... TO`` a server file ran in the read-only
+    transaction (and ``TO PROGRAM`` would have run a program): such a role is refused."""
+    with SessionDB(url_string(pg_url)) as db:
+        db.create_session("s", "cli")
+    sql = statement.format(path=server_file)
+    with pytest.raises(hermes_store.StoreConfigError, match="queries are refused to the Post"):
+        read_only_query(url_string(pg_url), sql)
+    with pytest.raises(hermes_store.StoreConfigError, match="connect as a role that may only"):
+        read_only_query(url_string(pg_url), "SELECT count(*) FROM sessions")
+
+
+def test_a_query_as_a_member_of_pg_write_server_files_is_refused(
+    pg_url: URL, server_file: Path
+) -> None:
+    """Not a superuser, but granted the server's files: refused the same way."""
+    role = f"hermes_files_{uuid.uuid4().hex[:12]}"
+    run_sql(pg_url, f"CREATE ROLE {role} LOGIN", f"GRANT pg_write_server_files TO {role}")
+    try:
+        as_role = url_string(pg_url.set(username=role))
+        with pytest.raises(hermes_store.StoreConfigError, match=f"role '{role}'"):
+            read_only_query(as_role, f"COPY (SELECT 1) TO '{server_file}'")
+    finally:
+        run_sql(pg_url, f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("statement", _SERVER_FILE_WRITES)
+def test_an_ordinary_role_queries_and_the_server_refuses_its_file_writes(
+    pg_url: URL, server_file: Path, statement: str
+) -> None:
+    with SessionDB(url_string(pg_url)) as db:
+        db.create_session("s", "cli")
+    analyst = analyst_url(pg_url)
+    assert read_only_query(analyst, "SELECT id FROM sessions").rows == [("s",)]
+    with pytest.raises(InvalidInputError, match="the database refused the query"):
+        read_only_query(analyst, statement.format(path=server_file))

@@ -31,6 +31,13 @@ SEARCH_BACKENDS = (*CONTRACT_BACKENDS, NO_CJK_INDEX)
 FLAVORS = ("sync", "async")
 
 
+#: An ordinary PostgreSQL role, as analysts' queries connect (``query`` refuses a role whose
+#: SQL reaches past the database, the superuser the tests connect as among them). It may write
+#: the store's tables, so a query's read-only transaction, not a missing grant, is what refuses
+#: a write. PgBouncer's user list names it too (.ci/pgbouncer).
+ANALYST_ROLE = "hermes_analyst"
+
+
 def url_string(url: URL | str) -> str:
     """A URL as text with its password (what a store or a subprocess is given)."""
     return url.render_as_string(hide_password=False) if isinstance(url, URL) else url
@@ -84,3 +91,22 @@ def through_pgbouncer(url: URL) -> URL:
     """The worker's database, reached through PgBouncer."""
     bouncer = to_url(os.environ[PGBOUNCER_ENV])
     return url.set(host=bouncer.host, port=bouncer.port, query=bouncer.query)
+
+
+def analyst_url(url: URL | str) -> str:
+    """``url`` as :data:`ANALYST_ROLE` (created once per server), granted every table its
+    public schema holds now; a SQLite target as it is."""
+    if is_sqlite(url):
+        return url_string(url)
+    engine = sa.create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(  # several test workers may create it at once
+                f"DO $$ BEGIN CREATE ROLE {ANALYST_ROLE} LOGIN; "
+                "EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$"
+            )
+            conn.exec_driver_sql(f"GRANT ALL ON SCHEMA public TO {ANALYST_ROLE}")
+            conn.exec_driver_sql(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {ANALYST_ROLE}")
+    finally:
+        engine.dispose()
+    return url_string(make_url(url_string(url)).set(username=ANALYST_ROLE, password=None))
