@@ -270,6 +270,7 @@ def read_state(conn: Connection) -> DatabaseState:
         views = {name for kind, name, _ in rows if kind == "view"}
         definitions = {name: sql for kind, name, sql in rows if kind == "table" and sql}
     else:
+        _check_server_encoding(conn)
         tables = set(inspector.get_table_names(schema=where.schema))
         if not tables and where.schema is None:
             _check_search_path(conn)
@@ -343,6 +344,22 @@ def _check_search_path(conn: Connection) -> None:
     ).one()
     if schema is None:
         raise StoreConfigError(_no_schema_message(_describe(conn), str(search_path)))
+
+
+def _check_server_encoding(conn: Connection) -> None:
+    """Refuse a PostgreSQL database that is not UTF-8: a conversation holds any text (CJK,
+    emoji), and a LATIN1 database refused such a message only when it came, long after the
+    store opened. Read from the parameters the server sends as the connection starts: no
+    round trip."""
+    info = conn.connection.driver_connection.info  # type: ignore[union-attr]
+    encoding = info.parameter_status("server_encoding")
+    if encoding is not None and encoding != "UTF8":
+        raise StoreConfigError(
+            f"{_describe(conn)}: the database's encoding is {encoding}, which cannot hold "
+            "every text a conversation may carry (CJK, emoji); the store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0; move rows "
+            "over with hermes-store export and import)"
+        )
 
 
 def _no_schema_message(where: str, search_path: str | None) -> str:

@@ -249,3 +249,41 @@ def test_a_search_path_naming_no_schema_is_a_config_error(blank_pg: URL) -> None
         migrate.upgrade(url)
     assert "search_path" in _error_line(_cli(url, "stats"))
     assert _snapshot(blank_pg) == before
+
+
+# -- a database that is not UTF-8 ---------------------------------------------------------------
+
+
+@pytest.fixture
+def latin1_pg(pg_worker_url: URL | None) -> Iterator[URL]:
+    """A new, empty LATIN1 database beside this worker's (dropped afterwards)."""
+    if pg_worker_url is None:
+        pytest.skip("PostgreSQL tests need HERMES_STORE_TEST_PG_URL")
+    name = f"{pg_worker_url.database}_latin1"
+    admin = sa.create_engine(pg_worker_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.exec_driver_sql(
+            f"CREATE DATABASE \"{name}\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    try:
+        yield pg_worker_url.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def test_a_database_that_is_not_utf8_is_refused_before_anything_is_created(
+    latin1_pg: URL,
+) -> None:
+    """A LATIN1 database took the schema and plain text, then refused the first message in
+    Chinese ("has no equivalent in encoding LATIN1"), long after the store opened."""
+    with pytest.raises(StoreConfigError, match="encoding is LATIN1") as raised:
+        SessionDB(url_string(latin1_pg))
+    assert "UTF8" in str(raised.value)
+    with pytest.raises(StoreConfigError, match="encoding is LATIN1"):
+        migrate.upgrade(latin1_pg)
+    assert "encoding is LATIN1" in _error_line(_cli(latin1_pg, "db", "upgrade"))
+    assert _snapshot(latin1_pg) == {"triggers": []}
