@@ -37,7 +37,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from hermes_store.engine import files
-from hermes_store.engine.factory import sqlite_file
+from hermes_store.engine.factory import display_url, sqlite_file
 from hermes_store.errors import (
     AccessDeniedError,
     DatabaseAliasError,
@@ -109,7 +109,7 @@ class Check:
     detail: str
 
 
-def _schema_check(state: migrate.DatabaseState) -> Check:
+def _schema_check(state: migrate.DatabaseState, where: str) -> Check:
     head = migrate.head_revision()
     revision = migrate.revision_of(state)
     version = state.schema_version
@@ -119,8 +119,16 @@ def _schema_check(state: migrate.DatabaseState) -> Check:
             "error",
             f"legacy file at schema_version {version}, not adopted: run `hermes-store db upgrade`",
         )
-    if revision == head and version == ddl.HEAD_VERSION:
-        return Check("schema", "ok", f"{revision} (head), schema_version {version}")
+    if revision == head:
+        damage, repairable = migrate.damage_of(state, where)
+        if not damage:
+            return Check("schema", "ok", f"{revision} (head), schema_version {version}")
+        advice = (
+            "the next open for writing repairs it from the data (`hermes-store db upgrade`)"
+            if repairable
+            else "restore it from a backup"
+        )
+        return Check("schema", "error", f"{revision} (head), but {'; '.join(damage)}: {advice}")
     return Check(
         "schema",
         "error",
@@ -829,7 +837,7 @@ def run_doctor(
         return [Check("database", "error", one_line(error))]
     if state is None or state.is_empty:
         return [Check("database", "error", "no schema yet: run `hermes-store db upgrade`")]
-    checks = [_schema_check(state)]
+    checks = [_schema_check(state, display_url(url))]
     if not {"sessions", "messages"} <= state.tables:
         return checks
     path = sqlite_file(url)

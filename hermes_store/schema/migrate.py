@@ -907,6 +907,15 @@ def find_damage(state: DatabaseState, dialect: str, where: str) -> list[str]:
     return damage
 
 
+def damage_of(state: DatabaseState, where: str) -> tuple[list[str], bool]:
+    """What :func:`find_damage` finds on a database at head, for a report: the damage, and
+    whether the next open repairs it from the data (False: columns or tables are gone)."""
+    try:
+        return find_damage(state, state.dialect, where), True
+    except UnrecognizedSchemaError as error:
+        return [str(error)], False
+
+
 def repair_at_head(conn: Connection) -> list[str]:
     """Inside a write transaction: repair what :func:`find_damage` reports, from the data.
 
@@ -1482,6 +1491,10 @@ def check_drift(target: Target) -> DriftReport:
                 transaction.rollback()
     finally:
         engine.dispose()
+    if not state.is_legacy:  # what the models do not describe: the index, write_keys ...
+        damage, _ = damage_of(state, display_url(url))
+        if damage:
+            differences = "\n".join([*filter(None, [differences]), *damage])
     return DriftReport(
         exists=True, revision=revision, head=head, compared=True, differences=differences
     )

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from hermes_store.errors import SchemaTooNewError
+from hermes_store.ops import health
 from hermes_store.schema import migrate
 from tests.support import legacy, proc_workers
 from tests.support.backends import url_string
@@ -140,3 +142,45 @@ def test_comparing_a_legacy_file_waits_for_another_processs_writer(tmp_path: Pat
     assert report.compared and not report.drifted
     state = migrate.state_of(path)
     assert state is not None and state.is_legacy  # still not adopted
+
+
+def _drop_title(url: URL) -> None:
+    engine = sa.create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        if conn.dialect.name == "sqlite":  # SQLite keeps an index on a column it drops
+            for name in conn.exec_driver_sql(
+                "SELECT name FROM sqlite_master WHERE type = 'index' "
+                "AND tbl_name = 'sessions' AND sql LIKE '%title%'"
+            ).scalars():
+                conn.exec_driver_sql(f'DROP INDEX "{name}"')
+        conn.exec_driver_sql("ALTER TABLE sessions DROP COLUMN title")
+    engine.dispose()
+
+
+#: Damage Alembic's comparison with the models does not all see, and what the reports name.
+_DAMAGE: dict[str, tuple[Callable[[URL], None], str, str]] = {
+    "a column gone": (_drop_title, "lacks columns ['title']", "restore it from a backup"),
+    "write_keys gone": (
+        lambda url: _execute(url, "DROP TABLE write_keys"),
+        "the write_keys table is missing",
+        "repairs it from the data",
+    ),
+    "schema_version wrong": (
+        lambda url: _execute(url, "UPDATE schema_version SET version = 5"),
+        "schema_version 5",
+        "repairs it from the data",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DAMAGE))
+def test_damage_at_head_is_reported_by_doctor_and_db_check(db_url: URL, case: str) -> None:
+    """``doctor`` said "Healthy." (exit 0) on a database at head without its ``title`` column
+    or its ``write_keys`` table, which every listing or keyed write then failed on; ``db
+    check`` saw no drift where the models do not describe what was gone."""
+    damage, named, advice = _DAMAGE[case]
+    damage(db_url)
+    [schema] = [check for check in health.run_doctor(db_url) if check.name == "schema"]
+    assert schema.status == "error" and named in schema.detail and advice in schema.detail
+    drift = migrate.check_drift(db_url)
+    assert drift.drifted and drift.differences is not None and named in drift.differences
