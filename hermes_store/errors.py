@@ -7,6 +7,7 @@ the subclass is also a ``ValueError`` so existing ``except ValueError`` code kee
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Self
@@ -265,6 +266,11 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     # psycopg refuses NUL in text before sending anything: the input is wrong, not the server.
     if isinstance(error, sa_exc.DataError) and sqlstate is None and "NUL" in text:
         return InvalidInputError(f"a text argument contains a NUL character: {text}")
+    if sqlstate is None and _SETTING_REFUSED.search(text) is not None:
+        return StoreConfigError(
+            f"the database URL has a setting the driver refuses: {text.strip()} (check the "
+            "URL's options: sslmode, target_session_attrs, service ...)"
+        )
     # psycopg raises OperationalError without a SQLSTATE when it cannot connect at all.
     if (
         isinstance(error, sa_exc.OperationalError)
@@ -312,10 +318,18 @@ _LOGIN_REFUSED = (
 )
 
 
+#: libpq's refusal, before it connects, of a URL setting it cannot take (``sslmode=bogus``,
+#: ``target_session_attrs=xyz``, ``service=`` naming no service): a psycopg error with no
+#: SQLSTATE, as an unreachable server's is, though no wait cures it.
+_SETTING_REFUSED = re.compile(r'invalid \w+ value: "|definition of service ".*" not found')
+
+
 def login_refused(error: sa_exc.DBAPIError) -> bool:
     """True when the server was reached and refused this login for good (see
-    :data:`_LOGIN_REFUSED`): waiting for it would only delay the same answer."""
-    return any(part in str(error.orig) for part in _LOGIN_REFUSED)
+    :data:`_LOGIN_REFUSED`), or the driver refused the URL's settings before connecting:
+    waiting would only delay the same answer."""
+    text = str(error.orig)
+    return any(part in text for part in _LOGIN_REFUSED) or bool(_SETTING_REFUSED.search(text))
 
 
 def _privilege_refused(text: str) -> str:

@@ -138,6 +138,11 @@ def expand_home(given: str | os.PathLike[str], what: str) -> Path:
 def url_from_environment() -> URL:
     """``HERMES_STORE_URL`` when set, else the default SQLite file (for tools, not SessionDB)."""
     env = os.environ.get("HERMES_STORE_URL")
+    if env and not env.strip():  # a file named by blanks is a mistake, not a choice
+        raise InvalidInputError(
+            "HERMES_STORE_URL holds only blanks: give a SQLite path or a database URL (unset "
+            "it for the default database)"
+        )
     return to_url(env) if env else to_url(default_db_path())
 
 
@@ -310,6 +315,7 @@ def to_url(target: str | os.PathLike[str] | URL) -> URL:
         _check_sqlite_database(url)
     if url.get_backend_name() != "sqlite":
         _check_ports(url)
+        _check_server_target(url)
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
     given = url.query.get("password")
@@ -340,6 +346,25 @@ def _check_ports(url: URL) -> None:
                 f"malformed database URL: port {int(port)} is out of range "
                 f"({PORT_RANGE.start}-{PORT_RANGE.stop - 1})"
             )
+
+
+def _check_server_target(url: URL) -> None:
+    """Refuse a server URL that would reach another database than its writer meant: one
+    naming no database (libpq then picks the one named after the role, or ``postgres``, the
+    server's maintenance database, where ``db upgrade`` would create the store's tables), and
+    one whose host holds an ``@`` (a password's unencoded ``@``: the rest of the password
+    would be taken for the host, and shown in every error naming it)."""
+    if url.host is not None and "@" in url.host:
+        raise InvalidInputError(
+            "malformed database URL: an '@' in the password must be written %40 "
+            "(postgresql://USER:PASS%40WORD@HOST/DBNAME)"
+        )
+    named = url.database or {"dbname", "service"} & set(url.query)
+    if not named and not (os.environ.get("PGDATABASE") or os.environ.get("PGSERVICE")):
+        raise InvalidInputError(
+            f"the database URL {display_url(url)} names no database: add it after the host "
+            "(postgresql://USER@HOST/DBNAME), or the server would pick one for the role"
+        )
 
 
 def is_secret_parameter(key: str) -> bool:

@@ -17,7 +17,13 @@ from click.testing import CliRunner
 from sqlalchemy import event
 from sqlalchemy.engine import URL
 
-from hermes_store import AsyncSessionDB, DatabaseUnavailableError, InvalidInputError, SessionDB
+from hermes_store import (
+    AsyncSessionDB,
+    DatabaseUnavailableError,
+    InvalidInputError,
+    RetryPolicy,
+    SessionDB,
+)
 from hermes_store.cli import cli
 from hermes_store.engine.factory import (
     CONNECT_TIMEOUT_S,
@@ -221,3 +227,56 @@ def test_a_missing_role_or_database_gets_the_command_that_creates_it(
     assert refused in done.stderr and hint in done.stderr
     other = {"`createuser NAME`", "`createdb NAME`"} - {hint}
     assert other.pop() not in done.stderr
+
+
+@pytest.mark.parametrize("given", ["postgresql://postgres@127.0.0.1/", "postgresql://u@h:5432"])
+def test_a_server_url_naming_no_database_is_refused(
+    given: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With no database named, libpq picked the role's namesake or ``postgres``, the server's
+    maintenance database: an import created the store's tables there and said it succeeded.
+    Named by ``?dbname=``, ``?service=`` or libpq's environment, it is a choice."""
+    monkeypatch.delenv("PGDATABASE", raising=False)
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    with pytest.raises(InvalidInputError, match="names no database"):
+        SessionDB(given)
+    result = CliRunner().invoke(cli, ["--db", given, "db", "upgrade"])
+    assert result.exit_code == 2 and "names no database" in result.output, result.output
+    assert to_url(f"{given.rstrip('/')}/?dbname=hermes").query["dbname"] == "hermes"
+    monkeypatch.setenv("PGDATABASE", "hermes")
+    assert to_url(given).database in (None, "")
+
+
+def test_an_unencoded_at_sign_in_a_password_is_refused_without_showing_it() -> None:
+    """``postgres:S3cret@PW@host``: the password's tail became the host, and "failed to
+    resolve host 'PW@127.0.0.1'" showed it."""
+    with pytest.raises(InvalidInputError, match="%40") as raised:
+        to_url("postgresql://postgres:S3cret@PW@127.0.0.1/db")
+    assert "PW" not in str(raised.value) and "S3cret" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "setting", ["sslmode=bogus", "target_session_attrs=xyz", "service=hermes_no_such_service"]
+)
+def test_a_url_setting_the_driver_refuses_fails_at_once_as_a_config_error(
+    pg_url: URL, setting: str
+) -> None:
+    """libpq refuses these before it connects, with no SQLSTATE, as for an unreachable
+    server: they were retried for the whole unavailable timeout, then called an outage."""
+    import hermes_store
+
+    target = f"{url_string(pg_url)}{'&' if pg_url.query else '?'}{setting}"
+    with pytest.raises(hermes_store.StoreConfigError, match="a setting the driver refuses"):
+        SessionDB(target, retry=RetryPolicy(unavailable_timeout=600))
+
+
+def test_hermes_store_url_of_blanks_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--db "   "`` was refused while ``HERMES_STORE_URL="   "`` created a file named by
+    three blanks and imported into it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HERMES_STORE_URL", "   ")
+    result = CliRunner().invoke(cli, ["db", "upgrade"])
+    assert result.exit_code == 2 and "HERMES_STORE_URL holds only blanks" in result.output
+    assert list(tmp_path.iterdir()) == []
