@@ -10,7 +10,10 @@ every ``VACUUM`` while the statement is prepared, before any file is opened. One
 per call: sqlite3 refuses several, and on PostgreSQL the statement is sent in psycopg's
 pipeline mode (the extended protocol, one statement) since with no parameters psycopg sends
 the simple protocol, where ``COMMIT; DELETE ...`` ended the read-only transaction first.
-Ctrl-C interrupts a long SQLite query.
+Ctrl-C interrupts a long query, and every query stops after ``timeout`` seconds (one minute
+unless told otherwise): on PostgreSQL a query holds its snapshot, and whatever it locks (a
+``DO`` block may ``LOCK TABLE`` in any mode even in a read-only transaction) it holds from the
+fleet's writers until it ends.
 
 A read-only transaction does not bind every PostgreSQL role: a superuser, or a member of
 ``pg_write_server_files``, ``pg_read_server_files`` or ``pg_execute_server_program``, can
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +48,16 @@ from hermes_store.errors import (
 )
 from hermes_store.validate import INT64_MAX, INT64_MIN
 
-__all__ = ["QueryResult", "read_only_query"]
+__all__ = ["DEFAULT_QUERY_TIMEOUT_S", "QueryResult", "read_only_query"]
 
-#: SQLite virtual-machine steps between two chances for Ctrl-C to stop a query.
+#: SQLite virtual-machine steps between two chances for Ctrl-C (or the timeout) to stop a query.
 _INTERRUPT_EVERY = 100_000
+#: How long a query may run unless its caller says otherwise (None: no limit).
+DEFAULT_QUERY_TIMEOUT_S = 60.0
+#: SQLite's authorizer action for a function call, and the function it refuses: with one
+#: argument it returns a tokenizer's address in memory, with two it replaces the tokenizer.
+_FUNCTION = sqlite3.SQLITE_FUNCTION
+_REFUSED_FUNCTIONS = frozenset({"fts3_tokenizer"})
 #: Authorizer actions that open or let go of another database file. ``VACUUM`` reports an
 #: ``ATTACH`` of its target (``INTO``) or of its temporary copy, so it is refused with them.
 _OTHER_FILES = frozenset({sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH})
@@ -57,11 +67,20 @@ _OTHER_FILES_REFUSED = (
 )
 #: Whether the connected PostgreSQL role reaches past the database (a superuser has every
 #: role's privileges): its SQL could write or read the server's files or run programs.
+#: Asked with the query's timeout set (``:ms``, 0: none), in the one round trip before it.
 _SERVER_REACH = sa.text(
     "SELECT current_user, pg_has_role('pg_write_server_files', 'USAGE') "
     "OR pg_has_role('pg_read_server_files', 'USAGE') "
-    "OR pg_has_role('pg_execute_server_program', 'USAGE')"
+    "OR pg_has_role('pg_execute_server_program', 'USAGE'), "
+    "set_config('statement_timeout', :ms, true)"
 )
+#: SQLSTATE classes of a statement that never ran or broke the connection, not the query's
+#: fault: connection exceptions, operator intervention, insufficient resources, system and
+#: internal errors. A protocol violation (``SELECT $1``: a parameter with no value) is the
+#: query's.
+_NOT_THE_QUERYS = ("08", "57P", "53", "58", "XX")
+_PROTOCOL_VIOLATION = "08P01"
+_QUERY_CANCELED = "57014"
 
 
 @dataclass(frozen=True)
@@ -80,8 +99,10 @@ def read_only_query(
     params: Mapping[str, Any] | None = None,
     *,
     max_rows: int | None = None,
+    timeout: float | None = DEFAULT_QUERY_TIMEOUT_S,
 ) -> QueryResult:
-    """Run one statement that may only read, with ``:name`` parameters bound by the driver."""
+    """Run one statement that may only read, with ``:name`` parameters bound by the driver,
+    stopped after ``timeout`` seconds (None: no limit)."""
     if not isinstance(sql, str):
         raise InvalidInputError(f"the query must be a string, not {type(sql).__name__}")
     if not sql.strip():
@@ -91,12 +112,31 @@ def read_only_query(
         not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1
     ):
         raise InvalidInputError("max_rows must be a whole number >= 1")
+    if timeout is not None and (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 < timeout < _TIMEOUT_MAX_S
+    ):
+        raise InvalidInputError(
+            f"timeout must be a number of seconds above 0 (None: no limit), not {echoed(timeout)}"
+        )
     bound = _checked_params(params)
     url = to_url(target)
     path = sqlite_file(url)
     if path is not None:
-        return _on_sqlite(path, sql, bound, max_rows)
-    return _on_server(url, sql, bound, max_rows)
+        return _on_sqlite(path, sql, bound, max_rows, timeout)
+    return _on_server(url, sql, bound, max_rows, timeout)
+
+
+#: The longest timeout PostgreSQL's statement_timeout holds (milliseconds in an int).
+_TIMEOUT_MAX_S = 2_147_483.0
+
+
+def _timed_out(timeout: float) -> InvalidInputError:
+    return InvalidInputError(
+        f"the query ran past its timeout of {timeout:g} s and was stopped; nothing was "
+        "changed (give a longer timeout, or none)"
+    )
 
 
 def _check_text(what: str, text: str) -> None:
@@ -144,26 +184,48 @@ def _refused(error: sqlite3.Error | sa.exc.DBAPIError) -> InvalidInputError | No
 
 
 class _FileGuard:
-    """SQLite authorizer that denies :data:`_OTHER_FILES` and remembers it did, so the refusal
-    is said in words rather than as SQLite's "not authorized"."""
+    """SQLite authorizer that denies :data:`_OTHER_FILES` and :data:`_REFUSED_FUNCTIONS` and
+    remembers what it denied, so the refusal is said in words rather than as SQLite's "not
+    authorized"."""
 
     def __init__(self) -> None:
-        self.denied = False
+        self.denied: str | None = None
 
-    def __call__(self, action: int, *_: str | None) -> int:
+    def __call__(self, action: int, _table: str | None, name: str | None, *_: str | None) -> int:
         if action in _OTHER_FILES:
-            self.denied = True
+            self.denied = _OTHER_FILES_REFUSED
+            return sqlite3.SQLITE_DENY
+        if action == _FUNCTION and name is not None and name.lower() in _REFUSED_FUNCTIONS:
+            self.denied = f"the function {name} is refused: it reads or changes SQLite's memory"
             return sqlite3.SQLITE_DENY
         return sqlite3.SQLITE_OK
 
 
-def _on_sqlite(path: Path, sql: str, params: dict[str, Any], max_rows: int | None) -> QueryResult:
+class _Deadline:
+    """SQLite's progress handler: it lets Ctrl-C through (Python checks signals as it runs)
+    and stops the query once ``timeout`` seconds have passed, remembering it did."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.at = None if timeout is None else time.monotonic() + timeout
+        self.passed = False
+
+    def __call__(self) -> int:
+        if self.at is not None and time.monotonic() > self.at:
+            self.passed = True
+            return 1
+        return 0
+
+
+def _on_sqlite(
+    path: Path, sql: str, params: dict[str, Any], max_rows: int | None, timeout: float | None
+) -> QueryResult:
     if not path.exists():
         raise NotADatabaseError(f"there is no database at {path}")
     connection = files.connect_sqlite(path, read_only=True, immutable=unreadable_in_wal(path))
     with contextlib.closing(connection):
         connection.execute("PRAGMA query_only = ON")
-        connection.set_progress_handler(lambda: 0, _INTERRUPT_EVERY)  # lets Ctrl-C through
+        deadline = _Deadline(timeout)
+        connection.set_progress_handler(deadline, _INTERRUPT_EVERY)
         guard = _FileGuard()
         connection.set_authorizer(guard)
         try:
@@ -173,44 +235,59 @@ def _on_sqlite(path: Path, sql: str, params: dict[str, Any], max_rows: int | Non
             raise InvalidInputError(f"the query cannot run: {error}") from None
         except sqlite3.Error as error:
             if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_INTERRUPT:
+                if deadline.passed and timeout is not None:
+                    raise _timed_out(timeout) from None
                 # Ctrl-C, raised in the progress handler, comes back as SQLite's "interrupted"
                 raise KeyboardInterrupt from None
-            if guard.denied:
-                raise InvalidInputError(_OTHER_FILES_REFUSED) from None
+            if guard.denied is not None:
+                raise InvalidInputError(guard.denied) from None
             refused = _refused(error)
             if refused is not None:
                 raise refused from None
             raise InvalidInputError(f"the database refused the query: {error}") from None
 
 
-def _on_server(url: URL, sql: str, params: dict[str, Any], max_rows: int | None) -> QueryResult:
+def _on_server(
+    url: URL, sql: str, params: dict[str, Any], max_rows: int | None, timeout: float | None
+) -> QueryResult:
     engine = create_engine(url, poolclass=NullPool)
     try:
         with mapped_errors(), engine.connect() as conn:
             conn = conn.execution_options(postgresql_readonly=True)
             with conn.begin() as transaction:
-                _refuse_server_reach(conn)
+                _prepare_server_query(conn, timeout)
                 try:
                     return _one_statement(conn, sql, params, max_rows)
                 except sa.exc.DBAPIError as error:
-                    refused = _refused(error)
-                    if refused is not None:
-                        raise refused from None
-                    sqlstate = getattr(error.orig, "sqlstate", None) or ""
-                    if sqlstate.startswith(("42", "22")) or "multiple commands" in str(error):
-                        raise InvalidInputError(
-                            f"the database refused the query: {error.orig}"
-                        ) from None
-                    raise
+                    raise _server_refusal(error, timeout) from None
                 finally:
                     transaction.rollback()
     finally:
         engine.dispose()
 
 
-def _refuse_server_reach(conn: sa.Connection) -> None:
-    """Refuse a role whose SQL a read-only transaction does not confine (see the module)."""
-    role, reaches = conn.execute(_SERVER_REACH).one()
+def _server_refusal(error: sa.exc.DBAPIError, timeout: float | None) -> Exception:
+    """What the caller hears of the server's refusal of the query: the query's own fault
+    (a write, a syntax error, a statement a transaction cannot run ...) in words; a lost
+    connection or a server in trouble as the package names it elsewhere."""
+    refused = _refused(error)
+    if refused is not None:
+        return refused
+    sqlstate = getattr(error.orig, "sqlstate", None) or ""
+    if sqlstate == _QUERY_CANCELED and timeout is not None:
+        return _timed_out(timeout)
+    if "multiple commands" in str(error) or (
+        sqlstate and (sqlstate == _PROTOCOL_VIOLATION or not sqlstate.startswith(_NOT_THE_QUERYS))
+    ):
+        return InvalidInputError(f"the database refused the query: {error.orig}")
+    return error
+
+
+def _prepare_server_query(conn: sa.Connection, timeout: float | None) -> None:
+    """Refuse a role whose SQL a read-only transaction does not confine (see the module), and
+    set the query's timeout for this transaction only: one round trip."""
+    ms = "0" if timeout is None else str(max(1, round(timeout * 1000)))
+    role, reaches, _ = conn.execute(_SERVER_REACH, {"ms": ms}).one()
     if reaches:
         raise StoreConfigError(
             f"queries are refused to the PostgreSQL role {echoed(role)}: it may write or read the "

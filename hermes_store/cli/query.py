@@ -30,6 +30,14 @@ from hermes_store.echo import echoed
     help="Bind :NAME to VALUE (a string; repeatable).",
 )
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many rows.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, max=2_000_000),
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Stop the query after this long (0: no limit).",
+)
 @format_option
 @pass_app
 @paged
@@ -38,12 +46,15 @@ def query(
     sql: str,
     params: tuple[str, ...],
     limit: int | None,
+    timeout: float,
     fmt: str | None,
     as_json: bool,
 ) -> None:
     """Run one read-only SQL statement and print its rows (writes are refused by the
     database itself: SQLite opened read-only, PostgreSQL in a READ ONLY transaction; ATTACH,
-    DETACH and VACUUM, which open or create other files, are refused before they run).
+    DETACH and VACUUM, which open or create other files, are refused before they run). It
+    stops after --timeout seconds: on PostgreSQL what it reads or locks, it holds from the
+    writers until it ends.
 
     \b
     Examples:
@@ -59,7 +70,7 @@ def query(
         if not equals or not name:
             raise click.BadParameter(f"{echoed(item)} is not NAME=VALUE", param_hint="--param")
         bound[name] = value
-    result = read_only_query(app.url, sql, bound, max_rows=limit)
+    result = read_only_query(app.url, sql, bound, max_rows=limit, timeout=timeout or None)
     rows: list[RowDict] = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
     columns = [
         Column(name, name, _value(name), wraps=True, right=_numeric(result.rows, index))

@@ -4,7 +4,7 @@ before anything runs, never a driver's TypeError, OverflowError or UnicodeEncode
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from hermes_store import SessionDB
 from hermes_store.errors import InvalidInputError
 from hermes_store.query import read_only_query
 from tests.support.backends import analyst_url, run_sql, url_string
+from tests.support.waiting import GUARD, in_thread
 
 #: (sql, params, what the refusal names) of misused read_only_query calls.
 MISUSES: list[tuple[Any, Any, str]] = [
@@ -126,3 +127,71 @@ def test_an_ordinary_role_queries_and_the_server_refuses_its_file_writes(
     assert read_only_query(analyst, "SELECT id FROM sessions").rows == [("s",)]
     with pytest.raises(InvalidInputError, match="the database refused the query"):
         read_only_query(analyst, statement.format(path=server_file))
+
+
+# -- a query is stopped after its timeout; what the server refuses is the query's fault --------
+
+_ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+def _stopped(call: Callable[[], object]) -> BaseException:
+    """What ``call`` raised, in a thread joined with a hang guard (only a bug reaches it)."""
+    outcome, thread = in_thread(call)
+    thread.join(GUARD)
+    assert not thread.is_alive(), "the query was not stopped"
+    [(kind, value)] = outcome
+    assert kind == "error", value
+    assert isinstance(value, BaseException)
+    return value
+
+
+def test_an_endless_query_on_sqlite_stops_at_its_timeout(sqlite_target: str) -> None:
+    raised = _stopped(lambda: read_only_query(sqlite_target, _ENDLESS, timeout=0.3))
+    assert isinstance(raised, InvalidInputError), raised
+    assert "ran past its timeout of 0.3 s" in str(raised)
+
+
+def test_a_query_holding_a_lock_on_postgresql_lets_go_at_its_timeout(pg_url: URL) -> None:
+    """A ``DO`` block may ``LOCK TABLE`` in any mode inside a read-only transaction: with no
+    time limit, a query that locked the messages and slept stopped every gateway's writes for
+    as long as it liked. It is stopped at its timeout, and the writes go on."""
+    with SessionDB(url_string(pg_url)) as db:
+        db.create_session("s", "cli")
+    analyst = analyst_url(pg_url)
+    for sql in (
+        "SELECT pg_sleep(1000)",
+        "DO $$ BEGIN LOCK TABLE messages IN ACCESS EXCLUSIVE MODE; PERFORM pg_sleep(1000); END $$",
+    ):
+        raised = _stopped(lambda sql=sql: read_only_query(analyst, sql, timeout=0.5))
+        assert isinstance(raised, InvalidInputError), raised
+        assert "ran past its timeout of 0.5 s" in str(raised)
+    with SessionDB(url_string(pg_url)) as db:
+        db.append_message("s", "user", "the lock was let go")
+        assert db.message_count("s") == 1
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), True, "3", 10**9])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(
+    sqlite_target: str, timeout: Any
+) -> None:
+    with pytest.raises(InvalidInputError, match="timeout must be a number of seconds"):
+        read_only_query(sqlite_target, "SELECT 1", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "sql", ["SELECT $1", "EXECUTE nosuch", "DISCARD ALL", "VACUUM", "SELECT 1/0"]
+)
+def test_what_postgresql_refuses_of_a_query_is_the_querys_fault(pg_url: URL, sql: str) -> None:
+    """``SELECT $1`` (a protocol violation) was called a lost connection, and statements a
+    transaction cannot run a database error (exit 3: "the database could not be used")."""
+    with pytest.raises(InvalidInputError, match="the database refused the query"):
+        read_only_query(analyst_url(pg_url), sql)
+
+
+@pytest.mark.parametrize(
+    "sql", ["SELECT fts3_tokenizer('simple')", "SELECT FTS3_TOKENIZER('simple', x'41')"]
+)
+def test_fts3_tokenizer_is_refused_on_sqlite(sqlite_target: str, sql: str) -> None:
+    """It returned a tokenizer's address in memory, and with two arguments replaced it."""
+    with pytest.raises(InvalidInputError, match="fts3_tokenizer is refused"):
+        read_only_query(sqlite_target, sql)
