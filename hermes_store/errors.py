@@ -266,6 +266,11 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     # psycopg refuses NUL in text before sending anything: the input is wrong, not the server.
     if isinstance(error, sa_exc.DataError) and sqlstate is None and "NUL" in text:
         return InvalidInputError(f"a text argument contains a NUL character: {text}")
+    if sqlstate is None and _TOO_MANY_PARAMETERS in text:
+        return InvalidInputError(
+            "the call gives more values than one statement can carry (PostgreSQL takes at "
+            "most 65535 parameters): pass fewer (filter values, ids ...); nothing was sent"
+        )
     if sqlstate is None and _SETTING_REFUSED.search(text) is not None:
         return StoreConfigError(
             f"the database URL has a setting the driver refuses: {text.strip()} (check the "
@@ -318,6 +323,10 @@ _LOGIN_REFUSED = (
 )
 
 
+#: psycopg's refusal to send a statement with more parameters than the protocol carries
+#: (65535): an OperationalError with no SQLSTATE, as a lost connection's, though the call is
+#: what is wrong.
+_TOO_MANY_PARAMETERS = "number of parameters must be between"
 #: libpq's refusal, before it connects, of a URL setting it cannot take (``sslmode=bogus``,
 #: ``target_session_attrs=xyz``, ``service=`` naming no service): a psycopg error with no
 #: SQLSTATE, as an unreachable server's is, though no wait cures it.
@@ -470,7 +479,11 @@ def connection_lost(error: sa_exc.DBAPIError) -> bool:
     return (
         error.connection_invalidated
         or sqlstate.startswith(("08", "57P"))
-        or (isinstance(error, sa_exc.OperationalError) and not sqlstate)
+        or (
+            isinstance(error, sa_exc.OperationalError)
+            and not sqlstate
+            and _TOO_MANY_PARAMETERS not in str(error.orig)
+        )
     )
 
 

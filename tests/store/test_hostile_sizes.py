@@ -19,12 +19,13 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy.engine import URL
 
-from hermes_store import HermesStoreError, InvalidInputError, SessionDB
+from hermes_store import HermesStoreError, InvalidInputError, RetryPolicy, SessionDB
 from hermes_store.cli import cli
 from hermes_store.repo import listing
 from hermes_store.validate import DEFAULT_MAX_MESSAGE_BYTES
 from tests.support.backends import url_string
 from tests.support.query_plans import captured_selects
+from tests.support.waiting import GUARD, in_thread
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -281,3 +282,33 @@ def test_a_short_first_guess_is_corrected_by_bisection(
         asked[5]: asked[5],
     }
     assert len(statements) <= len(asked) * (2 + 14), len(statements)  # 2 + log2(4000) each
+
+
+@pytest.mark.parametrize("argument", ["source_filter", "exclude_sources", "role_filter"])
+def test_more_filter_values_than_a_statement_carries_are_refused_at_once(
+    db_url: URL, argument: str
+) -> None:
+    """70,000 filter values: SQLite searches; PostgreSQL's protocol carries at most 65,535
+    parameters, and psycopg's refusal (no SQLSTATE, as a lost connection's) was retried as an
+    unreachable server for the whole unavailable timeout."""
+    values = [f"v{index}" for index in range(70_000)]
+    if argument == "source_filter":
+        values.append("cli")
+    if argument == "role_filter":
+        values.append("user")
+    with SessionDB(url_string(db_url), retry=RetryPolicy(unavailable_timeout=600)) as db:
+        db.ensure_session("s", "cli")
+        db.append_message("s", "user", "hello world")
+
+        def search() -> object:
+            return db.search_messages("hello", **{argument: values})
+
+        outcome, thread = in_thread(search)
+        thread.join(GUARD)
+        assert not thread.is_alive(), "the search was retried as an outage"
+        [(kind, value)] = outcome
+        if db_url.get_backend_name() == "sqlite":
+            assert kind == "ok" and len(value) == 1
+        else:
+            assert kind == "error" and isinstance(value, InvalidInputError), value
+            assert "at most 65535 parameters" in str(value)
