@@ -294,7 +294,7 @@ def _prepare_server_query(conn: sa.Connection, timeout: float | None) -> None:
             "server's files or run programs there (a superuser, or a member of "
             "pg_write_server_files, pg_read_server_files or pg_execute_server_program), which "
             "a read-only transaction does not stop; connect as a role that may only read "
-            "(GRANT SELECT ON ALL TABLES IN SCHEMA public TO it)"
+            "(granted only reads of the store's tables)"
         )
 
 

@@ -213,12 +213,6 @@ _SIZES = (
     .limit(sa.bindparam("rows"))
 )
 _DELETE_MESSAGES = delete(M).where(M.c.id.in_(sa.bindparam("ids", expanding=True)))
-_GONE = sa.bindparam("gone", type_=sa.Integer)
-_SHRINK_COUNT = (
-    update(S)
-    .where(S.c.id == sa.bindparam("sid"))
-    .values(message_count=sa.case((S.c.message_count > _GONE, S.c.message_count - _GONE), else_=0))
-)
 
 
 @dataclass
@@ -230,27 +224,24 @@ class _Deleted:
 
 
 def _delete_within(conn: Connection, ids: Sequence[str], budget: pacing.Budget) -> _Deleted:
-    """Delete the sessions ``ids`` (oldest first) and their messages, up to ``budget.size``
-    characters of text and while the budget's clock allows (at least one message, so every
-    step progresses), a few dozen messages per statement. A session whose messages do not
-    all fit loses its oldest ones here and its ``message_count`` says so; the next step,
-    which selects it again, deletes the rest and it."""
+    """Delete the sessions ``ids`` (oldest first), each whole with its messages, while the
+    budget has room for another (at least one, so every step progresses), a few dozen
+    messages per statement.
+
+    A session is never split across steps: a step that ended inside one committed the loss of
+    its oldest messages, and when the policy stopped selecting it before the next step (the
+    session reopened, titled or continued meanwhile) it was kept without them. A session
+    with more text than a step's budget holds the write lock for its own deletion alone."""
     done = _Deleted(found=bool(ids))
-
-    def spent() -> bool:
-        return bool(done.characters) and (done.characters >= budget.size or not budget.left())
-
     for sid in ids:
+        if done.characters and (done.characters >= budget.size or not budget.left()):
+            break
         gone = 0
         while True:
             rows = conn.execute(_SIZES, {"sid": sid, "rows": ROWS_PER_READ}).all()
             group: list[int] = []
             group_chars = 0
-            stopped = False
             for message_id, size in rows:
-                if spent():
-                    stopped = True
-                    break
                 cost = int(size) + ROW_COST
                 group.append(int(message_id))
                 group_chars += cost
@@ -260,19 +251,12 @@ def _delete_within(conn: Connection, ids: Sequence[str], budget: pacing.Budget) 
                     group, group_chars = [], 0
             if group:
                 gone += int(conn.execute(_DELETE_MESSAGES, {"ids": group}).rowcount)
-            if stopped:  # the budget ends inside this session
-                done.messages += gone
-                if gone:
-                    conn.execute(_SHRINK_COUNT, {"sid": sid, "gone": gone})
-                return done
             if len(rows) < ROWS_PER_READ:
                 break
         sessions, messages = delete_sessions(conn, [sid])
         done.sessions += sessions
         done.messages += gone + messages
         done.characters += ROW_COST
-        if spent():
-            break
     return done
 
 
@@ -296,8 +280,8 @@ def run(
     ``step_seconds`` at most (see :mod:`hermes_store.ops.pacing`), until none is left.
 
     A step re-selects at most ``chunk`` candidates inside its locked transaction and deletes
-    as much of their text as the pace says fits; a session with more than that loses its
-    oldest messages first and goes in a later step. The cutoff is fixed when the run starts.
+    as many of them, each whole, as the pace says fits (at least one: a session with more
+    text than that is a step of its own). The cutoff is fixed when the run starts.
     ``secure_delete`` (SQLite) overwrites the freed pages with zeros, so deleted text does not
     linger in the file's free pages. The deletes' records in the full-text index are merged
     as the run goes, and at its end the small segments are folded together
