@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gc
 import io
 import json
 import logging
@@ -40,6 +41,7 @@ import stat
 import sys
 import tempfile
 import threading
+import traceback
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing, contextmanager, nullcontext
@@ -161,6 +163,13 @@ def export_writer(path: str, database: URL, *, stream: bool = True) -> Iterator[
         with open(_stream_to(final), "w", encoding="utf-8", newline="\n") as device:
             yield device
         return
+    if final.is_symlink():
+        # Replacing it would swap the link for a file and leave its target as it was, while
+        # the export said it wrote there: name the file itself.
+        raise OutputFileError(
+            f"refusing to write {path!r}: it is a symbolic link (to {os.readlink(final)!r}); "
+            "name the file it points to"
+        )
     try:
         fd, partial_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
     except OSError as error:
@@ -264,6 +273,11 @@ class ImportReport:
     #: or collapses, as a redacted export's marker can make one): left empty
     titles_refused: int = 0
     parents_missing: int = 0  # the parent session is in neither the file nor the target
+    #: sessions already in the target stored with no parent, linked to the file's one (an
+    #: import run again after one that stopped before their parents were in)
+    parents_restored: int = 0
+    #: sessions already in the target whose stored parent is not the file's: kept as stored
+    parents_differing: int = 0
 
 
 @dataclass
@@ -279,6 +293,8 @@ class _BatchOutcome:
     report: ImportReport
     linked: set[str]
     new_links: dict[str, str]
+    #: children of ``new_links`` that were already in the target (links being restored)
+    restoring: frozenset[str] = frozenset()
 
 
 _REQUIRED_SESSION = ("id", "source", "started_at")
@@ -428,6 +444,12 @@ def _unmarked(value: dict[Any, Any], kinds: tuple[type, ...], where: str, sqlite
         raise InvalidInputError(
             f"{where} is not a stored value the export writes: {echoed(value)}"
         ) from None
+    if sqlite and isinstance(raw, float) and math.isnan(raw):
+        # SQLite stores a bound NaN as NULL: the value would be lost without a word.
+        raise InvalidInputError(
+            f"{where} holds NaN, which a SQLite database cannot store (it would become "
+            "NULL): import the file into a PostgreSQL database"
+        )
     if not sqlite and type(raw) not in kinds:
         raise InvalidInputError(
             f"{where} holds {_described(raw)}, which only a SQLite database stores in that "
@@ -487,10 +509,27 @@ def _checked(
                     check(name, value)
                 except InvalidInputError as error:
                     raise InvalidInputError(f"{where}: {error}") from None
-        elif not nul_ok and isinstance(value, str) and "\x00" in value:
-            raise InvalidInputError(f"{where}: {name} holds a NUL character")
+        elif isinstance(value, str):
+            if not nul_ok and "\x00" in value:
+                raise InvalidInputError(f"{where}: {name} holds a NUL character")
+            if not value.isascii() and not _is_unicode(value):
+                raise InvalidInputError(
+                    f"{where}: {name} holds a lone surrogate (a \\ud800-\\udfff escape "
+                    "with no pair): not valid Unicode text"
+                )
         row[name] = value
     return row
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: JSON's ``\\ud800`` escape decodes to a lone
+    surrogate, which no database stores as text (the driver refuses it as the batch is
+    written, naming neither line nor field)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _keeps_title(title: str | None) -> bool:
@@ -550,6 +589,7 @@ def _in(column: sa.Column[Any], *what: Any) -> sa.Select[Any]:
 
 
 _SESSION_IDS = _in(S.c.id)
+_SESSION_PARENTS = _in(S.c.id, S.c.id, S.c.parent_session_id)
 _TITLES = _in(S.c.title)
 _MESSAGE_IDS = _in(M.c.id)
 _SESSIONS_LANDED = _in(S.c.id, func.count())
@@ -578,6 +618,9 @@ def _cycle_walk() -> sa.Select[Any]:
 
 
 _CYCLE_CHILDREN = _cycle_walk()
+#: Taken by each import batch on PostgreSQL until it commits: two imports of the same file
+#: would otherwise both find an id free and both insert it (READ COMMITTED).
+_IMPORT_LOCK = sa.text("SELECT pg_advisory_xact_lock(7254312093460238617)")
 #: The most sessions of a cycle an error names (a longer one ends with ``...``).
 _CYCLE_SHOWN = 10
 
@@ -594,6 +637,18 @@ def _chunks(conn: Connection, statement: sa.Select[Any], values: Iterable[Any]) 
 def _existing(conn: Connection, statement: sa.Select[Any], values: Iterable[Any]) -> set[Any]:
     """Which of ``values`` the statement's column already holds."""
     return set(_chunks(conn, statement, values))
+
+
+def _stored_parents(conn: Connection, ids: Iterable[str]) -> dict[str, str | None]:
+    """The stored parent of each of the sessions ``ids`` (all in the table)."""
+    unique = list(dict.fromkeys(ids))
+    parents: dict[str, str | None] = {}
+    for start in range(0, len(unique), _CHUNK):
+        params = {"values": unique[start : start + _CHUNK]}
+        for row in fastpath.rows(conn, _SESSION_PARENTS, params, expanding=("values",)):
+            child, parent = row.values()
+            parents[child] = parent
+    return parents
 
 
 #: One message of the ids from ``:low`` to ``:high``, if any (a probe of the primary key).
@@ -621,23 +676,34 @@ def _write_batch(
     batch: list[_Prepared],
     pending: dict[str, str],
     while_indexing: Callable[[], object] = lambda: None,
+    restoring: frozenset[str] = frozenset(),
 ) -> _BatchOutcome:
     """One write unit: insert the new sessions and their messages, link parents, check counts.
     ``while_indexing`` is started once the rows are in, as SQLite indexes them (SQLite only).
+    ``restoring``: the children of ``pending`` that were already in the target.
 
     Pure with respect to the caller's state (the Unit of Work may run it twice on a lock).
     """
     report = ImportReport()
-    taken = _existing(conn, _SESSION_IDS, (p.session["id"] for p in batch))
+    if conn.dialect.name == "postgresql":
+        # Another import may be writing the same ids: its batch commits before this one
+        # looks, so an id it took is skipped here like any known id.
+        conn.execute(_IMPORT_LOCK)
+    known = _existing(conn, _SESSION_IDS, (p.session["id"] for p in batch))
+    taken = set(known)
     fresh: list[_Prepared] = []
+    skipped: list[_Prepared] = []
     for prepared in batch:
         if prepared.session["id"] in taken:
             report.sessions_skipped += 1
             report.messages_skipped += len(prepared.messages)
+            if prepared.session["id"] in known:
+                skipped.append(prepared)
         else:
             taken.add(prepared.session["id"])
             fresh.append(prepared)
-    if not fresh:
+    restored = _links_to_restore(conn, skipped, pending, report)
+    if not fresh and not restored:
         return _BatchOutcome(report, set(), {})
 
     # The unique index compares titles exactly (no collation, no normalising), as ``in`` does
@@ -662,6 +728,7 @@ def _write_batch(
         rows.append(row)
     _insert(conn, S, rows)
     report.sessions = len(rows)
+    new_links.update(restored)
 
     messages = [m for p in fresh for m in p.messages]
     used_ids = _taken_message_ids(conn, messages)
@@ -693,7 +760,8 @@ def _write_batch(
             .values(parent_session_id=bindparam("parent")),
             [{"child": child, "parent": links[child]} for child in linked],
         )
-        _refuse_cycles(conn, linked, fresh, batch)
+        _refuse_cycles(conn, linked, batch)
+    report.parents_restored = len(linked & (restoring | restored.keys()))
 
     fresh_ids = [p.session["id"] for p in fresh]
     landed_sessions = sum(_chunks(conn, _SESSIONS_LANDED, fresh_ids))
@@ -704,19 +772,41 @@ def _write_batch(
             f"{len(messages)} messages, the database holds {landed_sessions} and "
             f"{landed_messages}; the batch was rolled back"
         )
-    return _BatchOutcome(report, linked, new_links)
+    return _BatchOutcome(report, linked, new_links, frozenset(restored))
 
 
-def _refuse_cycles(
-    conn: Connection, linked: Iterable[str], fresh: list[_Prepared], batch: list[_Prepared]
-) -> None:
+def _links_to_restore(
+    conn: Connection, skipped: list[_Prepared], pending: dict[str, str], report: ImportReport
+) -> dict[str, str]:
+    """The parent links to restore on sessions of the batch already in the target (child ->
+    the file's parent): those stored with no parent, where the file gives one (an import
+    run again after one that stopped before their parents were in, whose links to come
+    lived only in its memory). A stored parent other than the file's is never replaced: it
+    is counted in ``report`` (``parents_differing``)."""
+    wanted = {
+        p.session["id"]: p.session["parent_session_id"]
+        for p in skipped
+        if p.session["parent_session_id"] is not None and p.session["id"] not in pending
+    }
+    if not wanted:
+        return {}
+    restored: dict[str, str] = {}
+    for child, stored in _stored_parents(conn, wanted).items():
+        if stored is None:
+            restored[child] = wanted[child]
+        elif stored != wanted[child]:
+            report.parents_differing += 1
+    return restored
+
+
+def _refuse_cycles(conn: Connection, linked: Iterable[str], batch: list[_Prepared]) -> None:
     """Raise :class:`ParentCycleError` when the links just applied close a cycle of parents.
 
     A new cycle runs through a link of this batch, so walking up from each newly linked
     child finds it (:func:`_cycle_walk`, one statement per 500 children; the chains already
     in the database and the batches before count, as stored). Only the children linked now
     are walked: an import of sessions without parents asks nothing. The error names the
-    cycle from the session of the batch (``fresh``: the ones it inserted) that comes first."""
+    cycle from the session of the batch that comes first."""
     looping = sorted(set(_chunks(conn, _CYCLE_CHILDREN, linked)))
     if not looping:
         return
@@ -727,7 +817,9 @@ def _refuse_cycles(
         if parent is None or parent == cycle[0]:
             break
         cycle.append(parent)
-    lines = {p.session["id"]: p.line for p in fresh}
+    lines: dict[str, int] = {}
+    for prepared in batch:
+        lines.setdefault(prepared.session["id"], prepared.line)
     line, first = min(((lines[s], s) for s in cycle if s in lines), default=(batch[0].line, None))
     if len(cycle) > _CYCLE_SHOWN:
         shown = " -> ".join(repr(s) for s in cycle[:_CYCLE_SHOWN]) + " -> ..."
@@ -996,11 +1088,17 @@ def import_new_file(
             log.error("the import's built file %s was not linked as %s: %s", build, real, error)
             failure.add_note(
                 f"what committed before it is in {build}, which could not be linked as "
-                f"{real}: {error}"
+                f"{real}: {_first_line(error)}"
             )
         raise
     _publish(build, real, total)
     return total
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message as one line (a driver's spans several)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _publish(build: Path, real: Path, total: ImportReport) -> None:
@@ -1083,10 +1181,48 @@ def _import(
     # FTS5's automerge off while the batches go in, then one merge of what they added: every
     # 64 leaf pages written, automerge re-merges a few segments (the same text over and over,
     # a fifth of a large import's CPU time); the settings go back after, as after a paced job.
-    with maintenance.paced_index_merging(uow) as tables:
+    merging = maintenance.paced_index_merging(uow)
+    tables = merging.__enter__()
+    try:
         _write_batches(uow, batches, total)
         if tables and total.messages:
             maintenance.merge_index(uow, full=False, step_seconds=_MERGE_STEP_SECONDS, pause=0)
+    except BaseException as raised:
+        failure = _settled_failure(raised)
+        try:  # the settings go back; the first failure stays the one raised
+            merging.__exit__(type(failure), failure, failure.__traceback__)
+        except Exception as error:
+            log.warning("the import could not put FTS5's merge settings back: %s", error)
+        if failure is raised:
+            raise
+        raise failure from None
+    merging.__exit__(None, None, None)
+
+
+def _settled_failure(raised: BaseException) -> BaseException:
+    """What an import that stopped raises: an interrupt (Ctrl-C) rather than what the unit's
+    unwinding met after it (a connection it had cut, ``PendingRollbackError``), with the
+    frames it ran through released, so that the statement it cut is finalized and its
+    connection's lock let go before anything else writes (the settings put back, the built
+    file switched to WAL). A cut connection closed while a statement of it lived on stayed
+    open underneath, holding the database locked for as long as the traceback lived."""
+    interrupts = [error for error in _chain(raised) if not isinstance(error, Exception)]
+    if not interrupts:
+        return raised
+    for error in _chain(raised):
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    return interrupts[-1]
+
+
+def _chain(raised: BaseException) -> Iterator[BaseException]:
+    """``raised`` and the exceptions it was raised while handling, once each."""
+    seen: set[int] = set()
+    error: BaseException | None = raised
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__context__
 
 
 #: The longest write unit of the merge after an import: about what one of its batches holds
@@ -1101,14 +1237,22 @@ def _write_batches(
     """Write each batch as one unit; ``total`` counts what committed, batch by batch. On
     SQLite the next batch is read while this one is indexed (see :class:`_ReadAhead`)."""
     pending: dict[str, str] = {}
+    restoring: set[str] = set()  # children of ``pending`` already in the target
     reader = _ReadAhead(batches) if uow.is_sqlite else None
     read_next = reader.read_next if reader is not None else lambda: None
     with closing(reader) if reader is not None else nullcontext():
         for batch in reader if reader is not None else batches:
             links = dict(pending)
+            restored_before = frozenset(restoring)
             try:
                 outcome = uow.run(
-                    lambda conn: _write_batch(conn, batch, links, read_next)  # noqa: B023
+                    lambda conn: _write_batch(
+                        conn,
+                        batch,  # noqa: B023
+                        links,  # noqa: B023
+                        read_next,
+                        restored_before,  # noqa: B023
+                    )
                 )
             except ParentCycleError as error:
                 kept = (
@@ -1117,8 +1261,10 @@ def _write_batches(
                     else "nothing was imported"
                 )
                 raise ParentCycleError(f"{error}; {kept}") from None
+            restoring |= outcome.restoring
             for child in outcome.linked:
                 pending.pop(child, None)
+                restoring.discard(child)
             pending.update({c: p for c, p in outcome.new_links.items() if c not in outcome.linked})
             for name, value in asdict(outcome.report).items():
                 setattr(total, name, getattr(total, name) + value)

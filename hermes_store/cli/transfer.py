@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -11,8 +13,11 @@ import click
 from hermes_store.cli.app import (
     App,
     BadArgument,
+    DatabaseProblem,
+    boundary_error,
     complete_session,
     one_line,
+    output_failed,
     pass_app,
     resolve_session,
     sources_option,
@@ -26,7 +31,7 @@ from hermes_store.cli.output import (
 )
 
 if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
-    from hermes_store.transfer import ExportReport
+    from hermes_store.transfer import ExportReport, ImportReport
 
 
 @click.command("export", short_help="Write sessions as JSON Lines or Markdown.")
@@ -89,6 +94,10 @@ def export(
         raise click.UsageError("--split needs --format md")
     if split and output == "-":
         raise click.UsageError("--split writes files into a folder: -o DIR")
+    if output == "-" and sys.__stdout__ is None:
+        # Started with stdout closed (``>&-``): what it is given goes to /dev/null, and an
+        # export there would say it wrote what nobody can read.
+        raise DatabaseProblem(output_failed(OSError(errno.EBADF, "standard output is closed")))
     store = app.store(read_only=True)
     app.landed = lambda: (
         "The output written so far is incomplete; the database was not changed."
@@ -118,6 +127,17 @@ def export(
     )
     for line in export_notes(report):
         echo(f"  {line}", err=True)
+
+
+def _committed(report: ImportReport) -> str:
+    """What a failed import had committed before it failed, said after its error: the
+    batches before stay, and the same import run again adds the rest."""
+    if not report.sessions:
+        return ""
+    return (
+        f" ({report.sessions} session(s) of the batches before it were imported; run the "
+        "same import again to add the rest: known ids are skipped)"
+    )
 
 
 def export_notes(report: ExportReport) -> list[str]:
@@ -196,12 +216,15 @@ def import_(
                 )
     except transfer.NotAnExportError as error:
         # The wrong file given: a usage error, as a missing one is.
-        landed = (
-            f" ({report.sessions} session(s) of the batches before it were imported)"
-            if report.sessions
-            else ""
-        )
-        raise BadArgument(f"{file}: {one_line(error)}{landed}") from error
+        raise BadArgument(f"{file}: {one_line(error)}{_committed(report)}") from error
+    except transfer.ParentCycleError:
+        raise  # its message says what the batches before it left
+    except Exception as error:
+        mapped = boundary_error(error) if report.sessions else None
+        if mapped is None:
+            raise
+        said = type(mapped)(f"{mapped.message}{_committed(report)}")
+        raise said from error
 
     def human() -> None:
         echo(
@@ -216,6 +239,10 @@ def import_(
             "titles_refused": "title(s) left empty: not one the store keeps (too long, or "
             "holding control or invisible characters)",
             "parents_missing": "parent link(s) left empty: the parent is not in the file",
+            "parents_restored": "parent link(s) restored on session(s) already in the "
+            "database (stored with no parent)",
+            "parents_differing": "session(s) already in the database keep a stored parent "
+            "other than the file's",
         }
         for name, text in notes.items():
             if getattr(report, name):

@@ -478,6 +478,8 @@ def test_import_skips_and_counts_collisions(
         "titles_cleared": 0,
         "titles_refused": 0,
         "parents_missing": 0,
+        "parents_restored": 0,
+        "parents_differing": 0,
     }
     assert export_file(runner, populated, tmp_path / "after.jsonl") == original
 

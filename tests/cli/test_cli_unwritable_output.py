@@ -84,7 +84,6 @@ def _title(path: Path) -> str | None:
         ["sessions", "list"],
         ["sessions", "show", "s1"],
         ["search", "hello"],
-        ["export", "-o", "-"],
         ["db", "current"],
     ],
     ids=" ".join,
