@@ -861,6 +861,12 @@ class SessionDB:
         validate.text("session_id", session_id)
 
         def unit(conn: Connection) -> None:
+            # The session's row first (PostgreSQL; SQLite's write lock covers it): an append
+            # inserts its message, then bumps this row, in one statement. Locked before the
+            # DELETE, an append either commits first (its message is deleted, its bump reset)
+            # or waits and bumps the reset row; without it the DELETE missed the append's
+            # message while the reset erased its bump, for good.
+            conn.execute(select(S.c.id).where(S.c.id == session_id).with_for_update())
             conn.execute(delete(M).where(M.c.session_id == session_id))
             conn.execute(
                 update(S).where(S.c.id == session_id).values(message_count=0, tool_call_count=0)
