@@ -243,6 +243,25 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     sqlstate = getattr(orig, "sqlstate", None)
     if error.connection_invalidated or (sqlstate or "").startswith(("08", "57P")):
         return DatabaseUnavailableError(f"lost the database connection: {text}")
+    # 55P03: a lock waited for past the role's lock_timeout (a stalled peer holding a row).
+    if sqlstate == "55P03":
+        return DatabaseLockedError(
+            f"a row or table stayed locked past the server's lock_timeout ({_first(text)}); "
+            "the statement was rolled back"
+        )
+    # 57014: statement_timeout, or an administrator's pg_cancel_backend.
+    if sqlstate == "57014":
+        return DatabaseUnavailableError(
+            f"the server canceled the statement ({_first(text)}: its statement_timeout, or "
+            "pg_cancel_backend); it was rolled back"
+        )
+    if sqlstate in ("42P01", "42703") or (code is not None and _SCHEMA_GONE.search(text)):
+        return UnrecognizedSchemaError(
+            f"the database lacks a table or column the store needs ({_first(text)}): its "
+            "schema changed after the store opened it (a downgrade, the database dropped and "
+            "created again, a table dropped); nothing was written. `hermes-store doctor` "
+            "says what is missing"
+        )
     # 54000: e.g. a message whose words make a tsvector over PostgreSQL's 1 MB limit.
     if sqlstate == "54000":
         return InvalidInputError(f"a value is too large for the database to store: {text}")
@@ -286,6 +305,12 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     return None
 
 
+def _first(text: str) -> str:
+    """A server error's first line (the rest is its context and hints)."""
+    lines = text.strip().splitlines()
+    return lines[0] if lines else text
+
+
 def _undecodable(text: str) -> UndecodableTextError:
     """sqlite3's refusal of a TEXT value that is not UTF-8 (``Could not decode to UTF-8 column
     'content' with text '...'``), naming the column (the query's label) and its text as far
@@ -327,6 +352,11 @@ _LOGIN_REFUSED = (
 #: (65535): an OperationalError with no SQLSTATE, as a lost connection's, though the call is
 #: what is wrong.
 _TOO_MANY_PARAMETERS = "number of parameters must be between"
+#: SQLite's words for a table or column of the store's that is gone (a downgrade while the
+#: store was open); FTS5's "no such column: x" for a query's column filter has no table.
+_SCHEMA_GONE = re.compile(
+    r"^no such table: |has no column named |^no such column: (sessions|messages|write_keys)\."
+)
 #: libpq's refusal, before it connects, of a URL setting it cannot take (``sslmode=bogus``,
 #: ``target_session_attrs=xyz``, ``service=`` naming no service): a psycopg error with no
 #: SQLSTATE, as an unreachable server's is, though no wait cures it.

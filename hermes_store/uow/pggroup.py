@@ -58,6 +58,7 @@ from hermes_store.errors import (
     HermesStoreError,
     WriteOutcomeUnknownError,
     connection_lost,
+    is_retryable,
     never_sent,
     wrap_driver_error,
 )
@@ -294,9 +295,14 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
         driver: Any = conn.connection.driver_connection
         if not connection_lost(error) and not driver.closed:
             # Refused (or stopped before its COMMIT): nothing of the group committed.
-            log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
             if not _rolled_back(conn, driver):
                 conn.invalidate()  # the server drops the open transaction with the connection
+            if stage is _Stage.LONE and not is_retryable(error):
+                # Sent as the ordinary path sends it: run again, it would meet the same
+                # refusal (or wait again for what an administrator's cancel stopped).
+                self._fail(batch, error)
+                return
+            log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
             self._settle(batch, RERUN)
             return
         conn.invalidate()
@@ -327,6 +333,14 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
                     unit.state, unit.maybe_landed = RERUN, True
                 else:
                     unit.state, unit.error = FAILED, unknown
+
+    def _fail(self, batch: list[Grouped[Any]], error: BaseException) -> None:
+        """The units of ``batch`` still undecided raise ``error`` (named as the package
+        names it where each caller waits)."""
+        with self._lock:  # entered in C (see LeaderQueue)
+            for unit in batch:
+                if unit.state == QUEUED:
+                    unit.state, unit.error = FAILED, error
 
     def _settle(self, batch: list[Grouped[Any]], state: int) -> None:
         """Set the units of ``batch`` that are still undecided to ``state``."""
