@@ -482,8 +482,11 @@ class UnitOfWork:
                     "so this write could wait for it forever. Close that generator (its "
                     "close() rolls the block back) or let it go"
                 )
+        # An AsyncSessionDB's calls on PostgreSQL run on the loop's thread, the one its
+        # blocks' bodies run on, but they await in SQLAlchemy's greenlet: a wait for another
+        # task's block never stops that block, which goes on and commits.
         me = threading.get_ident()
-        if any(block.body_thread == me for block in blocks):
+        if not self._asyncio and any(block.body_thread == me for block in blocks):
             raise TransactionMisuseError(
                 "a write from a thread whose own open transaction() block (in another asyncio "
                 "task or context, or AsyncSessionDB's async with adb.transaction()) holds the "

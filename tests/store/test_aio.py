@@ -213,6 +213,35 @@ def test_transaction_is_bound_to_its_task(url: str) -> None:
     assert contents == ["other task"] and count == 1
 
 
+def test_tasks_each_in_a_block_of_their_own_all_commit(url: str) -> None:
+    """Two tasks' blocks at once, on sessions of their own: on PostgreSQL the second was
+    refused as a write that "could wait for itself forever" (every block's body runs on the
+    loop's thread, whose calls await in SQLAlchemy's greenlet and never block the loop)."""
+
+    async def block(db: AsyncSessionDB, session: str) -> str:
+        async with db.transaction():
+            await db.append_message(session, "user", "first")
+            await asyncio.sleep(0)  # the other tasks' blocks open meanwhile
+            await db.append_message(session, "user", "second")
+        return "ok"
+
+    async def scenario() -> tuple[list[object], list[int]]:
+        async with AsyncSessionDB(url) as db:
+            for session in ("tx-a", "tx-b", "tx-c"):
+                await db.ensure_session(session, "cli")
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(
+                    *(block(db, s) for s in ("tx-a", "tx-b", "tx-c")), return_exceptions=True
+                ),
+                STUCK,
+            )
+            counts = [await db.message_count(s) for s in ("tx-a", "tx-b", "tx-c")]
+            return outcomes, counts
+
+    outcomes, counts = run(scenario())
+    assert outcomes == ["ok", "ok", "ok"] and counts == [2, 2, 2], (outcomes, counts)
+
+
 def test_a_block_awaiting_its_child_tasks_call_can_time_out(url: str) -> None:
     """A task started inside a block lands after it, so a block that awaits it cannot end:
     its call waits on the loop, where the block's timeout cancels it before it began. It
