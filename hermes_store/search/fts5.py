@@ -148,24 +148,36 @@ def _add_snippets(
     (:func:`bounded_snippet`) for longer ones, whose text is read only as far as it needs.
     The start of each content goes to ``read`` (the match's own context: no second read)."""
     raw = blobs.driver(conn)
-    short: list[int] = []
+    short: list[Hit] = []
     for row in rows:
         prefix, complete = blobs.read_content(raw, row["id"], patterns, text)
         if read is not None:
             read[row["id"]] = prefix[:CONTEXT_CHARS]  # read from the start, at least that far
         if complete and len(prefix) <= SNIPPET_INLINE_CHARS:
             row["snippet"] = prefix
-            short.append(row["id"])
+            short.append(row)
         else:
             row["snippet"] = bounded_snippet(prefix, patterns, complete=complete)
     if not short:
         return
-    found = fastpath.rows(
-        conn,
-        _fts_snippet_statement(),
-        {"fts_query": fts_query, "ids": short, "lo": min(short), "hi": max(short)},
-        expanding=["ids"],
-    )
+    ids = [row["id"] for row in short]
+    try:
+        found = fastpath.rows(
+            conn,
+            _fts_snippet_statement(),
+            {"fts_query": fts_query, "ids": ids, "lo": min(ids), "hi": max(ids)},
+            expanding=["ids"],
+        )
+    except sa.exc.DBAPIError as error:
+        if _NOT_UTF8 not in str(error.orig):
+            raise
+        # A content another program stored as bytes that are not UTF-8: FTS5's snippet hands
+        # them back raw, which sqlite3 cannot decode. The page's short snippets are made from
+        # what the blob handles read, undecodable bytes replaced, as the long ones are.
+        log.debug("search: a short snippet is made from its blob (%s)", error.orig)
+        for row in short:
+            row["snippet"] = bounded_snippet(row["snippet"], patterns, complete=True)
+        return
     made = {row["id"]: row["snippet"] for row in found}
     for row in rows:
         if row["id"] in made:

@@ -938,3 +938,27 @@ def test_text_that_is_not_utf8_through_the_cli_is_a_clear_error(tmp_path: Path) 
     assert result.exit_code != 0
     assert "not valid UTF-8" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_short_message_that_is_not_utf8_does_not_fail_the_searches_finding_it(
+    tmp_path: Path,
+) -> None:
+    """FTS5's snippet hands back a short content's raw bytes: one message another program
+    stored as bytes that are not UTF-8 failed every search whose page held it. Its snippet is
+    made from its blob instead, the bad byte replaced, as a long content's is."""
+    path = tmp_path / "state.db"
+    with SessionDB(path) as store:
+        store.create_session("s", "cli")
+        for index in range(5):
+            store.append_message("s", "user", f"deploy number {index}")
+    with contextlib.closing(sqlite3.connect(path)) as raw, raw:
+        raw.execute(
+            "INSERT INTO messages (session_id, role, content, timestamp) "
+            "VALUES ('s', 'user', CAST(X'6465706C6F7920FF' AS TEXT), 1.0)"
+        )
+    with SessionDB(path) as store:
+        hits = store.search_messages("deploy", limit=10)
+        assert len(hits) == 6
+        snippets = sorted(hit["snippet"] for hit in hits)
+        assert ">>>deploy<<< \ufffd" in snippets, snippets
+        assert sum(">>>deploy<<< number" in s for s in snippets) == 5
