@@ -159,13 +159,16 @@ def delete_sessions(conn: Connection, ids: Sequence[str]) -> tuple[int, int]:
     """
     if not ids:
         return 0, 0
-    chunk = list(ids)
     # Lock the rows first (PostgreSQL; SQLite's write lock already covers it): an append
     # bumps its session's row (after inserting its message, in the same statement), so it
     # either lands before this delete, which then removes its message too, or waits and
     # finds the session gone (UnknownSessionError). Without it a racing append's message
-    # broke the final DELETE's foreign key.
-    conn.execute(select(S.c.id).where(S.c.id.in_(chunk)).with_for_update())
+    # broke the final DELETE's foreign key. Only the sessions locked here are deleted: one
+    # created meanwhile (invisible to the lock, its messages committed after the messages'
+    # DELETE) came after this delete, and stays.
+    chunk = list(conn.scalars(select(S.c.id).where(S.c.id.in_(list(ids))).with_for_update()))
+    if not chunk:
+        return 0, 0
     conn.execute(update(S).where(S.c.parent_session_id.in_(chunk)).values(parent_session_id=None))
     messages = conn.execute(delete(M).where(M.c.session_id.in_(chunk))).rowcount
     conn.execute(delete(K).where(K.c.session_id.in_(chunk)))  # a re-send finds no session
