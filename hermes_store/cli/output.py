@@ -6,6 +6,11 @@ screen makes the line longer, the terminal wraps it), text columns (titles, prev
 word boundaries, and optional columns are left out, with a note, before a text column would
 drop under a readable width. Anywhere else (a pipe, a file) lists are tab-separated rows with
 a header and full values, so ``grep`` and ``cut -f`` see whole titles and numbers.
+
+Stored text comes from remote chat users: whatever is meant for a person (the table format
+wherever it goes, tsv and csv on a terminal) shows control characters escaped by
+:func:`terminal_text`, so no stored value can clear the screen, set the window title or write
+the clipboard. JSON, and tsv and csv written to a pipe or a file, keep every value as stored.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ GAP = 2
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MIN_TEXT_WIDTH = 12
 
+#: What :func:`terminal_text` escapes: C0 controls (newline and tab aside), DEL, C1 controls,
+#: and the bidi embeddings, overrides and isolates, which make text read other than it is.
+_CONTROLS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(f"[{_CONTROLS}]")
+_UNSAFE_ON_ONE_LINE = re.compile(rf"[\t\n{_CONTROLS}]")
+_STYLED_OR_UNSAFE = re.compile(f"{ANSI.pattern}|[{_CONTROLS}]")
+_STYLED_OR_UNSAFE_ON_ONE_LINE = re.compile(rf"{ANSI.pattern}|[\t\n{_CONTROLS}]")
+
 
 def format_option(func: F) -> F:
     """``--format table|tsv|csv|json`` and ``--json`` (an alias of ``--format json``)."""
@@ -67,6 +80,43 @@ def chosen_format(fmt: str | None, as_json: bool, *, piped: str = "tsv") -> str:
     if fmt is not None:
         return fmt
     return "table" if stdout_is_terminal() else piped
+
+
+def _escape(match: re.Match[str]) -> str:
+    found = match.group(0)
+    if len(found) > 1:  # a colour or style code (``styled`` only): kept
+        return found
+    code = ord(found)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def terminal_text(text: str, *, one_line: bool = False, styled: bool = False) -> str:
+    """``text`` safe to show a person on a terminal: every control character shown escaped
+    as Python writes it, ``\\xNN`` (ESC as the four characters ``\\x1b``, DEL as ``\\x7f``,
+    C1 controls as ``\\x80``-``\\x9f``), and the bidi embeddings, overrides and isolates
+    (U+202A-U+202E, U+2066-U+2069) as ``\\uNNNN``. Newline and tab are kept (escaped too with
+    ``one_line``: a table cell); a Windows line end (CR LF) is a newline, a lone CR is escaped.
+    Backslashes are not escaped: the exact value is what JSON and piped tsv/csv give.
+
+    ``styled``: ``text`` is a line this CLI styled with click.style after escaping the stored
+    text in it, so its colour and style codes (``ESC [ ... m``) are kept; any other escape
+    sequence is escaped still. Every line made of stored text goes through this function once
+    before the terminal sees it (twice is harmless: the result holds no control character)."""
+    text = text.replace("\r\n", "\n")
+    if styled:
+        unsafe = _STYLED_OR_UNSAFE_ON_ONE_LINE if one_line else _STYLED_OR_UNSAFE
+    else:
+        unsafe = _UNSAFE_ON_ONE_LINE if one_line else _UNSAFE
+    return unsafe.sub(_escape, text)
+
+
+def _echo_rows(rendered: str) -> None:
+    """Rows in a machine format (tsv, csv): escaped on a terminal (see :func:`terminal_text`),
+    elsewhere (a pipe, a file) exactly as stored: click would strip what looks like a colour
+    code (``ESC [ ... m``, ``ESC [ 2 J``) from a stored value written to a pipe."""
+    if stdout_is_terminal():
+        rendered = terminal_text(rendered)
+    click.echo(rendered, color=True)
 
 
 def color() -> bool | None:
@@ -126,11 +176,12 @@ def paged(command: F) -> F:
     return cast(F, run)
 
 
-def wrapped(value: object, indent: str = "") -> str:
+def wrapped(value: object, indent: str = "", *, styled: bool = False) -> str:
     """``value`` wrapped at words to the terminal's width (each paragraph on its own), on a
     terminal only: piped, lines stay whole for grep. A stored value that is no text (a blob,
-    a number) is shown as :func:`plain` says."""
-    text = plain(value)
+    a number) is shown as :func:`plain` says; control characters escaped (:func:`terminal_text`;
+    ``styled``: ``value`` is text this CLI styled, such as :func:`highlight` returns)."""
+    text = terminal_text(plain(value), styled=styled)
     if not stdout_is_terminal():
         return indent + text
     room = max(20, width() - cell_width(indent))
@@ -226,8 +277,9 @@ def cost(row: RowDict) -> str:
 
 
 def fold(text: object, limit: int = 100) -> str:
-    """One line of at most ``limit`` characters (used for previews of long content only)."""
-    flat = " ".join(plain(text, limit=limit).split())
+    """One line of at most ``limit`` characters (used for previews of long content only),
+    control characters escaped (:func:`terminal_text`)."""
+    flat = " ".join(terminal_text(plain(text, limit=limit)).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
@@ -237,9 +289,10 @@ def unmark(snippet: str) -> str:
 
 
 def highlight(snippet: str) -> str:
-    """A search snippet with its ``>>>match<<<`` markers rendered bold."""
+    """A search snippet with its ``>>>match<<<`` markers rendered bold, the stored text
+    escaped (:func:`terminal_text`): show it with ``styled=True``, as :func:`wrapped` does."""
     parts: list[str] = []
-    rest = " ".join(snippet.split())
+    rest = " ".join(terminal_text(snippet).split())
     while ">>>" in rest:
         before, _, after = rest.partition(">>>")
         match, closed, tail = after.partition("<<<")
@@ -311,17 +364,24 @@ class Column:
     key: str
     title: str
     value: Callable[[RowDict], Any]  # the full value for tsv/csv
-    shown: Callable[[RowDict], str] | None = None  # how the terminal shows it (default: str)
+    # How the terminal shows it (default: str). It may style its cell (click.style): its
+    # colour codes are kept, other controls escaped; stored text in it goes through
+    # terminal_text before it is styled.
+    shown: Callable[[RowDict], str] | None = None
     wraps: bool = False  # text that wraps at words on the terminal
     right: bool = False  # numbers align right
     optional: int = 0  # > 0: may be left out on a narrow terminal, highest first
     cuts: bool = False  # text shortened to one line with "…" on the terminal (whole elsewhere)
 
     def cell(self, row: RowDict) -> str:
+        """The cell as the terminal table shows it: control characters escaped (a cell that
+        does not wrap shows newlines and tabs escaped too), see :func:`terminal_text`."""
+        one_line = not self.wraps
         if self.shown is not None:
-            return self.shown(row)
+            return terminal_text(self.shown(row), one_line=one_line, styled=True)
         value = self.value(row)
-        return "—" if value is None or value == "" else str(value)
+        text = "—" if value is None or value == "" else str(value)
+        return terminal_text(text, one_line=one_line)
 
 
 def escape_tsv(value: Any) -> str:
@@ -376,8 +436,9 @@ def render_table(
     """
     available = width() if total_width is None else total_width
     cells = [[c.cell(row) for c in columns] for row in rows]
+    titles = [terminal_text(c.title, one_line=True) for c in columns]
     natural = [
-        max([cell_width(c.title)] + [cell_width(line[i]) for line in cells])
+        max([cell_width(titles[i])] + [cell_width(line[i]) for line in cells])
         for i, c in enumerate(columns)
     ]
     keep = list(range(len(columns)))
@@ -402,7 +463,7 @@ def render_table(
         if not squeezed(keep) or not columns[index].optional:
             break
         keep.remove(index)
-        hidden.append(columns[index].title)
+        hidden.append(titles[index])
     sizes = dict(enumerate(natural))
     wrapping = [i for i in keep if flexible(i)]
     if wrapping:
@@ -413,9 +474,7 @@ def render_table(
             share = budget // (len(wrapping) - count)
             sizes[i] = max(min(wanted[i], share), min(MIN_TEXT_WIDTH, wanted[i]))
             budget -= sizes[i]
-    out = [
-        (" " * GAP).join(_pad(columns[i].title, sizes[i], columns[i].right) for i in keep).rstrip()
-    ]
+    out = [(" " * GAP).join(_pad(titles[i], sizes[i], columns[i].right) for i in keep).rstrip()]
     for line in cells:
         parts = {i: _cell_lines(columns[i], line[i], sizes[i]) for i in keep}
         height = max(len(p) for p in parts.values())
@@ -441,16 +500,18 @@ def print_rows(
     json_value: Any = None,
     title: str | None = None,
 ) -> None:
-    """Print a listing in ``fmt``; ``json_value`` replaces the rows in JSON (default: rows)."""
+    """Print a listing in ``fmt``; ``json_value`` replaces the rows in JSON (default: rows).
+    The table's values are escaped (:func:`terminal_text`), tsv and csv rows on a terminal
+    only; JSON keeps them exact."""
     if fmt == "json":
         echo_json(rows if json_value is None else json_value)
     elif fmt == "tsv":
-        click.echo(render_tsv(columns, rows))
+        _echo_rows(render_tsv(columns, rows))
     elif fmt == "csv":
-        click.echo(render_csv(columns, rows))
+        _echo_rows(render_csv(columns, rows))
     else:
         if title:
-            echo(click.style(title, bold=True))
+            echo(click.style(terminal_text(title), bold=True))
         table, hidden = render_table(columns, rows)
         echo(table)
         if hidden:
@@ -476,7 +537,8 @@ def print_record(fmt: str, record: RowDict, human: Callable[[], None]) -> None:
         Column("value", "value", lambda r: _plain(r["value"])),
     ]
     rows = [{"field": key, "value": value} for key, value in record.items()]
-    click.echo(render_tsv(columns, rows) if fmt == "tsv" else render_csv(columns, rows))
+    rendered = render_tsv(columns, rows) if fmt == "tsv" else render_csv(columns, rows)
+    _echo_rows(rendered)
 
 
 def _plain(value: Any) -> Any:

@@ -16,7 +16,9 @@ from hermes_store.cli.output import (
     highlight,
     iso,
     paged,
+    plain,
     print_rows,
+    terminal_text,
     unmark,
     when,
     wrapped,
@@ -82,12 +84,12 @@ def search(
         ]
         print_rows(chosen, columns, cast(list[RowDict], hits))
         return
-    for number, hit in enumerate(hits, 1):
-        header = click.style(f"{number}. ", bold=True) + click.style(hit["session_id"], fg="cyan")
-        header += click.style(
-            f" · {hit['source']} · {hit['role']} · {when(hit['timestamp'])}", dim=True
-        )
+    for number, hit in enumerate(hits, 1):  # stored text escaped before it is styled
+        session = terminal_text(plain(hit["session_id"]), one_line=True)
+        header = click.style(f"{number}. ", bold=True) + click.style(session, fg="cyan")
+        about = f" · {plain(hit['source'])} · {plain(hit['role'])} · {when(hit['timestamp'])}"
+        header += click.style(terminal_text(about, one_line=True), dim=True)
         echo(header)
-        echo(wrapped(highlight(hit["snippet"] or ""), indent="   "))
+        echo(wrapped(highlight(hit["snippet"] or ""), indent="   ", styled=True))
     shown = echoed(query)
     echo(f"{len(hits)} result(s) for {shown}" if hits else f"No results for {shown}.")

@@ -39,6 +39,7 @@ from hermes_store.cli.output import (
     plain,
     print_rows,
     progress,
+    terminal_text,
     when,
     width,
     wrapped,
@@ -142,7 +143,7 @@ def sessions_list(
         ids = [row["id"] for row in rows]
         shown = {i: i for i in ids} if width() >= FULL_ID_WIDTH else db.unique_id_prefixes(ids)
         columns = [
-            Column("id", "id", lambda r: r["id"], shown=lambda r: shown[r["id"]]),
+            Column("id", "id", lambda r: r["id"], shown=lambda r: terminal_text(shown[r["id"]])),
             Column("title", "title", lambda r: r.get("title"), wraps=True),
             Column("source", "source", lambda r: r["source"]),
             Column("model", "model", lambda r: r.get("model"), wraps=True, optional=2),
@@ -191,27 +192,34 @@ def _tool_call_line(call: Any, full: bool) -> str:
     return body if full else fold(body)
 
 
+def _shown(value: object) -> str:
+    """A short stored value (a role, a tool's name) on one line, escaped for the terminal."""
+    return terminal_text(plain(value, limit=BLOB_SHOWN), one_line=True)
+
+
 def _print_message(message: RowDict, full: bool) -> None:
+    """One message for a person: stored text escaped (``terminal_text``) before it is styled."""
     role = message["role"]
     colours = {"user": "cyan", "assistant": "green", "tool": "magenta"}
-    header = click.style(plain(role, limit=BLOB_SHOWN), fg=colours.get(role, "yellow"), bold=True)
+    header = click.style(_shown(role), fg=colours.get(role, "yellow"), bold=True)
     if message.get("tool_name"):
-        header += click.style(f" · {plain(message['tool_name'], limit=BLOB_SHOWN)}", fg="magenta")
+        header += click.style(f" · {_shown(message['tool_name'])}", fg="magenta")
     header += click.style(f" · {when(message['timestamp'], '%Y-%m-%d %H:%M:%S')}", dim=True)
     echo(header)
     reasoning = plain(message.get("reasoning") or "", limit=None if full else BLOB_SHOWN)
     if reasoning:
-        body = reasoning if full else fold(reasoning, 90)
+        body = terminal_text(reasoning) if full else fold(reasoning, 90)
         echo(click.style(f"  ▸ reasoning ({len(reasoning)} chars): {body}", dim=True, italic=True))
     for key in ("reasoning_details", "codex_reasoning_items"):
         if message.get(key):
             text = plain(message[key], limit=None if full else BLOB_SHOWN)
-            detail = f": {text}" if full else ""
+            detail = f": {terminal_text(text)}" if full else ""
             label = key.replace("_", " ")
             echo(click.style(f"  ▸ {label} ({len(text)} chars){detail}", dim=True))
     calls = message.get("tool_calls")
     for call in calls if isinstance(calls, list) else ([calls] if calls else []):
-        echo(click.style(f"  ▸ tool call {_tool_call_line(call, full)}", fg="yellow"))
+        line = terminal_text(_tool_call_line(call, full))
+        echo(click.style(f"  ▸ tool call {line}", fg="yellow"))
     stored = message.get("content")
     content = "" if stored is None else plain(stored, limit=None if full else BLOB_SHOWN)
     if content:
@@ -280,11 +288,11 @@ def sessions_show(
         return
     session = store.get_session(session_id)
     if session is None:
-        raise Problem(f"session {session_id} was deleted meanwhile")
+        raise Problem(f"session {terminal_text(session_id)} was deleted meanwhile")
     children = store.get_child_sessions(session_id)
     parent_id = session.get("parent_session_id")
     parent = store.get_session(parent_id) if parent_id else None
-    echo(click.style(session.get("title") or session["id"], bold=True))
+    echo(click.style(terminal_text(plain(session.get("title") or session["id"])), bold=True))
     fields: list[tuple[str, str]] = [
         ("id", session["id"]),
         ("source / model", f"{session['source']} / {session.get('model') or '—'}"),
@@ -318,11 +326,11 @@ def sessions_show(
         fields.append(("system prompt", "—"))
     label_width = max(len(name) for name, _ in fields)
     for name, value in fields:
-        echo(f"  {name:<{label_width}}  {value}")
+        echo(f"  {name:<{label_width}}  {terminal_text(value, one_line=True)}")
     if prompt and system_prompt:
         echo()
         echo(click.style("system prompt", bold=True))
-        echo(prompt)
+        echo(terminal_text(plain(prompt)))
     echo()
     for message in store.iter_messages(session_id):
         _print_message(cast(RowDict, message), full)
@@ -343,9 +351,9 @@ def sessions_rename(app: App, ref: str, title: str) -> None:
     store = app.store()
     session_id = resolve_session(store, ref)
     if not store.set_session_title(session_id, title):
-        raise Problem(f"session {session_id} was deleted meanwhile")
+        raise Problem(f"session {terminal_text(session_id)} was deleted meanwhile")
     new = store.get_session_title(session_id)
-    echo(f"{session_id}: " + (f"title is now {new!r}" if new else "title cleared"))
+    echo(terminal_text(f"{session_id}: ") + (f"title is now {new!r}" if new else "title cleared"))
 
 
 @sessions.command("delete", short_help="Delete a session and its messages.")
@@ -365,10 +373,10 @@ def sessions_delete(app: App, ref: str, yes: bool) -> None:
     session_id = resolve_session(store, ref)
     session: RowDict = cast(RowDict | None, store.get_session(session_id)) or {}
     label = f"{session_id} ({session.get('title') or 'untitled'}, "
-    label += f"{num(session.get('message_count'))} messages)"
-    confirm(f"Delete session {label}?", yes=yes, what=f"delete session {session_id}")
+    label = terminal_text(label + f"{num(session.get('message_count'))} messages)", one_line=True)
+    confirm(f"Delete session {label}?", yes=yes, what=f"delete session {terminal_text(session_id)}")
     if not store.delete_session(session_id):
-        raise Problem(f"session {session_id} was deleted meanwhile")
+        raise Problem(f"session {terminal_text(session_id)} was deleted meanwhile")
     echo(f"Deleted session {label}.")
 
 
