@@ -1330,10 +1330,19 @@ class _ReadAhead:
             yield batch
 
     def close(self) -> None:
-        """Stop the thread once it is done with the batch it reads (if any)."""
+        """Stop the thread once it is done with the batch it reads (if any), waiting for it
+        at most :data:`_READER_STOP_S`: an import stopped by a signal returns, and never waits
+        for good on a reader an interrupt left asleep (it is a daemon, gone with the process;
+        under load it was seen waiting for a go-ahead the interrupted import never gave)."""
         self._closed = True
         self._asked.release()
-        self._thread.join()
+        self._thread.join(_READER_STOP_S)
+        if self._thread.is_alive():
+            log.warning("the import's reader thread did not stop; leaving it (a daemon)")
+
+
+#: How long an import that stopped waits for its reader thread to finish the batch it reads.
+_READER_STOP_S = 10.0
 
 
 def _batches(

@@ -12,6 +12,7 @@ import errno
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,8 @@ EXIT_USAGE = 2
 EXIT_DATABASE = 3
 #: Ended by Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
+#: Ended by SIGTERM (128 + SIGTERM): what systemd, ``timeout`` and ``kill`` send to stop it.
+EXIT_TERMINATED = 143
 
 #: The largest count an option takes: the store's integers are 64-bit.
 INT64_MAX = 2**63 - 1
@@ -186,8 +189,8 @@ def _error_boundary(ctx: click.Context | None) -> Iterator[None]:
     except KeyboardInterrupt:
         app = ctx.find_object(App) if ctx is not None else None
         landed = app.landed() if app is not None and app.landed is not None else None
-        echo_err(f"Interrupted. {landed or 'Nothing was written.'}")
-        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        echo_err(f"{_stopped_by()}. {landed or 'Nothing was written.'}")
+        raise click.exceptions.Exit(_interrupted_exit_code()) from None
     except BrokenPipeError:
         # A reader that stopped early (``| head``) is not an error: end quietly, and point
         # stdout at /dev/null so the interpreter's last flush cannot complain either.
@@ -520,8 +523,44 @@ def _closed_streams_to_devnull() -> None:
         setattr(sys, name, open(fd, mode, encoding="utf-8"))  # noqa: SIM115
 
 
+#: Set once SIGTERM arrived: the interrupt being handled is a stop request, exit 143.
+_terminated = threading.Event()
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    """SIGTERM (systemd's stop, ``timeout``, ``kill``) stops the command as Ctrl-C does: the
+    same exception, so the same cleanup runs (a backup's or an import's private file removed,
+    FTS5's merge settings put back, the transaction in progress rolled back) and the command
+    says what it had committed; remembered, so that it exits 143 rather than 130. Remembered
+    first: where the driver swallows the exception (SQLite's progress handler turns it into
+    "interrupted", raised again as ``KeyboardInterrupt``) the exit code is still right."""
+    _terminated.set()
+    raise KeyboardInterrupt
+
+
+def _stop_on_sigterm() -> None:
+    """Install :func:`_on_sigterm` for this process, from the main thread only (Python runs
+    signal handlers there) and only where SIGTERM has its default action: a caller that
+    ignores it or handles it itself keeps its choice."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _stopped_by() -> str:
+    """How an interrupted command's last line starts: "Interrupted" (Ctrl-C) or "Terminated"."""
+    return "Terminated" if _terminated.is_set() else "Interrupted"
+
+
+def _interrupted_exit_code() -> int:
+    return EXIT_TERMINATED if _terminated.is_set() else EXIT_INTERRUPTED
+
+
 def main() -> None:
     """Console-script entry point (``hermes-store`` and ``python -m hermes_store``)."""
+    _stop_on_sigterm()
     _closed_streams_to_devnull()
     _tolerant_streams()
     code: int | str | None = EXIT_OK
@@ -529,6 +568,12 @@ def main() -> None:
         cli(prog_name="hermes-store")
     except SystemExit as done:
         code = done.code
+    except KeyboardInterrupt:
+        if not _terminated.is_set():
+            raise  # Ctrl-C outside the error boundary: Python's own behaviour, as before
+        # SIGTERM as click started or ended, outside the boundary: still a clean stop.
+        echo_err("Terminated.")
+        code = EXIT_TERMINATED
     failed = _unflushed_output()
     if failed is not None and code in (None, EXIT_OK):
         echo_err(f"Error: {output_failed(failed)}")

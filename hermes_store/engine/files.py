@@ -244,6 +244,21 @@ def _partial_names(name: str, kinds: tuple[str, ...]) -> str:
     )
 
 
+#: What follows a partial's name when it is one of its side files (SQLite's, the queue's lock).
+_SIDE_FILES = rf"(?:{'|'.join(map(re.escape, (*SIDECAR_SUFFIXES, WRITER_LOCK_SUFFIX)))})?"
+
+
+def _any_partial_names(kinds: tuple[str, ...]) -> str:
+    """The regular expression of :func:`partial_path`'s names of ANY file's builds of
+    ``kinds``: ``.NAME.PID.HEX.KIND``, the pid required (a name without one cannot be told
+    from a name that merely ends in digits, so it is never matched here). The pid, the hex
+    and the kind hold no dot, so they are always the last three parts of the name."""
+    return (
+        rf"\.(?P<name>.+)\.(?P<pid>\d{{1,10}})\.[0-9a-f]{{12,16}}"
+        rf"\.(?:{'|'.join(map(re.escape, kinds))})"
+    )
+
+
 def remove_dead_partials(
     real: Path, kinds: tuple[str, ...], *, older_than: float = 0.0
 ) -> list[Path]:
@@ -253,30 +268,69 @@ def remove_dead_partials(
     hosts sharing the folder); a name without a pid (older releases) goes on its age alone,
     and only with one given. Anything else is never touched, nor a link or a folder. Returns
     what was removed."""
-    pattern = re.compile(
-        _partial_names(real.name, kinds)
-        + rf"(?:{'|'.join(map(re.escape, (*SIDECAR_SUFFIXES, WRITER_LOCK_SUFFIX)))})?"
-    )
+    pattern = re.compile(_partial_names(real.name, kinds) + _SIDE_FILES)
+    return _remove(real.parent, pattern, older_than, f"beside {real}")
+
+
+def remove_dead_partials_in(
+    folder: Path, kinds: tuple[str, ...], *, older_than: float
+) -> list[Path]:
+    """:func:`remove_dead_partials` for the builds of ``kinds`` of ANY name in ``folder``
+    (``.NAME.PID.HEX.KIND`` and its side files, the pid required: see
+    :func:`_any_partial_names`), whose process no longer exists on this machine AND that are
+    older than ``older_than`` seconds: the copies killed backups left under names no later
+    backup takes again (``state-2026-12-07.db``). The age keeps them from a build that is
+    alive elsewhere (another pid namespace, another host sharing the folder), which goes on
+    writing (and so touching) its file. Returns what was removed."""
+    pattern = re.compile(_any_partial_names(kinds) + _SIDE_FILES)
+    return _remove(folder, pattern, older_than, f"in {folder}")
+
+
+def dead_partials(folder: Path, kinds: tuple[str, ...]) -> list[Path]:
+    """What :func:`remove_dead_partials_in` would remove from ``folder`` regardless of age,
+    removing nothing: the builds of ``kinds`` of any name (and their side files) whose
+    process no longer exists on this machine. Only ``lstat`` and ``kill(pid, 0)``."""
+    pattern = re.compile(_any_partial_names(kinds) + _SIDE_FILES)
+    return [Path(entry.path) for entry in _dead_entries(folder, pattern, 0.0)]
+
+
+def _dead_entries(
+    folder: Path, pattern: re.Pattern[str], older_than: float
+) -> list[os.DirEntry[str]]:
+    """The regular files (never a link or a folder) of ``folder`` whose whole name matches
+    ``pattern``, whose ``pid`` (when the name has one) names no live process here, and whose
+    last change is older than ``older_than`` seconds; a name without a pid only with an age."""
     try:
-        with os.scandir(real.parent) as listing:
+        with os.scandir(folder) as listing:
             entries = list(listing)
     except OSError as error:  # no folder yet (nothing left in it), or not ours to list
-        log.debug("cannot list %s for what dead builds left: %s", real.parent, error)
+        log.debug("cannot list %s for what dead builds left: %s", folder, error)
         return []
-    removed: list[Path] = []
+    found: list[os.DirEntry[str]] = []
     now = time.time()
     for entry in entries:
-        found = pattern.fullmatch(entry.name)
-        if found is None:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
             continue
-        pid = found.group("pid")
+        pid = match.group("pid")
         try:
             if not entry.is_file(follow_symlinks=False):
                 continue
             if now - entry.stat(follow_symlinks=False).st_mtime <= older_than:
                 continue
-            if (pid is None and older_than <= 0) or (pid is not None and pid_alive(int(pid))):
-                continue
+        except OSError:  # removed meanwhile
+            continue
+        if (pid is None and older_than <= 0) or (pid is not None and pid_alive(int(pid))):
+            continue
+        found.append(entry)
+    return found
+
+
+def _remove(folder: Path, pattern: re.Pattern[str], older_than: float, where: str) -> list[Path]:
+    """Unlink :func:`_dead_entries` (never following a link: ``unlink`` removes a name)."""
+    removed: list[Path] = []
+    for entry in _dead_entries(folder, pattern, older_than):
+        try:
             os.unlink(entry.path)
         except FileNotFoundError:  # removed meanwhile
             continue
@@ -285,7 +339,7 @@ def remove_dead_partials(
             continue
         removed.append(Path(entry.path))
     if removed:
-        log.info("removed %d file(s) dead builds left beside %s", len(removed), real)
+        log.info("removed %d file(s) dead builds left %s", len(removed), where)
     return removed
 
 

@@ -67,6 +67,13 @@ BACKUP_PAGES = 1024
 SYNC_BYTES = 4 * 1024 * 1024
 #: The private name's kind of a copy being written (``.NAME.PID.HEX.backup`` beside the target).
 _BUILD_KIND = "backup"
+#: Seconds since its last change after which the copy a killed backup left under ANOTHER name
+#: in the target's folder (``.state-2026-12-07.db.PID.HEX.backup``: dated names are never
+#: backed up to again) is removed, once its process is gone from this machine. A live copy is
+#: written (and so touched) as it goes; the age keeps a backup that runs elsewhere (another pid
+#: namespace, another host sharing the folder: its pid means nothing here) from losing its
+#: copy, as :data:`hermes_store.schema.migrate.STALE_TEMP_AFTER_S` does for new databases.
+OTHER_COPIES_STALE_AFTER_S = 3600.0
 #: How long (seconds) a restore waits for another process's write to end before it gives up:
 #: the copy takes the live file's write lock at its first step, waiting this busy timeout.
 RESTORE_LOCK_WAIT_S = 30.0
@@ -198,13 +205,17 @@ def backup(
     if not target.parent.is_dir():
         raise InvalidInputError(f"the folder {target.parent} does not exist")
 
-    # What a killed backup to this target left (its process gone) goes first: nothing else
-    # would ever remove it.
+    # What killed backups left goes first (their process gone): nothing else would ever
+    # remove it. A copy of this target at once; those of other names in its folder (a dated
+    # name is never backed up to again) once they are old enough to be no live backup's.
     files.remove_dead_partials(target, (_BUILD_KIND,))
+    files.remove_dead_partials_in(
+        target.parent, (_BUILD_KIND,), older_than=OTHER_COPIES_STALE_AFTER_S
+    )
     partial = files.partial_path(target, _BUILD_KIND)
+    started = time.monotonic()
     if not create_private_file(partial):  # a random name: planted (a link?) or left
         raise UnsafePathError(f"{partial} exists already: the copy is not written through it")
-    started = time.monotonic()
     try:
         # SQLite's errors (a full disk, a failed write) come out as the package names them.
         with mapped_driver_errors(dbapi_error=sqlite3.Error):
@@ -336,8 +347,12 @@ def _copy(
             live.set_progress_handler(flusher, VACUUM_CHECK_OPS)
             try:
                 live.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
-            except sqlite3.Error:
+            except sqlite3.Error as error:
                 flusher.check()  # a failed flush interrupted it: that is the error to tell
+                if error.sqlite_errorcode == sqlite3.SQLITE_INTERRUPT:
+                    # Ctrl-C (or SIGTERM) raised in the progress handler, which the driver
+                    # swallows, telling SQLite to stop: the interrupt it was.
+                    raise KeyboardInterrupt from None
                 raise
             live.set_progress_handler(None, 0)
             flusher.finish()

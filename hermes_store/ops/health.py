@@ -232,11 +232,31 @@ class _Clock:
         try:
             yield
         except sa.exc.OperationalError as error:
-            if "interrupted" in str(error.orig) and not self.left():
-                raise _OutOfTime() from None
+            if interrupted(error):
+                if not self.left():
+                    raise _OutOfTime() from None
+                # Ctrl-C (or SIGTERM) raised in the handler, which SQLite turns into "interrupted"
+                raise KeyboardInterrupt from None
             raise
         finally:
             driver.set_progress_handler(None, 0)
+
+
+def interrupted(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is SQLite's ``SQLITE_INTERRUPT``: a
+    statement stopped by its progress handler. A signal's exception (Ctrl-C) raised inside the
+    handler is swallowed by the driver, which only tells SQLite to stop: the interrupt comes
+    back as this error, and is raised again as what it was, ``KeyboardInterrupt``."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (current, getattr(current, "orig", None)):
+            code = getattr(candidate, "sqlite_errorcode", None)
+            if code == sqlite3.SQLITE_INTERRUPT:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _file_bytes(path: Path) -> int:
@@ -312,6 +332,39 @@ def _names_check(path: Path) -> Check:
     except DatabaseAliasError as error:
         return Check("file names", "error", one_line(error))
     return Check("file names", "ok", "one name (no hard link)")
+
+
+#: The leftover files the doctor names, at most (it counts them all).
+SHOWN_LEFTOVERS = 5
+
+
+def _leftovers_check(path: Path) -> Check:
+    """Files the package's builds left in the database's folder (beside the path given, and
+    beside the file a symlink names) when their process was killed: ``.NAME.PID.HEX.KIND`` of
+    any name, a new database (``new``), an import's new file (``import``), a backup's copy
+    (``backup``), a vacuum swap's copy (``compact``), and their side files, whose process is
+    gone from this machine (:func:`files.dead_partials`). Nothing uses them, and each holds
+    (part of) a copy of the data: disk space, and text a deletion meant to remove. Only
+    listed and ``lstat``\\ ed: never opened, never removed."""
+    name = "leftover files"
+    folders = {
+        Path(os.path.realpath(folder))
+        for folder in (path.parent, Path(os.path.realpath(path)).parent)
+    }
+    found = sorted(
+        {left for folder in folders for left in files.dead_partials(folder, files.PARTIAL_KINDS)}
+    )
+    if not found:
+        return Check(name, "ok", "none left by killed builds or backups")
+    shown = ", ".join(str(left) for left in found[:SHOWN_LEFTOVERS])
+    more = f" and {len(found) - SHOWN_LEFTOVERS} more" if len(found) > SHOWN_LEFTOVERS else ""
+    return Check(
+        name,
+        "warn",
+        f"{len(found)} file(s) left by killed builds or backups (their process is gone from "
+        f"this machine; each holds part of a copy of the data): {shown}{more}; nothing uses "
+        "them: delete them",
+    )
 
 
 def _wal_file_check(path: Path, mode: str) -> Check:
@@ -851,6 +904,8 @@ def run_doctor(
             names = _names_check(path) if path is not None else None
             if names is not None:
                 checks.append(names)
+            if path is not None:
+                checks.append(_leftovers_check(path))
             with engine.connect() as conn:
                 if path is not None:
                     checks += _sqlite_checks(conn, path, immutable)
@@ -889,6 +944,15 @@ def run_doctor(
 
 
 def rebuild_index(url: URL) -> None:
-    """Rebuild the full-text index from ``messages`` in one migration transaction."""
-    with migrate.migration_connection(url) as conn:
-        fulltext.of(conn).rebuild(conn)
+    """Rebuild the full-text index from ``messages`` in one migration transaction.
+
+    Ctrl-C while SQLite rebuilds reaches Python in the migration's progress handler, and the
+    driver turns it into SQLite's "interrupted" error: it is raised as ``KeyboardInterrupt``
+    (the transaction rolled back, nothing changed), not as a database error."""
+    try:
+        with migrate.migration_connection(url) as conn:
+            fulltext.of(conn).rebuild(conn)
+    except Exception as error:
+        if interrupted(error):
+            raise KeyboardInterrupt from None
+        raise

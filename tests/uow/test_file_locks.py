@@ -297,8 +297,10 @@ FILE_ACCESS_ALLOWED = {
     "old file left WAL mode, so no -wal/-shm of it remains under the new file's names",
     ("files.py", "os.unlink"): "remove_dead_partials: removes the files builds beside the "
     "database left (.NAME.PID.HEX.new of a new database, .NAME.PID.HEX.import of an import "
-    "into a new file, .NAME.PID.HEX.compact of a vacuum swap) once their process is gone; "
-    "never the database, a link or a folder",
+    "into a new file, .NAME.PID.HEX.compact of a vacuum swap) once their process is gone, "
+    "and the .NAME.PID.HEX.backup copies killed backups left, of any name in a backup's "
+    "target folder (process gone and over an hour old); never the database, a link or a "
+    "folder",
     ("files.py", "os.open"): "fsync_path: a read-only descriptor (O_NOFOLLOW) on a file this "
     "process built and no connection of it has open (a compacted copy, an import's built "
     "file), or on a folder (O_DIRECTORY) to flush a rename or link; never the database",
