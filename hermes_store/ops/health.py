@@ -516,6 +516,14 @@ def replication_check(conn: Connection) -> Check:
     )
     seen = f"{len(standbys)} standby(s): {listed}" if standbys else "no standby connected"
     settings = f"synchronous_standby_names = '{names}', synchronous_commit = {commit}"
+    if commit == "off":
+        return Check(
+            name,
+            "warn",
+            f"synchronous_commit = off ({seen}): a commit is acknowledged before it is on disk, "
+            "so a crash of this server loses the writes of its last moments; set it to on for "
+            "the role the store connects as",
+        )
     if not names.strip() or commit not in _WAITS_FOR_STANDBY:
         if not standbys:
             return Check(name, "info", f"{seen}; {settings}: a failover has nothing to promote")

@@ -283,3 +283,14 @@ def test_a_writer_beside_the_doctor_never_fails(
     assert failure is None
     assert appended > 0
     assert "error" not in _statuses(health.run_doctor(_url(state), full=True)).values()
+
+
+def test_doctor_warns_of_synchronous_commit_off(pg_url: URL) -> None:
+    """A commit acknowledged before it is on disk: a server crash loses the last ones. It was
+    listed as plain information ("a failover has nothing to promote")."""
+    url = pg_url.update_query_dict({"options": "-c synchronous_commit=off"})
+    [replication] = [check for check in health.run_doctor(url) if check.name == "replication"]
+    assert replication.status == "warn", replication
+    assert "synchronous_commit = off" in replication.detail
+    [normal] = [check for check in health.run_doctor(pg_url) if check.name == "replication"]
+    assert normal.status == "info", normal
