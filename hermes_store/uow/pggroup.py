@@ -58,7 +58,6 @@ from hermes_store.errors import (
     HermesStoreError,
     WriteOutcomeUnknownError,
     connection_lost,
-    is_retryable,
     never_sent,
     wrap_driver_error,
 )
@@ -79,6 +78,11 @@ def scalar(cursor: Any) -> Any:
 def rowcount(cursor: Any) -> int:
     """The rows the statement changed."""
     return int(cursor.rowcount)
+
+
+#: SQLSTATEs of a statement the server stopped: its lock_timeout (lock_not_available), its
+#: statement_timeout or an administrator's pg_cancel_backend (query_canceled).
+_STOPPED = frozenset({"55P03", "57014"})
 
 
 class Grouped(Queued, Generic[T]):
@@ -297,9 +301,9 @@ class StatementGroups(LeaderQueue[Grouped[Any]]):
             # Refused (or stopped before its COMMIT): nothing of the group committed.
             if not _rolled_back(conn, driver):
                 conn.invalidate()  # the server drops the open transaction with the connection
-            if stage is _Stage.LONE and not is_retryable(error):
-                # Sent as the ordinary path sends it: run again, it would meet the same
-                # refusal (or wait again for what an administrator's cancel stopped).
+            if stage is _Stage.LONE and getattr(orig, "sqlstate", None) in _STOPPED:
+                # Sent as the ordinary path sends it: run again, it would wait again for the
+                # row the server stopped it waiting for (a timeout, an administrator's cancel).
                 self._fail(batch, error)
                 return
             log.debug("a PostgreSQL write group was rolled back (%s); its writes run alone", orig)
