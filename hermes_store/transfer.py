@@ -1285,7 +1285,10 @@ class _ReadAhead:
 
     def __init__(self, batches: Iterator[list[_Prepared]]) -> None:
         self._batches = batches
-        self._asked = threading.Semaphore(0)
+        # A queue in C, not a Semaphore: a signal's exception (Ctrl-C, SIGTERM) raised in the
+        # importing thread midway through a Semaphore's Python code could leave the reader
+        # waiting for a go-ahead it never got.
+        self._asked: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[tuple[list[_Prepared] | None, BaseException | None]] = (
             queue.SimpleQueue()
         )
@@ -1298,8 +1301,7 @@ class _ReadAhead:
 
     def _read(self) -> None:
         while True:
-            self._asked.acquire()
-            if self._closed:
+            if not self._asked.get() or self._closed:
                 return
             try:
                 batch = next(self._batches)
@@ -1316,7 +1318,7 @@ class _ReadAhead:
         for a second one)."""
         if not self._reading:
             self._reading = True
-            self._asked.release()
+            self._asked.put(True)
 
     def __iter__(self) -> Iterator[list[_Prepared]]:
         while True:
@@ -1332,13 +1334,12 @@ class _ReadAhead:
     def close(self) -> None:
         """Stop the thread once it is done with the batch it reads (if any), waiting for it
         at most :data:`_READER_STOP_S`: an import stopped by a signal returns, and never waits
-        for good on a reader an interrupt left asleep (it is a daemon, gone with the process;
-        under load it was seen waiting for a go-ahead the interrupted import never gave)."""
+        for good on a reader its interrupt left stuck (a daemon, gone with the process)."""
         self._closed = True
-        self._asked.release()
+        self._asked.put(False)
         self._thread.join(_READER_STOP_S)
         if self._thread.is_alive():
-            log.warning("the import's reader thread did not stop; leaving it (a daemon)")
+            log.info("the import's reader thread did not stop; leaving it (a daemon)")
 
 
 #: How long an import that stopped waits for its reader thread to finish the batch it reads.
