@@ -26,7 +26,7 @@ from click.testing import CliRunner, Result
 from hermes_store import SessionDB
 from hermes_store.cli import cli
 from hermes_store.cli.output import terminal_text
-from tests.support.cli_process import RUN_CLI
+from tests.support.cli_process import RUN_CLI, read_terminal
 
 SESSION = "s\x1b[2Jx"  # ESC [ 2 J: clears the screen
 SOURCE = "cli\x1b]0;pwned\x07"  # OSC 0: sets the window title
@@ -189,16 +189,7 @@ def on_a_terminal(path: Path, *args: str) -> str:
         env=env,
     )
     os.close(follower)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(leader)
+    shown = read_terminal(leader)
     assert process.stderr is not None
     with process.stderr:
         assert process.wait(timeout=120) == 0, process.stderr.read()

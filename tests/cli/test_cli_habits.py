@@ -28,7 +28,7 @@ from hermes_store.errors import InvalidInputError
 from hermes_store.query import read_only_query
 from hermes_store.schema import migrate
 from tests.support.backends import analyst_url, url_string
-from tests.support.cli_process import RUN_CLI
+from tests.support.cli_process import RUN_CLI, read_terminal
 
 
 @pytest.fixture
@@ -302,17 +302,8 @@ def _on_a_terminal(args: list[str], extra_env: dict[str, str]) -> str:
         env=env,
     )
     os.close(follower)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
+    shown = read_terminal(leader)
     assert process.wait(timeout=120) == 0, process.stderr.read() if process.stderr else ""
-    os.close(leader)
     return shown.decode("utf-8", "replace").replace("\r\n", "\n")
 
 

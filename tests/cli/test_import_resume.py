@@ -12,34 +12,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from click.testing import CliRunner
 
 from hermes_store import SessionDB, transfer
 from hermes_store.cli import cli
-from hermes_store.tables import sessions_table as S
+from tests.support.import_records import import_lines, parents, session
 
 BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-
-
-def session(sid: str, parent: str | None = None, started: float = 1.0) -> dict[str, Any]:
-    return {"id": sid, "source": "cli", "started_at": started, "parent_session_id": parent}
-
-
-def import_lines(
-    store: SessionDB, records: list[dict[str, Any]], **options: Any
-) -> transfer.ImportReport:
-    return transfer.import_sessions(store, enumerate(records, 1), **options)
-
-
-def parents(store: SessionDB) -> dict[str, str | None]:
-    rows = store.uow.run(
-        lambda conn: conn.execute(sa.select(S.c.id, S.c.parent_session_id)).all(), write=False
-    )
-    return dict(rows)  # type: ignore[arg-type]
 
 
 @BOTH

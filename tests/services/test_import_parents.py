@@ -11,7 +11,6 @@ before it stay. A legitimate deep chain, in either order, is linked whole.
 from __future__ import annotations
 
 import sqlite3
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -19,24 +18,9 @@ from sqlalchemy.engine import URL
 
 from hermes_store import SessionDB, transfer
 from hermes_store.errors import InvalidInputError
-from hermes_store.tables import sessions_table as S
+from tests.support.import_records import import_lines, parents, session
 
 BOTH = pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-
-
-def session(sid: str, parent: str | None = None, started: float = 1.0) -> dict[str, Any]:
-    return {"id": sid, "source": "cli", "started_at": started, "parent_session_id": parent}
-
-
-def import_lines(store: SessionDB, records: list[dict[str, Any]], **options: Any) -> Any:
-    return transfer.import_sessions(store, enumerate(records, 1), **options)
-
-
-def parents(store: SessionDB) -> dict[str, str | None]:
-    rows = store.uow.run(
-        lambda conn: conn.execute(sa.select(S.c.id, S.c.parent_session_id)).all(), write=False
-    )
-    return dict(rows)  # type: ignore[arg-type]
 
 
 @BOTH
