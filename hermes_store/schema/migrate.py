@@ -58,6 +58,7 @@ from hermes_store.errors import (
     HermesStoreError,
     NotADatabaseError,
     SchemaBehindError,
+    SchemaError,
     SchemaTooNewError,
     StoreConfigError,
     UnrecognizedSchemaError,
@@ -629,7 +630,17 @@ def preflight_sqlite(path: Path, *, adoptable: bool = True) -> DatabaseState | N
         except sa.exc.DBAPIError as again:
             raise _unreadable(where, info.st_size, again) from again
     if adoptable:
-        check_adoptable(state, where)
+        try:
+            check_adoptable(state, where)
+        except SchemaError:
+            if not quiet:
+                raise
+            # Read without locks, the state may still be torn: a writer that migrated the file
+            # and checkpointed it within one tick of the file's timestamps leaves its inode,
+            # size and mtime as they were (columns of v3, schema_version 6). A refusal stands
+            # only when a second read says so too.
+            state = _probe(path, immutable=not files.sidecars(path))
+            check_adoptable(state, where)
     return state
 
 

@@ -28,6 +28,7 @@ from hermes_store import (
     SessionDB,
     UnrecognizedSchemaError,
 )
+from hermes_store.schema import ddl, migrate
 from hermes_store.search.query import unsegmented
 from tests.support import legacy, proc_workers
 from tests.support.backends import reset_pg, url_string
@@ -871,3 +872,29 @@ def test_openers_wait_for_a_working_adopter_past_their_retry_budget(
     assert count(url, "messages") == 9 + openers
     assert len(full_text_ids(url, "concurrent")) == openers
     fts_integrity_check(path)
+
+
+def test_a_torn_unlocked_read_is_read_again_before_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file nobody holds open is read without locks; a process that adopted it and
+    checkpointed within one tick of the file's timestamps left its inode, size and mtime as
+    they were, so the read, torn (v3's columns, schema_version 6), refused a sound file. The
+    first read here is such a torn one; the refusal waits for a second read, which is sound."""
+    path = tmp_path / "state.db"
+    legacy.build_legacy_db(path, 6)
+    reads: list[bool] = []
+    probe = migrate._probe
+
+    def first_read_torn(where: Path, *, immutable: bool) -> migrate.DatabaseState:
+        state = probe(where, immutable=immutable)
+        reads.append(immutable)
+        if len(reads) == 1:  # what a read across another process's checkpoint saw
+            state.columns["sessions"] = set(ddl.columns_at(3)["sessions"])
+        return state
+
+    monkeypatch.setattr(migrate, "_probe", first_read_torn)
+    state = migrate.preflight_sqlite(path)
+    assert state is not None and state.schema_version == 6
+    assert reads == [True, True]  # both unlocked: nobody has the file open
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.db"]
