@@ -1,11 +1,11 @@
-"""Quoting what a caller gave in a message, within reason (imports nothing heavy: the CLI
-uses it before SQLAlchemy loads)."""
+"""Quoting what a caller gave in a message, within reason, and an error's message on one line
+(imports nothing heavy: the CLI uses it before SQLAlchemy loads)."""
 
 from __future__ import annotations
 
 import reprlib
 
-__all__ = ["echoed"]
+__all__ = ["echoed", "one_line"]
 
 #: Past this, a quote keeps its start and its end.
 LIMIT = 240
@@ -29,3 +29,11 @@ def echoed(value: object) -> str:
     if len(shown) > LIMIT:
         shown = f"{shown[: LIMIT - 80]}...{shown[-77:]}"
     return shown
+
+
+def one_line(error: object) -> str:
+    """The first line of an error's message (at most 500 characters): a server's or a
+    driver's error goes on with its context, hints and SQLAlchemy's background link."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if len(first) <= 500 else first[:497] + "..."

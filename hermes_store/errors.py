@@ -14,6 +14,8 @@ from typing import Any, Self
 
 from sqlalchemy import exc as sa_exc
 
+from hermes_store.echo import one_line
+
 # SQLite primary result codes (extended codes carry them in their low byte).
 SQLITE_BUSY = 5
 SQLITE_LOCKED = 6
@@ -23,6 +25,8 @@ SQLITE_CORRUPT = 11
 SQLITE_FULL = 13
 SQLITE_CANTOPEN = 14
 SQLITE_NOTADB = 26
+#: A statement stopped by its progress handler (Ctrl-C, a deadline).
+SQLITE_INTERRUPT = 9
 #: SQLITE_IOERR_SHMSIZE: the shared-memory (-shm) file could not be grown, which on a local
 #: file system means no space left (a fresh process opening a WAL database on a full disk).
 SQLITE_IOERR_SHMSIZE = SQLITE_IOERR | (19 << 8)
@@ -246,18 +250,18 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     # 55P03: a lock waited for past the role's lock_timeout (a stalled peer holding a row).
     if sqlstate == "55P03":
         return DatabaseLockedError(
-            f"a row or table stayed locked past the server's lock_timeout ({_first(text)}); "
+            f"a row or table stayed locked past the server's lock_timeout ({one_line(text)}); "
             "the statement was rolled back"
         )
     # 57014: statement_timeout, or an administrator's pg_cancel_backend.
     if sqlstate == "57014":
         return DatabaseUnavailableError(
-            f"the server canceled the statement ({_first(text)}: its statement_timeout, or "
+            f"the server canceled the statement ({one_line(text)}: its statement_timeout, or "
             "pg_cancel_backend); it was rolled back"
         )
     if sqlstate in ("42P01", "42703") or (code is not None and _SCHEMA_GONE.search(text)):
         return UnrecognizedSchemaError(
-            f"the database lacks a table or column the store needs ({_first(text)}): its "
+            f"the database lacks a table or column the store needs ({one_line(text)}): its "
             "schema changed after the store opened it (a downgrade, the database dropped and "
             "created again, a table dropped); nothing was written. `hermes-store doctor` "
             "says what is missing"
@@ -305,12 +309,6 @@ def translate(error: sa_exc.DBAPIError) -> HermesStoreError | None:
     return None
 
 
-def _first(text: str) -> str:
-    """A server error's first line (the rest is its context and hints)."""
-    lines = text.strip().splitlines()
-    return lines[0] if lines else text
-
-
 def _undecodable(text: str) -> UndecodableTextError:
     """sqlite3's refusal of a TEXT value that is not UTF-8 (``Could not decode to UTF-8 column
     'content' with text '...'``), naming the column (the query's label) and its text as far
@@ -331,6 +329,23 @@ _UNDECODABLE_REPAIR = (
     "as valid UTF-8 text (UPDATE messages SET content = ? WHERE id = ?, or "
     "UPDATE sessions SET title = ? WHERE id = ?); nothing was changed"
 )
+
+
+def sqlite_interrupted(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is SQLite's ``SQLITE_INTERRUPT``: a
+    statement stopped by its progress handler. A signal's exception (Ctrl-C) raised inside the
+    handler is swallowed by the driver, which only tells SQLite to stop: the interrupt comes
+    back as this error, and is raised again as what it was, ``KeyboardInterrupt``."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (current, getattr(current, "orig", None)):
+            code = getattr(candidate, "sqlite_errorcode", None)
+            if code == SQLITE_INTERRUPT:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 #: A server's (or libpq's, or PgBouncer's) refusal of a login that no wait cures: the

@@ -44,6 +44,7 @@ from hermes_store.errors import (
     NotADatabaseError,
     StoreConfigError,
     mapped_errors,
+    sqlite_interrupted,
     wrap_driver_error,
 )
 from hermes_store.validate import INT64_MAX, INT64_MIN
@@ -234,11 +235,10 @@ def _on_sqlite(
         except sqlite3.ProgrammingError as error:  # several statements, a missing parameter
             raise InvalidInputError(f"the query cannot run: {error}") from None
         except sqlite3.Error as error:
-            if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_INTERRUPT:
+            if sqlite_interrupted(error):
                 if deadline.passed and timeout is not None:
                     raise _timed_out(timeout) from None
-                # Ctrl-C, raised in the progress handler, comes back as SQLite's "interrupted"
-                raise KeyboardInterrupt from None
+                raise KeyboardInterrupt from None  # Ctrl-C, raised in the progress handler
             if guard.denied is not None:
                 raise InvalidInputError(guard.denied) from None
             refused = _refused(error)

@@ -55,7 +55,7 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.engine import URL, Connection
 
 from hermes_store import jsontext, redact, timestamps, titles, validate
-from hermes_store.echo import echoed
+from hermes_store.echo import echoed, one_line
 from hermes_store.engine import fastpath, files
 from hermes_store.engine.factory import create_engine, sqlite_file, to_url
 from hermes_store.errors import (
@@ -1088,17 +1088,11 @@ def import_new_file(
             log.error("the import's built file %s was not linked as %s: %s", build, real, error)
             failure.add_note(
                 f"what committed before it is in {build}, which could not be linked as "
-                f"{real}: {_first_line(error)}"
+                f"{real}: {one_line(error)}"
             )
         raise
     _publish(build, real, total)
     return total
-
-
-def _first_line(error: BaseException) -> str:
-    """An error's message as one line (a driver's spans several)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _publish(build: Path, real: Path, total: ImportReport) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from hermes_store.cli.streams import is_terminal
-from hermes_store.echo import echoed
+from hermes_store.echo import echoed, one_line
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -92,13 +92,6 @@ def stderr_is_terminal() -> bool:
 
 def echo_err(text: str) -> None:
     click.echo(text, err=True)
-
-
-def one_line(error: object) -> str:
-    """The first line of an error's message (at most 500 characters)."""
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
-    return first if len(first) <= 500 else first[:497] + "..."
 
 
 def boundary_error(error: Exception) -> click.ClickException | None:

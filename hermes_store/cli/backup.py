@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hermes_store.cli.app import App, Problem, confirm, one_line, pass_app, yes_option
+from hermes_store.cli.app import App, Problem, confirm, pass_app, yes_option
 from hermes_store.cli.output import chosen_format, echo, echo_json, format_option, progress
+from hermes_store.echo import one_line
 
 if TYPE_CHECKING:
     from hermes_store.engine.factory import Target

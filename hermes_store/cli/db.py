@@ -11,7 +11,6 @@ from hermes_store.cli.app import (
     DatabaseProblem,
     Problem,
     confirm,
-    one_line,
     pass_app,
     yes_option,
 )
@@ -27,6 +26,7 @@ from hermes_store.cli.output import (
     print_rows,
     progress,
 )
+from hermes_store.echo import one_line
 
 
 @click.group(short_help="Migrate, inspect and optimize the schema.")

@@ -16,7 +16,6 @@ from hermes_store.cli.app import (
     DatabaseProblem,
     boundary_error,
     complete_session,
-    one_line,
     output_failed,
     pass_app,
     resolve_session,
@@ -29,6 +28,7 @@ from hermes_store.cli.output import (
     print_record,
     progress,
 )
+from hermes_store.echo import one_line
 
 if TYPE_CHECKING:  # the CLI loads SQLAlchemy inside its commands only
     from hermes_store.transfer import ExportReport, ImportReport

@@ -55,6 +55,7 @@ from hermes_store.errors import (
     map_driver_error,
     mapped_driver_errors,
     open_errors,
+    sqlite_interrupted,
 )
 from hermes_store.schema import ddl, fulltext, migrate
 
@@ -349,9 +350,7 @@ def _copy(
                 live.execute("VACUUM INTO ?", (str(files.sqlite_uri(partial).database),))
             except sqlite3.Error as error:
                 flusher.check()  # a failed flush interrupted it: that is the error to tell
-                if error.sqlite_errorcode == sqlite3.SQLITE_INTERRUPT:
-                    # Ctrl-C (or SIGTERM) raised in the progress handler, which the driver
-                    # swallows, telling SQLite to stop: the interrupt it was.
+                if sqlite_interrupted(error):  # Ctrl-C (or SIGTERM), raised in the handler
                     raise KeyboardInterrupt from None
                 raise
             live.set_progress_handler(None, 0)

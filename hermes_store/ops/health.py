@@ -36,6 +36,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.pool import NullPool
 
+from hermes_store.echo import one_line
 from hermes_store.engine import files
 from hermes_store.engine.factory import display_url, sqlite_file
 from hermes_store.errors import (
@@ -46,18 +47,12 @@ from hermes_store.errors import (
     HermesStoreError,
     SchemaTooNewError,
     mapped_errors,
+    sqlite_interrupted,
 )
 from hermes_store.ops import maintenance
 from hermes_store.schema import ddl, fulltext, migrate
 from hermes_store.tables import messages_table as M
 from hermes_store.tables import sessions_table as S
-
-
-def one_line(error: object) -> str:
-    """The first line of an error's message (at most 500 characters)."""
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
-    return first if len(first) <= 500 else first[:497] + "..."
 
 
 @dataclass(frozen=True)
@@ -232,7 +227,7 @@ class _Clock:
         try:
             yield
         except sa.exc.OperationalError as error:
-            if interrupted(error):
+            if sqlite_interrupted(error):
                 if not self.left():
                     raise _OutOfTime() from None
                 # Ctrl-C (or SIGTERM) raised in the handler, which SQLite turns into "interrupted"
@@ -240,23 +235,6 @@ class _Clock:
             raise
         finally:
             driver.set_progress_handler(None, 0)
-
-
-def interrupted(error: BaseException) -> bool:
-    """Whether ``error`` (or an error it was raised from) is SQLite's ``SQLITE_INTERRUPT``: a
-    statement stopped by its progress handler. A signal's exception (Ctrl-C) raised inside the
-    handler is swallowed by the driver, which only tells SQLite to stop: the interrupt comes
-    back as this error, and is raised again as what it was, ``KeyboardInterrupt``."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        for candidate in (current, getattr(current, "orig", None)):
-            code = getattr(candidate, "sqlite_errorcode", None)
-            if code == sqlite3.SQLITE_INTERRUPT:
-                return True
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def _file_bytes(path: Path) -> int:
@@ -961,6 +939,6 @@ def rebuild_index(url: URL) -> None:
         with migrate.migration_connection(url) as conn:
             fulltext.of(conn).rebuild(conn)
     except Exception as error:
-        if interrupted(error):
+        if sqlite_interrupted(error):
             raise KeyboardInterrupt from None
         raise
