@@ -5,6 +5,10 @@ statement was rolled back."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
@@ -23,58 +27,47 @@ def _with_options(url: URL, options: str) -> str:
     return url_string(url.update_query_dict({"options": options}))
 
 
-def _row_held(url: URL) -> tuple[sa.Engine, sa.Connection]:
-    """Another writer holding session ``s``'s row (a stalled gateway, say)."""
+@contextmanager
+def _row_held(url: URL) -> Iterator[None]:
+    """Another writer holding session ``s``'s row (a stalled gateway, say) for the block."""
     engine = sa.create_engine(url, poolclass=NullPool)
-    holder = engine.connect()
-    holder.execute(sa.text("SELECT id FROM sessions WHERE id = 's' FOR UPDATE"))
-    return engine, holder
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.text("SELECT id FROM sessions WHERE id = 's' FOR UPDATE"))
+            yield
+    finally:
+        engine.dispose()
 
 
 def test_a_lock_timeout_is_a_database_locked_error(pg_url: URL) -> None:
     with SessionDB(_with_options(pg_url, "-c lock_timeout=200")) as db:
         db.create_session("s", "cli")
-        engine, holder = _row_held(pg_url)
-        try:
+        with _row_held(pg_url):
             for call in (
                 lambda: db.append_message("s", "user", "waits"),
                 lambda: db.update_token_counts("s", input_tokens=1),
                 lambda: db.set_session_title("s", "waits too"),
             ):
-                try:
+                with pytest.raises(DatabaseLockedError, match="lock_timeout"):
                     call()
-                except DatabaseLockedError as error:
-                    assert "lock_timeout" in str(error)
-                else:
-                    raise AssertionError("the call did not wait for the held row")
-        finally:
-            holder.close()
-            engine.dispose()
         assert db.message_count("s") == 0
 
 
 def test_a_statement_timeout_is_named(pg_url: URL) -> None:
     with SessionDB(_with_options(pg_url, "-c statement_timeout=200")) as db:
         db.create_session("s", "cli")
-        engine, holder = _row_held(pg_url)
-        try:
-            try:
-                db.append_message("s", "user", "waits")
-            except DatabaseUnavailableError as error:
-                assert "canceled the statement" in str(error)
-            else:
-                raise AssertionError("the append did not wait for the held row")
-        finally:
-            holder.close()
-            engine.dispose()
+        with (
+            _row_held(pg_url),
+            pytest.raises(DatabaseUnavailableError, match="canceled the statement"),
+        ):
+            db.append_message("s", "user", "waits")
 
 
 def test_an_administrators_cancel_is_named(pg_url: URL) -> None:
     admin = sa.create_engine(pg_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
     with SessionDB(url_string(pg_url)) as db, admin.connect() as watcher:
         db.create_session("s", "cli")
-        engine, holder = _row_held(pg_url)
-        try:
+        with _row_held(pg_url):
             outcome, thread = in_thread(lambda: db.update_token_counts("s", input_tokens=1))
             wait_until(lambda: watcher.scalar(_WAITING) is not None, "the update waits")
             watcher.execute(
@@ -82,9 +75,6 @@ def test_an_administrators_cancel_is_named(pg_url: URL) -> None:
             )
             thread.join(GUARD)
             assert not thread.is_alive()
-        finally:
-            holder.close()
-            engine.dispose()
         [(kind, error)] = outcome
         assert kind == "error" and isinstance(error, DatabaseUnavailableError), error
         assert "canceled the statement" in str(error)
